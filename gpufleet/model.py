@@ -1,0 +1,322 @@
+"""Immutable model of what one host knows about its GPUs, parsed from the agent's JSON.
+
+The remote agent (gpufleet/remote/agent.py) prints one JSON document per exec; this module
+turns it into frozen values the pure core works with. "Not available" is ``None`` here and
+"n/a" on screen, never an error: WSL2 and containers report far less than bare metal.
+
+Agent snapshot document (version 1), the contract between agent and controller::
+
+    {"agent_version": 1,
+     "facts": {"hostname", "kernel", "driver_version", "cuda_version", "is_root", "uid",
+               "user", "can_read_all_fds", "in_container", "container", "wsl2",
+               "nvidia_smi", "python", "agent_pid", "agent_starttime"},
+     "nvidia_smi": {"ok": bool, "error": str|null, "exit_code": int|null, "seconds": float},
+     "gpus": [{"index", "uuid", "name", "pci_bus_id", "minor", "memory_used_mib",
+               "memory_total_mib", "memory_free_mib", "memory_reserved_mib",
+               "utilization_pct"}],
+     "compute_apps": [{"pid", "process_name", "used_mib", "gpu_uuid"}],
+     "holders": [{"pid", "devices": ["/dev/nvidia0", "/dev/nvidiactl", ...]}],
+     "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
+                   "cmdline", "cgroup", "unit", "container", "session", "pgid",
+                   "kernel_thread", "wchan", "relation"}},
+     "warnings": [str]}
+
+``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+AGENT_VERSION = 1
+
+_NVIDIA_DEV = re.compile(r"^/dev/nvidia(\d+)$")
+
+
+class SnapshotError(ValueError):
+    """The agent's document is not what this controller understands."""
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process; (pid, starttime) is its identity because PIDs are reused."""
+
+    pid: int
+    ppid: Optional[int]
+    starttime: Optional[int]
+    state: Optional[str]
+    uid: Optional[int]
+    user: Optional[str]
+    comm: str
+    cmdline: str
+    cgroup: Optional[str] = None
+    unit: Optional[str] = None
+    container: Optional[str] = None
+    session: Optional[int] = None
+    pgid: Optional[int] = None
+    kernel_thread: bool = False
+    wchan: Optional[str] = None
+    relation: Optional[str] = None
+
+    @property
+    def identity(self) -> tuple[int, Optional[int]]:
+        return (self.pid, self.starttime)
+
+    @property
+    def name(self) -> str:
+        """What an operator recognises: the comm, which vLLM renames (VLLM::Worker)."""
+        return self.comm or (self.cmdline.split(" ", 1)[0] if self.cmdline else "?")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: Optional[str] = None
+    minor: Optional[int] = None
+    memory_used_mib: Optional[int] = None
+    memory_total_mib: Optional[int] = None
+    memory_free_mib: Optional[int] = None
+    memory_reserved_mib: Optional[int] = None
+    utilization_pct: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ComputeApp:
+    """One row of nvidia-smi --query-compute-apps, joined to a GPU by UUID."""
+
+    pid: int
+    process_name: str
+    used_mib: Optional[int]
+    gpu_uuid: str
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process with an open NVIDIA device file (what `fuser -v /dev/nvidia*` shows)."""
+
+    pid: int
+    devices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    hostname: Optional[str] = None
+    kernel: Optional[str] = None
+    driver_version: Optional[str] = None
+    cuda_version: Optional[str] = None
+    is_root: bool = False
+    uid: Optional[int] = None
+    user: Optional[str] = None
+    can_read_all_fds: bool = True
+    in_container: bool = False
+    container: Optional[str] = None
+    wsl2: bool = False
+    nvidia_smi: Optional[str] = None
+    python: Optional[str] = None
+    agent_pid: Optional[int] = None
+    agent_starttime: Optional[int] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one agent exec saw on one host."""
+
+    facts: HostFacts
+    gpus: tuple[GpuInfo, ...]
+    compute_apps: tuple[ComputeApp, ...]
+    holders: tuple[Holder, ...]
+    processes: Mapping[int, ProcessInfo]
+    nvidia_smi_ok: bool = True
+    nvidia_smi_error: Optional[str] = None
+    warnings: tuple[str, ...] = ()
+
+    def gpu_by_uuid(self, uuid: str) -> Optional[GpuInfo]:
+        for gpu in self.gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        return None
+
+    def gpu_indices_of_app(self, pid: int) -> tuple[int, ...]:
+        """GPUs nvidia-smi attributes memory of ``pid`` to (by UUID, never by position)."""
+        found = set()
+        for app in self.compute_apps:
+            if app.pid == pid:
+                gpu = self.gpu_by_uuid(app.gpu_uuid)
+                if gpu is not None:
+                    found.add(gpu.index)
+        return tuple(sorted(found))
+
+    def apps_on(self, index: int) -> tuple[ComputeApp, ...]:
+        gpu = next((g for g in self.gpus if g.index == index), None)
+        if gpu is None:
+            return ()
+        return tuple(a for a in self.compute_apps if a.gpu_uuid == gpu.uuid)
+
+    def listed_pids(self) -> frozenset[int]:
+        return frozenset(a.pid for a in self.compute_apps)
+
+    def minor_to_index(self) -> dict[int, int]:
+        """/dev/nvidiaN minor -> nvidia-smi index; the two can differ, so never assume."""
+        out = {}
+        for gpu in self.gpus:
+            out[gpu.minor if gpu.minor is not None else gpu.index] = gpu.index
+        return out
+
+    def holder_gpu_indices(self, holder: Holder) -> tuple[int, ...]:
+        """GPU indices whose /dev/nvidiaN the holder has open (evidence of use, not of memory)."""
+        mapping = self.minor_to_index()
+        found = set()
+        for dev in holder.devices:
+            m = _NVIDIA_DEV.match(dev)
+            if m and int(m.group(1)) in mapping:
+                found.add(mapping[int(m.group(1))])
+        return tuple(sorted(found))
+
+
+def _opt_int(value: Any) -> Optional[int]:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _process(raw: Mapping[str, Any]) -> ProcessInfo:
+    return ProcessInfo(
+        pid=int(raw["pid"]),
+        ppid=_opt_int(raw.get("ppid")),
+        starttime=_opt_int(raw.get("starttime")),
+        state=raw.get("state"),
+        uid=_opt_int(raw.get("uid")),
+        user=raw.get("user"),
+        comm=str(raw.get("comm") or ""),
+        cmdline=str(raw.get("cmdline") or ""),
+        cgroup=raw.get("cgroup"),
+        unit=raw.get("unit"),
+        container=raw.get("container"),
+        session=_opt_int(raw.get("session")),
+        pgid=_opt_int(raw.get("pgid")),
+        kernel_thread=bool(raw.get("kernel_thread", False)),
+        wchan=raw.get("wchan"),
+        relation=raw.get("relation"),
+    )
+
+
+def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
+    """Turn the agent's JSON into a Snapshot; a malformed document raises SnapshotError."""
+    if not isinstance(doc, Mapping):
+        raise SnapshotError("agent output is not a JSON object")
+    version = doc.get("agent_version")
+    if version != AGENT_VERSION:
+        raise SnapshotError(f"agent version {version!r}, controller expects {AGENT_VERSION}")
+    try:
+        facts_raw = doc.get("facts") or {}
+        known = HostFacts.__dataclass_fields__
+        facts = HostFacts(**{k: v for k, v in facts_raw.items() if k in known})
+        gpus = tuple(
+            GpuInfo(
+                index=int(g["index"]),
+                uuid=str(g["uuid"]),
+                name=str(g.get("name") or "?"),
+                pci_bus_id=g.get("pci_bus_id"),
+                minor=_opt_int(g.get("minor")),
+                memory_used_mib=_opt_int(g.get("memory_used_mib")),
+                memory_total_mib=_opt_int(g.get("memory_total_mib")),
+                memory_free_mib=_opt_int(g.get("memory_free_mib")),
+                memory_reserved_mib=_opt_int(g.get("memory_reserved_mib")),
+                utilization_pct=_opt_int(g.get("utilization_pct")),
+            )
+            for g in doc.get("gpus") or ()
+        )
+        apps = tuple(
+            ComputeApp(
+                pid=int(a["pid"]),
+                process_name=str(a.get("process_name") or ""),
+                used_mib=_opt_int(a.get("used_mib")),
+                gpu_uuid=str(a.get("gpu_uuid") or ""),
+            )
+            for a in doc.get("compute_apps") or ()
+        )
+        holders = tuple(
+            Holder(pid=int(h["pid"]), devices=tuple(sorted(h.get("devices") or ())))
+            for h in doc.get("holders") or ()
+        )
+        processes = {int(k): _process(v) for k, v in (doc.get("processes") or {}).items()}
+        smi = doc.get("nvidia_smi") or {}
+        return Snapshot(
+            facts=facts,
+            gpus=tuple(sorted(gpus, key=lambda g: g.index)),
+            compute_apps=apps,
+            holders=holders,
+            processes=processes,
+            nvidia_smi_ok=bool(smi.get("ok", True)),
+            nvidia_smi_error=smi.get("error"),
+            warnings=tuple(str(w) for w in doc.get("warnings") or ()),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SnapshotError(f"malformed agent document: {exc}") from None
+
+
+@dataclass(frozen=True)
+class GpuLedger:
+    """Where one GPU's memory went: used = attributed + unattributed."""
+
+    index: int
+    total_mib: Optional[int]
+    used_mib: Optional[int]
+    attributed_mib: Optional[int]
+    unattributed_mib: Optional[int]
+    expected_unattributed_mib: int
+
+    @property
+    def unexpected_mib(self) -> Optional[int]:
+        if self.unattributed_mib is None:
+            return None
+        return max(0, self.unattributed_mib - self.expected_unattributed_mib)
+
+
+def ledger(snapshot: Snapshot, expected_unattributed_mib: int = 0) -> tuple[GpuLedger, ...]:
+    """Per-GPU memory ledger; per-process memory that is "not available" leaves attribution unknown."""
+    rows = []
+    for gpu in snapshot.gpus:
+        apps = snapshot.apps_on(gpu.index)
+        if any(a.used_mib is None for a in apps):
+            attributed: Optional[int] = None
+        else:
+            attributed = sum(a.used_mib or 0 for a in apps)
+        if gpu.memory_used_mib is None:
+            unattributed = None
+        elif attributed is None:
+            unattributed = None
+        else:
+            unattributed = max(0, gpu.memory_used_mib - attributed)
+        rows.append(
+            GpuLedger(
+                index=gpu.index,
+                total_mib=gpu.memory_total_mib,
+                used_mib=gpu.memory_used_mib,
+                attributed_mib=attributed,
+                unattributed_mib=unattributed,
+                expected_unattributed_mib=expected_unattributed_mib,
+            )
+        )
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
+class HostResult:
+    """One host's outcome of one command: a failure is a value, never an exception."""
+
+    host: str
+    ok: bool
+    error: Optional[str] = None
+    snapshot: Optional[Snapshot] = None
+    seconds: float = 0.0
+    data: Mapping[str, Any] = field(default_factory=dict)
