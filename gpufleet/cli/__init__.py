@@ -1,0 +1,97 @@
+"""The thin click CLI. Errors become one line and an exit code here, and only here.
+
+Exit codes: 0 ok; 1 some host failed / dirty / does not fit; 2 usage, inventory or runbook
+error (nothing was done); 130 interrupted.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import click
+
+from ..errors import EXIT_USAGE, GpufleetError, UsageError
+
+
+@dataclass
+class AppContext:
+    inventory_path: Optional[str]
+    forks: int
+    _inventory: object = field(default=None, repr=False)
+
+    def inventory(self):
+        """Loaded lazily so `gpufleet --help` never touches the disk."""
+        if self._inventory is None:
+            from ..inventory import find_inventory, load_inventory
+
+            path = find_inventory(self.inventory_path, os.environ, os.getcwd(), os.path.expanduser("~"))
+            self._inventory = load_inventory(path)
+            if getattr(self._inventory, "implicit", False):
+                from ..inventory import IMPLICIT_HINT
+
+                click.echo(IMPLICIT_HINT, err=True)
+        return self._inventory
+
+    def select(self, hosts: Sequence[str], groups: Sequence[str], tags: Sequence[str], all_: bool):
+        from ..selection import select
+
+        return select(self.inventory(), hosts=list(hosts), groups=list(groups), tags=list(tags), all_=all_)
+
+
+def selection_options(func: Callable) -> Callable:
+    """--host/-g/--tag/--all, shared by every command that acts on hosts."""
+    func = click.option("--all", "all_", is_flag=True, help="Every host in the inventory.")(func)
+    func = click.option("--tag", "tags", multiple=True, metavar="TAG", help="Hosts with this tag (repeatable).")(func)
+    func = click.option("-g", "--group", "groups", multiple=True, metavar="GROUP", help="Hosts of this group (repeatable).")(func)
+    func = click.option("--host", "hosts", multiple=True, metavar="NAME", help="Host name or glob (repeatable).")(func)
+    return func
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False), default=None,
+              help="Inventory file (default: $GPUFLEET_INVENTORY, ./fleet.yaml, ~/.config/gpufleet/fleet.yaml).")
+@click.option("--forks", type=click.IntRange(1, 1024), default=32, show_default=True,
+              help="Hosts worked on in parallel.")
+@click.version_option(package_name="gpufleet")
+@click.pass_context
+def cli(ctx: click.Context, inventory_path: Optional[str], forks: int) -> None:
+    """Show what holds the GPUs of your hosts, and free them safely."""
+    ctx.obj = AppContext(inventory_path=inventory_path, forks=forks)
+
+
+def _register() -> None:
+    from . import hosts_cmd, status_cmd  # noqa: F401  (commands register themselves on `cli`)
+
+    for optional in ("clean_cmd", "fit_click", "run_cmd", "trust_cmd"):
+        try:
+            __import__(f"{__name__}.{optional}")
+        except ImportError as exc:
+            if exc.name != f"{__name__}.{optional}":
+                raise
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point: every GpufleetError is one line on stderr and its exit code, never a traceback."""
+    _register()
+    try:
+        rc = cli.main(args=list(argv) if argv is not None else None, prog_name="gpufleet", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("gpufleet: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code)
+    except GpufleetError as exc:
+        click.echo(f"gpufleet: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("gpufleet: interrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(1)
+    sys.exit(rc or 0)
+
+
+__all__ = ["cli", "main", "selection_options", "AppContext", "UsageError"]

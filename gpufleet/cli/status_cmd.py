@@ -1,0 +1,35 @@
+"""`gpufleet status`: one table across hosts; GPUs, memory, who holds it, what no one holds."""
+from __future__ import annotations
+
+import time
+
+import click
+
+from ..errors import EXIT_FAILED, EXIT_OK
+from ..render import status_document, status_table, to_json
+from . import AppContext, cli, selection_options
+
+
+@cli.command()
+@selection_options
+@click.option("--json", "as_json", is_flag=True, help="Print the documented JSON document.")
+@click.pass_obj
+def status(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
+    """GPUs, memory and holders of the selected hosts (one SSH exec per host).
+
+    Exit 0 when every host answered, 1 when some host failed, 2 on usage errors.
+    """
+    from ..collect import snapshot_hosts
+
+    selected = app.select(hosts, groups, tags, all_)
+    started = time.monotonic()
+    results = snapshot_hosts(selected, forks=app.forks)
+    expected = {h.name: int(h.unattributed_mib or 0) for h in selected}
+    if as_json:
+        doc = status_document(results, expected)
+        doc["seconds"] = round(time.monotonic() - started, 3)
+        click.echo(to_json(doc))
+    else:
+        click.echo(status_table(results, expected))
+    failed = any(not r.ok or r.snapshot is None or not r.snapshot.nvidia_smi_ok for r in results)
+    return EXIT_FAILED if failed else EXIT_OK

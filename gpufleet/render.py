@@ -1,0 +1,191 @@
+"""Status as a table or as the documented JSON document (pure: values in, text out).
+
+The JSON keys are a contract (README "status --json"); more keys may be added, none renamed.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Optional, Sequence
+
+from tabulate import tabulate
+
+from .model import GpuInfo, HostResult, Snapshot, ledger
+
+NA = "n/a"
+BUSY_TOLERANCE_MIB = 64  # same default as clean's --tolerance-mib
+
+
+def fmt_mib(value: Optional[int]) -> str:
+    if value is None:
+        return NA
+    if value >= 10240:
+        return f"{value / 1024:.1f}GiB"
+    return f"{value}MiB"
+
+
+def _process_name(snapshot: Snapshot, pid: int, fallback: str) -> str:
+    proc = snapshot.processes.get(pid)
+    return proc.name if proc is not None else (fallback or "?")
+
+
+def _unlisted_holders_on(snapshot: Snapshot, gpu: GpuInfo) -> list[int]:
+    listed = snapshot.listed_pids()
+    return [
+        h.pid
+        for h in snapshot.holders
+        if h.pid not in listed and gpu.index in snapshot.holder_gpu_indices(h)
+    ]
+
+
+def holders_text(snapshot: Snapshot, gpu: GpuInfo) -> str:
+    """`VLLM::Worker 1234 700MiB`, one per line; unlisted device-file holders marked `(fd)`."""
+    parts = []
+    for app in snapshot.apps_on(gpu.index):
+        name = _process_name(snapshot, app.pid, app.process_name)
+        parts.append(f"{name} {app.pid} {fmt_mib(app.used_mib)}")
+    for pid in _unlisted_holders_on(snapshot, gpu):
+        parts.append(f"{_process_name(snapshot, pid, '?')} {pid} (fd)")
+    return "\n".join(parts) if parts else "-"
+
+
+def gpu_is_busy(snapshot: Snapshot, gpu: GpuInfo, expected_mib: int) -> bool:
+    if snapshot.apps_on(gpu.index):
+        return True
+    used = gpu.memory_used_mib
+    return used is not None and used > expected_mib + BUSY_TOLERANCE_MIB
+
+
+def status_rows(results: Sequence[HostResult], expected: dict[str, int]) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for res in results:
+        snap = res.snapshot
+        if not res.ok or snap is None:
+            rows.append([res.host, "-", "-", "-", "-", "-", f"ERROR: {res.error}"])
+            continue
+        if not snap.nvidia_smi_ok:
+            rows.append([res.host, "-", "-", "-", "-", "-", f"ERROR: {snap.nvidia_smi_error}"])
+            continue
+        if not snap.gpus:
+            rows.append([res.host, "-", "no GPUs", "-", "-", "-", "-"])
+            continue
+        exp = expected.get(res.host, 0)
+        led = {row.index: row for row in ledger(snap, exp)}
+        for gpu in snap.gpus:
+            row = led[gpu.index]
+            unattr = fmt_mib(row.unattributed_mib)
+            if row.unexpected_mib:
+                unattr += " !"
+            elif row.unattributed_mib and exp:
+                unattr += " (expected)"
+            util = NA if gpu.utilization_pct is None else f"{gpu.utilization_pct}%"
+            rows.append(
+                [
+                    res.host,
+                    str(gpu.index),
+                    gpu.name,
+                    f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}",
+                    util,
+                    unattr,
+                    holders_text(snap, gpu),
+                ]
+            )
+    return rows
+
+
+STATUS_HEADERS = ["HOST", "GPU", "NAME", "MEMORY", "UTIL", "UNATTRIBUTED", "HOLDERS"]
+
+
+def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str:
+    ok = sum(1 for r in results if r.ok and r.snapshot is not None and r.snapshot.nvidia_smi_ok)
+    failed = len(results) - ok
+    busy = free = 0
+    for res in results:
+        if res.ok and res.snapshot is not None:
+            for gpu in res.snapshot.gpus:
+                if gpu_is_busy(res.snapshot, gpu, expected.get(res.host, 0)):
+                    busy += 1
+                else:
+                    free += 1
+    return f"hosts: {ok} ok, {failed} failed; GPUs: {busy} busy, {free} free"
+
+
+def status_table(results: Sequence[HostResult], expected: dict[str, int]) -> str:
+    table = tabulate(status_rows(results, expected), headers=STATUS_HEADERS, tablefmt="simple")
+    return table + "\n" + summary_line(results, expected)
+
+
+def _process_doc(snapshot: Snapshot, pid: int, fallback: str, used_mib: Optional[int]) -> dict:
+    proc = snapshot.processes.get(pid)
+    return {
+        "pid": pid,
+        "name": proc.name if proc else fallback,
+        "cmdline": proc.cmdline if proc else None,
+        "user": proc.user if proc else None,
+        "state": proc.state if proc else None,
+        "used_mib": used_mib,
+        "unit": proc.unit if proc else None,
+        "container": proc.container if proc else None,
+        "starttime": proc.starttime if proc else None,
+        "visible": proc is not None,
+    }
+
+
+def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
+    snap = res.snapshot
+    doc: dict[str, Any] = {
+        "host": res.host,
+        "ok": bool(res.ok and snap is not None and snap.nvidia_smi_ok),
+        "error": res.error if not res.ok else (None if snap is None or snap.nvidia_smi_ok else snap.nvidia_smi_error),
+        "seconds": round(res.seconds, 3),
+        "facts": snap.facts.as_dict() if snap else {},
+        "gpus": [],
+        "holders": [],
+        "warnings": list(snap.warnings) if snap else [],
+    }
+    if snap is None:
+        return doc
+    led = {row.index: row for row in ledger(snap, expected_mib)}
+    for gpu in snap.gpus:
+        row = led[gpu.index]
+        doc["gpus"].append(
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "name": gpu.name,
+                "pci_bus_id": gpu.pci_bus_id,
+                "memory_used_mib": gpu.memory_used_mib,
+                "memory_total_mib": gpu.memory_total_mib,
+                "memory_free_mib": gpu.memory_free_mib,
+                "memory_reserved_mib": gpu.memory_reserved_mib,
+                "attributed_mib": row.attributed_mib,
+                "unattributed_mib": row.unattributed_mib,
+                "expected_unattributed_mib": row.expected_unattributed_mib,
+                "unexpected_unattributed_mib": row.unexpected_mib,
+                "utilization_pct": gpu.utilization_pct,
+                "processes": [
+                    _process_doc(snap, a.pid, a.process_name, a.used_mib) for a in snap.apps_on(gpu.index)
+                ],
+            }
+        )
+    listed = snap.listed_pids()
+    for holder in snap.holders:
+        proc = snap.processes.get(holder.pid)
+        doc["holders"].append(
+            {
+                "pid": holder.pid,
+                "name": proc.name if proc else None,
+                "devices": list(holder.devices),
+                "gpus": list(snap.holder_gpu_indices(holder)),
+                "listed_by_nvidia_smi": holder.pid in listed,
+                "relation": proc.relation if proc else None,
+            }
+        )
+    return doc
+
+
+def status_document(results: Iterable[HostResult], expected: dict[str, int]) -> dict[str, Any]:
+    return {"hosts": [host_doc(r, expected.get(r.host, 0)) for r in results]}
+
+
+def to_json(doc: Any) -> str:
+    return json.dumps(doc, indent=2, sort_keys=False)
