@@ -42,7 +42,8 @@ def holders_text(snapshot: Snapshot, gpu: GpuInfo) -> str:
     parts = []
     for app in snapshot.apps_on(gpu.index):
         name = _process_name(snapshot, app.pid, app.process_name)
-        parts.append(f"{name} {app.pid} {fmt_mib(app.used_mib)}")
+        mark = "" if app.pid in snapshot.processes else " (not in /proc)"
+        parts.append(f"{name} {app.pid} {fmt_mib(app.used_mib)}{mark}")
     for pid in _unlisted_holders_on(snapshot, gpu):
         parts.append(f"{_process_name(snapshot, pid, '?')} {pid} (fd)")
     return "\n".join(parts) if parts else "-"
@@ -55,15 +56,20 @@ def gpu_is_busy(snapshot: Snapshot, gpu: GpuInfo, expected_mib: int) -> bool:
     return used is not None and used > expected_mib + BUSY_TOLERANCE_MIB
 
 
+def _error_cell(error: Optional[str], width: int = 100) -> str:
+    text = " ".join(str(error or "failed").split())
+    return "ERROR: " + (text if len(text) <= width else text[: width - 1] + "…")
+
+
 def status_rows(results: Sequence[HostResult], expected: dict[str, int]) -> list[list[str]]:
     rows: list[list[str]] = []
     for res in results:
         snap = res.snapshot
         if not res.ok or snap is None:
-            rows.append([res.host, "-", "-", "-", "-", "-", f"ERROR: {res.error}"])
+            rows.append([res.host, "-", "-", "-", "-", "-", _error_cell(res.error)])
             continue
         if not snap.nvidia_smi_ok:
-            rows.append([res.host, "-", "-", "-", "-", "-", f"ERROR: {snap.nvidia_smi_error}"])
+            rows.append([res.host, "-", "-", "-", "-", "-", _error_cell(snap.nvidia_smi_error)])
             continue
         if not snap.gpus:
             rows.append([res.host, "-", "no GPUs", "-", "-", "-", "-"])
@@ -73,7 +79,7 @@ def status_rows(results: Sequence[HostResult], expected: dict[str, int]) -> list
         for gpu in snap.gpus:
             row = led[gpu.index]
             unattr = fmt_mib(row.unattributed_mib)
-            if row.unexpected_mib:
+            if row.unexpected_mib and row.unexpected_mib > BUSY_TOLERANCE_MIB:
                 unattr += " !"
             elif row.unattributed_mib and exp:
                 unattr += " (expected)"

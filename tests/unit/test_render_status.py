@@ -1,0 +1,98 @@
+"""Status rendering from named scenario fixtures (gpustat style), against golden output.
+
+Fixtures in tests/fixtures/status/ are agent documents built from the recorded H200 output
+(../shared/recorded/h200-single-gpu.log) and the product's WSL2/container cases.
+Regenerate goldens deliberately with GPUFLEET_UPDATE_GOLDEN=1 and review the diff.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpufleet.model import HostResult, parse_snapshot
+from gpufleet.render import status_document, status_table
+
+FIX = Path(__file__).resolve().parent.parent / "fixtures" / "status"
+SCENARIOS = ["basic", "vanished_pid", "na_fields", "na_fields_busy", "hidden_pids", "broken_driver"]
+EXPECTED = {"na_fields": 1680, "na_fields_busy": 1680}
+
+
+def result(name: str) -> HostResult:
+    snap = parse_snapshot(json.loads((FIX / f"{name}.json").read_text()))
+    return HostResult(host=name, ok=True, snapshot=snap)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_status_table_matches_golden(name: str) -> None:
+    text = status_table([result(name)], {name: EXPECTED.get(name, 0)}) + "\n"
+    golden = FIX / f"{name}.golden.txt"
+    if os.environ.get("GPUFLEET_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+def test_unreachable_host_is_one_row_and_others_complete() -> None:
+    dead = HostResult(host="dead", ok=False, error="connection refused")
+    text = status_table([result("basic"), dead], {})
+    lines = text.splitlines()
+    assert any(line.startswith("dead") and "ERROR: connection refused" in line for line in lines)
+    assert "VLLM::Worker 425 20.5GiB" in text
+    assert lines[-1] == "hosts: 1 ok, 1 failed; GPUs: 1 busy, 0 free"
+
+
+def test_renamed_vllm_worker_is_shown_by_its_new_name() -> None:
+    # nvidia-smi says "python3" for pid 425 (recorded); the operator needs VLLM::Worker.
+    doc = status_document([result("basic")], {})
+    procs = {p["pid"]: p for p in doc["hosts"][0]["gpus"][0]["processes"]}
+    assert procs[425]["name"] == "VLLM::Worker"
+    assert procs[426]["name"] == "trainer"
+
+
+def test_json_contract_keys() -> None:
+    doc = status_document([result("basic")], {})
+    host = doc["hosts"][0]
+    assert {"host", "ok", "error", "facts", "gpus", "holders"} <= set(host)
+    gpu = host["gpus"][0]
+    assert {"index", "uuid", "name", "memory_used_mib", "memory_total_mib", "attributed_mib",
+            "unattributed_mib", "expected_unattributed_mib", "utilization_pct", "processes"} <= set(gpu)
+    assert {"pid", "name", "cmdline", "user", "state", "used_mib", "unit"} <= set(gpu["processes"][0])
+    assert {"pid", "name", "devices", "listed_by_nvidia_smi"} <= set(host["holders"][0])
+
+
+def test_ledger_numbers_basic() -> None:
+    gpu = status_document([result("basic")], {})["hosts"][0]["gpus"][0]
+    # 26651 used, 5638 + 20998 attributed (recorded): 15 MiB is nobody's.
+    assert gpu["attributed_mib"] == 26636
+    assert gpu["unattributed_mib"] == 15
+
+
+def test_wsl2_reservation_is_expected_not_a_leak() -> None:
+    gpu = status_document([result("na_fields")], {"na_fields": 1680})["hosts"][0]["gpus"][0]
+    assert gpu["unattributed_mib"] == 1680
+    assert gpu["unexpected_unattributed_mib"] == 0
+    gpu2 = status_document([result("na_fields")], {"na_fields": 0})["hosts"][0]["gpus"][0]
+    assert gpu2["unexpected_unattributed_mib"] == 1680
+
+
+def test_wsl2_per_process_memory_not_available_is_a_value() -> None:
+    gpu = status_document([result("na_fields_busy")], {})["hosts"][0]["gpus"][0]
+    assert gpu["processes"][0]["used_mib"] is None
+    assert gpu["attributed_mib"] is None and gpu["unattributed_mib"] is None
+    assert "n/a" in status_table([result("na_fields_busy")], {})
+
+
+def test_hidden_pid_holder_shown_as_fd_holder() -> None:
+    text = status_table([result("hidden_pids")], {})
+    assert "VLLM::Worker 77 (fd)" in text
+    doc = status_document([result("hidden_pids")], {})
+    assert doc["hosts"][0]["holders"][0]["listed_by_nvidia_smi"] is False
+    assert doc["hosts"][0]["gpus"][0]["unattributed_mib"] == 20998
+
+
+def test_broken_driver_is_a_host_error_row() -> None:
+    doc = status_document([result("broken_driver")], {})
+    assert doc["hosts"][0]["ok"] is False
+    assert "couldn't communicate with the NVIDIA driver" in doc["hosts"][0]["error"]
