@@ -1,0 +1,745 @@
+"""Load and validate fleet.yaml into an immutable ``Inventory`` of ``Host`` values.
+
+The inventory is operator input that later decides where gpufleet connects and what it may
+signal, so every mistake becomes ONE line naming the file, the line and the key
+(``fleet.yaml:12: hosts.train-node: unknown key 'adress' (did you mean 'address'?)``),
+raised as ``UsageError`` (exit 2), never a traceback. Values are data: nothing here is ever
+pasted into shell text, but addresses, users and names are still held to conservative
+syntax so a typo or a pasted shell fragment is caught here rather than at connect time.
+
+The format is documented (and kept stable) in docs/inventory.md.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
+
+import yaml
+from yaml.nodes import MappingNode, ScalarNode, SequenceNode
+
+from gpufleet.errors import UsageError
+
+ENV_VAR = "GPUFLEET_INVENTORY"
+LOCAL_FILENAME = "fleet.yaml"
+USER_CONFIG = Path(".config") / "gpufleet" / "fleet.yaml"  # under the home directory
+IMPLICIT_HOST = "localhost"
+IMPLICIT_SOURCE = "<implicit>"
+MAX_FILE_BYTES = 1 << 20  # a fleet file this big is the wrong file
+
+IMPLICIT_HINT = (
+    "gpufleet: no inventory found, showing this machine only; to add hosts, copy "
+    "fleet.yaml.example to ./fleet.yaml or ~/.config/gpufleet/fleet.yaml "
+    "(or pass -i PATH, or set GPUFLEET_INVENTORY)"
+)
+
+HOST_KEY_POLICIES = ("strict", "accept-new")
+CONNECTIONS = ("ssh", "local")
+TOP_LEVEL_KEYS = ("defaults", "hosts", "groups")
+
+# Host names, group names and tags: they are typed on command lines and shown in tables.
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
+# A DNS name, an IPv4/IPv6 literal (with an optional %zone) or an ssh_config Host alias.
+_ADDRESS_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:%-]*\Z")
+# POSIX portable user names (letters, digits, . _ -), not starting with '-'.
+_USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
+# The remote interpreter is shlex-quoted into the one constant command; keep it one plain word.
+_PYTHON_RE = re.compile(r"[A-Za-z0-9_./+][A-Za-z0-9_./+-]*\Z")
+_MAX_NAME = 255
+_MAX_TIMEOUT = 86400.0
+_MAX_MIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Host:
+    """One inventory host with defaults applied.
+
+    ``user``/``port``/``identity_file`` stay None when the inventory does not set them, so the
+    transport can let ~/.ssh/config fill them; ``explicit`` names the keys the inventory set
+    (in ``defaults:`` or on the host), which win over ssh_config.
+    """
+
+    name: str
+    address: Optional[str] = None
+    port: Optional[int] = None
+    user: Optional[str] = None
+    identity_file: Optional[str] = None
+    known_hosts_file: Optional[str] = None
+    host_key_policy: str = "strict"
+    connect_timeout: float = 10.0
+    command_timeout: float = 60.0
+    connection: str = "ssh"
+    sudo: bool = False
+    python: str = "python3"
+    nvidia_smi: Optional[str] = None
+    unattributed_mib: int = 0
+    protect: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+    explicit: frozenset[str] = frozenset()
+    source: str = IMPLICIT_SOURCE
+    line: int = 0
+
+    @property
+    def is_local(self) -> bool:
+        return self.connection == "local"
+
+    @property
+    def where(self) -> str:
+        """Where the host was defined, for messages: ``fleet.yaml:12``."""
+        return f"{self.source}:{self.line}" if self.line else self.source
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Hosts in file order, groups in file order (name -> member host names)."""
+
+    hosts: tuple[Host, ...]
+    groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    path: Optional[Path] = None
+    implicit: bool = False
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(self.hosts)
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(h.name for h in self.hosts)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every tag used, in order of first appearance."""
+        seen: dict[str, None] = {}
+        for h in self.hosts:
+            for t in h.tags:
+                seen.setdefault(t, None)
+        return tuple(seen)
+
+    def get(self, name: str) -> Optional[Host]:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        return None
+
+
+def implicit_inventory() -> Inventory:
+    """What gpufleet works on with no fleet.yaml anywhere: this machine, without SSH."""
+    host = Host(name=IMPLICIT_HOST, connection="local", source=IMPLICIT_SOURCE, line=0)
+    return Inventory(hosts=(host,), groups={}, path=None, implicit=True)
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+def _expand(raw: str, cwd: Path, home: Path) -> Path:
+    if raw == "~":
+        return home
+    if raw.startswith("~/"):
+        return home / raw[2:]
+    p = Path(raw)
+    return p if p.is_absolute() else cwd / p
+
+
+def locate_inventory(
+    explicit_path: Optional[str] = None,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[Path] = None,
+    home: Optional[Path] = None,
+) -> Optional[Path]:
+    """The inventory file to use, or None for the implicit localhost.
+
+    Order: ``-i PATH``, ``$GPUFLEET_INVENTORY``, ``./fleet.yaml``,
+    ``~/.config/gpufleet/fleet.yaml``. A path the operator named (flag or variable) must
+    exist: silently falling back to another fleet would act on the wrong machines.
+    """
+    env = os.environ if env is None else env
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    home = Path.home() if home is None else Path(home)
+    for raw, what in ((explicit_path, "-i/--inventory"), (env.get(ENV_VAR), f"${ENV_VAR}")):
+        if raw is None or raw == "":
+            continue
+        if "\0" in raw:
+            raise UsageError(f"{what}: invalid path {raw!r}")
+        path = _expand(raw, cwd, home)
+        if not path.exists():
+            raise UsageError(f"{raw}: inventory file not found (from {what})")
+        if not path.is_file():
+            raise UsageError(f"{raw}: inventory is not a regular file (from {what})")
+        return path
+    for path in (cwd / LOCAL_FILENAME, home / USER_CONFIG):
+        if path.is_file():
+            return path
+    return None
+
+
+def find_inventory(
+    explicit_path: Optional[str] = None,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[Path] = None,
+    home: Optional[Path] = None,
+) -> Inventory:
+    """Locate and load the inventory; none anywhere -> ``implicit_inventory()``.
+
+    When the result has ``implicit=True`` the CLI prints ``IMPLICIT_HINT`` to stderr.
+    """
+    path = locate_inventory(explicit_path, env, cwd, home)
+    if path is None:
+        return implicit_inventory()
+    return load_inventory(path)
+
+
+def load_inventory(path: os.PathLike | str, display: Optional[str] = None) -> Inventory:
+    """Read and validate one inventory file. ``display`` is the name used in messages."""
+    path = Path(path)
+    source = display if display is not None else str(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise UsageError(f"{source}: inventory file not found") from None
+    except IsADirectoryError:
+        raise UsageError(f"{source}: inventory is a directory, not a file") from None
+    except OSError as exc:
+        raise UsageError(f"{source}: cannot read inventory: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError(f"{source}: larger than {MAX_FILE_BYTES} bytes; not an inventory")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise UsageError(f"{source}:{line}: not valid UTF-8") from None
+    return parse_inventory(text, source=source, base_dir=path.parent, path=path)
+
+
+# --------------------------------------------------------------------------- YAML loading
+
+
+class _LoadError(Exception):
+    def __init__(self, line: int, message: str):
+        super().__init__(message)
+        self.line = line
+        self.message = message
+
+
+class _Map(dict):
+    """A mapping that remembers the line of each key (and of itself)."""
+
+    line = 0
+    lines: dict
+
+    def key_line(self, key: str) -> int:
+        return getattr(self, "lines", {}).get(key, self.line)
+
+
+class _Seq(list):
+    """A sequence that remembers the line of each item."""
+
+    line = 0
+    lines: list
+
+    def item_line(self, i: int) -> int:
+        lines = getattr(self, "lines", [])
+        return lines[i] if i < len(lines) else self.line
+
+    def item_text(self, i: int) -> Any:
+        """A name as written: a plain ``yes`` or ``123`` item is the name "yes"/"123"."""
+        item = self[i]
+        texts = getattr(self, "texts", [])
+        if not isinstance(item, str) and i < len(texts) and texts[i]:
+            if item is None or isinstance(item, (bool, int, float)):
+                return texts[i]
+        return item
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that records line numbers, refuses duplicate keys and keeps keys as text.
+
+    Keys are taken as their source text (``yes:`` or ``123:`` is a host named "yes"/"123",
+    not True/123); merge keys (``<<: *anchor``) keep YAML's meaning: the mapping's own keys
+    win over merged ones.
+    """
+
+    def _pairs(self, node: MappingNode, active: frozenset) -> list:
+        if id(node) in active:
+            raise _LoadError(node.start_mark.line + 1, "recursive merge ('<<')")
+        active = active | {id(node)}
+        own: dict = {}
+        merged: dict = {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if key_node.tag == _MERGE_TAG:
+                sources = value_node.value if isinstance(value_node, SequenceNode) else [value_node]
+                for src in sources:
+                    if not isinstance(src, MappingNode):
+                        raise _LoadError(line, "'<<' (merge) needs a mapping or a list of mappings")
+                    for key, pair in self._pairs(src, active):
+                        merged.setdefault(key, pair)
+                continue
+            if not isinstance(key_node, ScalarNode):
+                raise _LoadError(line, "a key must be a plain name, not a list or mapping")
+            key = key_node.value
+            if key in own:
+                first = own[key][0].start_mark.line + 1
+                raise _LoadError(line, f"duplicate key {key!r} (first on line {first})")
+            own[key] = (key_node, value_node)
+        out = [(k, p) for k, p in merged.items() if k not in own]
+        out.extend(own.items())
+        return out
+
+    def construct_mapping(self, node, deep=False):
+        if not isinstance(node, MappingNode):
+            raise _LoadError(node.start_mark.line + 1, "expected a mapping")
+        result = _Map()
+        result.line = node.start_mark.line + 1
+        result.lines = {}
+        for key, (key_node, value_node) in self._pairs(node, frozenset()):
+            result[key] = self.construct_object(value_node, deep=deep)
+            result.lines[key] = key_node.start_mark.line + 1
+        return result
+
+    def construct_yaml_map(self, node):
+        data = _Map()
+        data.line = node.start_mark.line + 1
+        data.lines = {}
+        yield data
+        value = self.construct_mapping(node)
+        data.update(value)
+        data.lines = value.lines
+
+    def construct_yaml_seq(self, node):
+        data = _Seq()
+        data.line = node.start_mark.line + 1
+        data.lines = [n.start_mark.line + 1 for n in node.value]
+        data.texts = [
+            n.value if isinstance(n, ScalarNode) and n.style is None else None for n in node.value
+        ]
+        yield data
+        data.extend(self.construct_sequence(node))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_yaml_map)
+_Loader.add_constructor("tag:yaml.org,2002:seq", _Loader.construct_yaml_seq)
+
+
+def _yaml_error_line(exc: yaml.YAMLError, text: str) -> int:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if mark is not None:
+        return mark.line + 1
+    position = getattr(exc, "position", None)  # ReaderError (a non-printable character)
+    if isinstance(position, int):
+        return text[:position].count("\n") + 1
+    return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _check_duplicates(node: Any, where: str, seen: set) -> None:
+    """Refuse duplicate keys (PyYAML silently keeps the last), naming where they are."""
+    if id(node) in seen:  # aliases: visit each node once
+        return
+    seen.add(id(node))
+    if isinstance(node, MappingNode):
+        first: dict = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, ScalarNode) and key_node.tag != _MERGE_TAG:
+                key = key_node.value
+                line = key_node.start_mark.line + 1
+                if key in first:
+                    prefix = f"{where}: " if where else ""
+                    raise _LoadError(line, f"{prefix}duplicate key {key!r} "
+                                           f"(first on line {first[key]})")
+                first[key] = line
+                child = f"{where}.{key}" if where else key
+            else:
+                child = where
+            _check_duplicates(value_node, child, seen)
+    elif isinstance(node, SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicates(item, f"{where}[{i}]", seen)
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicates(node, "", set())
+        return loader.construct_document(node)
+    except _LoadError as exc:
+        raise UsageError(f"{source}:{exc.line}: {exc.message}") from None
+    except yaml.YAMLError as exc:
+        line = _yaml_error_line(exc, text)
+        problem = getattr(exc, "problem", None)
+        context = getattr(exc, "context", None)
+        if problem and context:
+            detail = f"{problem} ({context})"
+        else:
+            detail = problem or context or str(exc)
+        loc = f"{source}:{line}" if line else source
+        raise UsageError(_one_line(f"{loc}: YAML syntax error: {detail}")) from None
+    except RecursionError:
+        raise UsageError(f"{source}: YAML nested too deeply") from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        # PyYAML's own constructors raise these for e.g. `2020-13-45` (read as a date).
+        raise UsageError(_one_line(f"{source}: invalid YAML value: {exc}")) from None
+    finally:
+        loader.dispose()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, bool):
+        return f"the boolean {'true' if value else 'false'}"
+    if isinstance(value, int):
+        return f"the integer {value}"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value!r}" if len(value) <= 80 else f"a string of {len(value)} characters"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return f"a {type(value).__name__} value"
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+Fail = Callable[[str], NoReturn]
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 or 0x80 <= ord(c) < 0xA0 for c in text)
+
+
+def _string(value: Any, fail: Fail, what: str = "a string") -> str:
+    if not isinstance(value, str):
+        fail(f"expected {what}, got {_describe(value)}")
+    if value == "":
+        fail(f"expected {what}, got an empty string")
+    if _has_control(value):
+        fail(f"control characters (NUL, newline, ...) are not allowed: {value!r}")
+    return value
+
+
+def _check_name(value: Any, fail: Fail, what: str) -> str:
+    text = _string(value, fail, what)
+    if len(text) > _MAX_NAME or not _NAME_RE.match(text):
+        fail(f"invalid {what} {text!r}: use letters, digits, '.', '_' and '-' "
+             "(not starting with '.' or '-')")
+    return text
+
+
+def _v_address(value: Any, fail: Fail, ctx: "_Ctx") -> str:
+    text = _string(value, fail, "a host name, IP address or ~/.ssh/config alias")
+    if "@" in text:
+        fail(f"address {text!r} contains '@': put the user in 'user:' instead")
+    if text.count(":") == 1 and text.rsplit(":", 1)[1].isdigit():
+        fail(f"address {text!r} looks like HOST:PORT: put the port in 'port:' instead")
+    if len(text) > _MAX_NAME or not _ADDRESS_RE.match(text):
+        fail(f"invalid address {text!r}: a host name, IP address or ~/.ssh/config alias "
+             "(no spaces, quotes or shell characters)")
+    return text
+
+
+def _v_port(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        fail(f"expected an integer port 1-65535, got {_describe(value)}")
+    return value
+
+
+def _v_user(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
+    if value is None:
+        return None
+    text = _string(value, fail, "a user name")
+    if len(text) > _MAX_NAME or not _USER_RE.match(text) or text.isdigit():
+        fail(f"invalid user name {text!r}: letters, digits, '.', '_' and '-' "
+             "(not starting with '-' or '.', not all digits)")
+    return text
+
+
+def _v_local_path(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
+    """A file on THIS machine: '~' is kept for the transport; relative is to the inventory."""
+    if value is None:
+        return None
+    text = _string(value, fail, "a file path")
+    if text.startswith("~") or os.path.isabs(text) or ctx.base_dir is None:
+        return text
+    return str(ctx.base_dir / text)
+
+
+def _v_remote_path(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
+    if value is None:
+        return None
+    text = _string(value, fail, "an absolute path")
+    if not text.startswith("/"):
+        fail(f"expected an absolute path on the host, got {text!r} "
+             "(leave it unset to search PATH and the usual places)")
+    return text
+
+
+def _v_enum(choices: Sequence[str]) -> Callable[..., str]:
+    def check(value: Any, fail: Fail, ctx: "_Ctx") -> str:
+        expected = " or ".join(repr(c) for c in choices)
+        if not isinstance(value, str):
+            fail(f"expected {expected}, got {_describe(value)}")
+        if value not in choices:
+            fail(f"invalid value {value!r}: expected {expected}{_did_you_mean(value, choices)}")
+        return value
+
+    return check
+
+
+def _v_timeout(value: Any, fail: Fail, ctx: "_Ctx") -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value <= _MAX_TIMEOUT
+    ):
+        fail(f"expected a positive number of seconds (at most {int(_MAX_TIMEOUT)}), "
+             f"got {_describe(value)}")
+    return float(value)
+
+
+def _v_bool(value: Any, fail: Fail, ctx: "_Ctx") -> bool:
+    if not isinstance(value, bool):
+        fail(f"expected true or false, got {_describe(value)}")
+    return value
+
+
+def _v_python(value: Any, fail: Fail, ctx: "_Ctx") -> str:
+    text = _string(value, fail, "an interpreter name or path")
+    if len(text) > 4096 or not _PYTHON_RE.match(text):
+        fail(f"invalid interpreter {text!r}: one command name or path "
+             "(letters, digits, '/', '.', '_', '+', '-'; no spaces or arguments)")
+    return text
+
+
+def _v_mib(value: Any, fail: Fail, ctx: "_Ctx") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_MIB:
+        fail(f"expected a whole number of MiB >= 0, got {_describe(value)}")
+    return value
+
+
+def _list_of(
+    item_check: Callable[[Any, Fail], str], what: str, names: bool = False
+) -> Callable[..., tuple]:
+    def check(value: Any, fail: Fail, ctx: "_Ctx") -> tuple:
+        if not isinstance(value, list):
+            fail(f"expected a list of {what} (e.g. [a, b]), got {_describe(value)}")
+        out: dict[str, None] = {}
+        for i, item in enumerate(value):
+            line = value.item_line(i) if isinstance(value, _Seq) else 0
+            if names and isinstance(value, _Seq):
+                item = value.item_text(i)
+            item_fail = ctx.failer(line, f"{ctx.where}[{i}]")
+            out.setdefault(item_check(item, item_fail), None)
+        return tuple(out)
+
+    return check
+
+
+def _glob(value: Any, fail: Fail) -> str:
+    return _string(value, fail, "a glob pattern string")
+
+
+def _tag(value: Any, fail: Fail) -> str:
+    return _check_name(value, fail, "tag")
+
+
+_VALIDATORS: dict[str, Callable[..., Any]] = {
+    "address": _v_address,
+    "port": _v_port,
+    "user": _v_user,
+    "identity_file": _v_local_path,
+    "known_hosts_file": _v_local_path,
+    "host_key_policy": _v_enum(HOST_KEY_POLICIES),
+    "connect_timeout": _v_timeout,
+    "command_timeout": _v_timeout,
+    "connection": _v_enum(CONNECTIONS),
+    "sudo": _v_bool,
+    "python": _v_python,
+    "nvidia_smi": _v_remote_path,
+    "unattributed_mib": _v_mib,
+    "protect": _list_of(_glob, "glob strings"),
+    "tags": _list_of(_tag, "tags", names=True),
+}
+
+HOST_KEYS: tuple[str, ...] = tuple(_VALIDATORS)
+DEFAULT_KEYS: tuple[str, ...] = tuple(k for k in HOST_KEYS if k != "address")
+# Keys that accept null, meaning "unset here" (so ~/.ssh/config or a search fills them in).
+_NULLABLE = frozenset({"port", "user", "identity_file", "known_hosts_file", "nvidia_smi"})
+
+
+class _Ctx:
+    """Where we are in the document, to build one-line messages."""
+
+    def __init__(self, source: str, base_dir: Optional[Path], where: str = ""):
+        self.source = source
+        self.base_dir = base_dir
+        self.where = where
+
+    def at(self, where: str) -> "_Ctx":
+        return _Ctx(self.source, self.base_dir, where)
+
+    def failer(self, line: int, where: Optional[str] = None) -> Fail:
+        where = self.where if where is None else where
+
+        def fail(message: str) -> NoReturn:
+            loc = f"{self.source}:{line}" if line else self.source
+            text = f"{loc}: {where}: {message}" if where else f"{loc}: {message}"
+            raise UsageError(_one_line(text))
+
+        return fail
+
+
+def _line_of(container: Any, key: str) -> int:
+    return container.key_line(key) if isinstance(container, _Map) else 0
+
+
+def _section(doc: Any, key: str, ctx: _Ctx, what: str) -> dict:
+    """A mapping-valued section; missing or null is empty."""
+    value = doc.get(key)
+    if value is None:
+        return _Map()
+    if not isinstance(value, dict):
+        ctx.failer(_line_of(doc, key), key)(f"expected {what}, got {_describe(value)}")
+    return value
+
+
+def _settings(raw: dict, allowed: Sequence[str], ctx: _Ctx) -> dict[str, Any]:
+    """Validate one settings mapping (defaults or a host): key -> converted value."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        line = _line_of(raw, key)
+        if key not in allowed:
+            fail = ctx.failer(line)
+            if key == "address":
+                fail("'address' cannot be set in defaults (each host has its own)")
+            if _has_control(key):
+                fail(f"invalid key {key!r}")
+            fail(f"unknown key {key!r}{_did_you_mean(key, allowed)}")
+        if value is None and key in _NULLABLE:
+            out[key] = None
+            continue
+        key_ctx = ctx.at(f"{ctx.where}.{key}")
+        out[key] = _VALIDATORS[key](value, key_ctx.failer(line), key_ctx)
+    return out
+
+
+_BUILTIN: dict[str, Any] = {
+    name: getattr(Host, name)
+    for name in HOST_KEYS
+    if name != "address"
+}
+
+
+def parse_inventory(
+    text: str,
+    source: str = "<string>",
+    base_dir: Optional[Path] = None,
+    path: Optional[Path] = None,
+) -> Inventory:
+    """Validate inventory YAML text. Relative key-file paths resolve against ``base_dir``."""
+    if "\0" in text:
+        raise UsageError(f"{source}:{text[: text.index(chr(0))].count(chr(10)) + 1}: "
+                         "NUL character in file")
+    ctx = _Ctx(source, base_dir)
+    doc = _load_yaml(text, source)
+    if doc is None:
+        raise UsageError(f"{source}: empty inventory: it needs a 'hosts:' mapping "
+                         "(see fleet.yaml.example)")
+    if not isinstance(doc, dict):
+        line = getattr(doc, "line", 1)
+        raise UsageError(f"{source}:{line}: the inventory must be a mapping with 'hosts:', "
+                         f"got {_describe(doc)}")
+    for key in doc:
+        if key not in TOP_LEVEL_KEYS:
+            ctx.failer(_line_of(doc, key))(
+                f"unknown top-level key {key!r}{_did_you_mean(key, TOP_LEVEL_KEYS)}")
+
+    defaults_raw = _section(doc, "defaults", ctx, "a mapping of settings")
+    defaults = _settings(defaults_raw, DEFAULT_KEYS, ctx.at("defaults"))
+
+    if "hosts" not in doc:
+        raise UsageError(f"{source}: no 'hosts:' section (see fleet.yaml.example)")
+    hosts_raw = _section(doc, "hosts", ctx, "a mapping of host name to settings")
+    if not hosts_raw:
+        raise UsageError(f"{source}:{_line_of(doc, 'hosts')}: hosts: no hosts defined")
+
+    specs: list[tuple[str, dict[str, Any], int]] = []
+    for name, body in hosts_raw.items():
+        line = _line_of(hosts_raw, name)
+        _check_name(name, ctx.failer(line, "hosts"), "host name")
+        hctx = ctx.at(f"hosts.{name}")
+        if body is None:
+            body = _Map()
+        if not isinstance(body, dict):
+            hctx.failer(line)(f"expected a mapping of settings, got {_describe(body)}")
+        own = _settings(body, HOST_KEYS, hctx)
+        merged = dict(_BUILTIN)
+        merged.update(defaults)
+        merged.update(own)
+        if "protect" in defaults and "protect" in own:
+            # A safety list never shrinks by accident: a host's protect adds to defaults'.
+            merged["protect"] = tuple(dict.fromkeys(defaults["protect"] + own["protect"]))
+        if merged["connection"] == "ssh" and not own.get("address"):
+            hctx.failer(line)("missing 'address' (a host name, IP address or ~/.ssh/config "
+                              "alias), or set 'connection: local'")
+        explicit = frozenset(k for k in (set(defaults) | set(own)) if merged.get(k) is not None
+                             or k not in _NULLABLE)
+        specs.append((name, dict(merged, address=own.get("address"), explicit=explicit), line))
+
+    host_names = [s[0] for s in specs]
+    groups: dict[str, tuple[str, ...]] = {}
+    groups_raw = _section(doc, "groups", ctx, "a mapping of group name to a list of hosts")
+    for gname, members in groups_raw.items():
+        line = _line_of(groups_raw, gname)
+        _check_name(gname, ctx.failer(line, "groups"), "group name")
+        gctx = ctx.at(f"groups.{gname}")
+        if gname in hosts_raw:
+            gctx.failer(line)(f"group {gname!r} has the same name as a host; rename one")
+        if members is None:
+            members = _Seq()
+        if not isinstance(members, list):
+            gctx.failer(line)(f"expected a list of host names, got {_describe(members)}")
+        out: dict[str, None] = {}
+        for i, member in enumerate(members):
+            mline = line
+            if isinstance(members, _Seq):
+                mline, member = members.item_line(i), members.item_text(i)
+            mfail = gctx.failer(mline, f"groups.{gname}[{i}]")
+            _string(member, mfail, "a host name")
+            if member not in hosts_raw:
+                mfail(f"unknown host {member!r}{_did_you_mean(member, host_names)}")
+            out.setdefault(member, None)
+        groups[gname] = tuple(out)
+
+    hosts = []
+    for name, values, line in specs:
+        member_of = tuple(g for g, members in groups.items() if name in members)
+        hosts.append(Host(name=name, groups=member_of, source=source, line=line, **values))
+    return Inventory(hosts=tuple(hosts), groups=groups, path=path, implicit=False)
