@@ -32,9 +32,9 @@ IMPLICIT_SOURCE = "<implicit>"
 MAX_FILE_BYTES = 1 << 20  # a fleet file this big is the wrong file
 
 IMPLICIT_HINT = (
-    "gpufleet: no inventory found, showing this machine only; to add hosts, copy "
-    "fleet.yaml.example to ./fleet.yaml or ~/.config/gpufleet/fleet.yaml "
-    "(or pass -i PATH, or set GPUFLEET_INVENTORY)"
+    "gpufleet: no inventory found, showing this machine only; to add hosts, write "
+    "./fleet.yaml or ~/.config/gpufleet/fleet.yaml (or pass -i PATH, or set "
+    "GPUFLEET_INVENTORY): see fleet.yaml.example and docs/inventory.md"
 )
 
 HOST_KEY_POLICIES = ("strict", "accept-new")
@@ -147,17 +147,18 @@ def _expand(raw: str, cwd: Path, home: Path) -> Path:
     return p if p.is_absolute() else cwd / p
 
 
-def locate_inventory(
+def find_inventory(
     explicit_path: Optional[str] = None,
     env: Optional[Mapping[str, str]] = None,
-    cwd: Optional[Path] = None,
-    home: Optional[Path] = None,
+    cwd: Optional[os.PathLike | str] = None,
+    home: Optional[os.PathLike | str] = None,
 ) -> Optional[Path]:
     """The inventory file to use, or None for the implicit localhost.
 
     Order: ``-i PATH``, ``$GPUFLEET_INVENTORY``, ``./fleet.yaml``,
     ``~/.config/gpufleet/fleet.yaml``. A path the operator named (flag or variable) must
     exist: silently falling back to another fleet would act on the wrong machines.
+    Pass the result to ``load_inventory`` (None gives ``implicit_inventory()``).
     """
     env = os.environ if env is None else env
     cwd = Path.cwd() if cwd is None else Path(cwd)
@@ -165,6 +166,7 @@ def locate_inventory(
     for raw, what in ((explicit_path, "-i/--inventory"), (env.get(ENV_VAR), f"${ENV_VAR}")):
         if raw is None or raw == "":
             continue
+        raw = os.fspath(raw)
         if "\0" in raw:
             raise UsageError(f"{what}: invalid path {raw!r}")
         path = _expand(raw, cwd, home)
@@ -179,24 +181,23 @@ def locate_inventory(
     return None
 
 
-def find_inventory(
+def resolve_inventory(
     explicit_path: Optional[str] = None,
     env: Optional[Mapping[str, str]] = None,
-    cwd: Optional[Path] = None,
-    home: Optional[Path] = None,
+    cwd: Optional[os.PathLike | str] = None,
+    home: Optional[os.PathLike | str] = None,
 ) -> Inventory:
-    """Locate and load the inventory; none anywhere -> ``implicit_inventory()``.
+    """``load_inventory(find_inventory(...))``: when ``implicit`` the CLI prints IMPLICIT_HINT."""
+    return load_inventory(find_inventory(explicit_path, env, cwd, home))
 
-    When the result has ``implicit=True`` the CLI prints ``IMPLICIT_HINT`` to stderr.
+
+def load_inventory(path: Optional[os.PathLike | str], display: Optional[str] = None) -> Inventory:
+    """Read and validate one inventory file; None -> ``implicit_inventory()``.
+
+    ``display`` is the file name used in messages (default: the path as given).
     """
-    path = locate_inventory(explicit_path, env, cwd, home)
     if path is None:
         return implicit_inventory()
-    return load_inventory(path)
-
-
-def load_inventory(path: os.PathLike | str, display: Optional[str] = None) -> Inventory:
-    """Read and validate one inventory file. ``display`` is the name used in messages."""
     path = Path(path)
     source = display if display is not None else str(path)
     try:
