@@ -393,8 +393,9 @@ def check_fit(
     if need.activations_gib == 0 and need.non_torch_gib == 0:
         notes.append("activations not given (0 GiB assumed): the KV cache figure is an upper bound")
     if context:
-        notes.append(f"free as vLLM will see it: {_gib(free_host)} - {_gib(context / MIB_PER_GIB)} GiB "
-                     f"of its own CUDA context{' and NCCL' if need.tp > 1 and context_mib is None else ''}")
+        what = "CUDA context and NCCL buffers" if need.tp > 1 and context_mib is None else "CUDA context"
+        notes.append(f"vLLM sees the free memory nvidia-smi reports less its own {what} "
+                     f"({context:.0f} MiB, --context-mib)")
 
     result = FitResult(
         index=gpu.index,

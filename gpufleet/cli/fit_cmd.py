@@ -120,7 +120,7 @@ class FitReport:
     hosts: tuple[HostFit, ...]
     headers: list[str]
     rows: list[list[Any]]
-    details: list[str]  # suggestions and notes, printed under the table
+    details: list[str]  # vLLM errors, suggestions, then notes (once each), under the table
     document: dict[str, Any]
     exit_code: int = EXIT_OK
 
@@ -201,6 +201,7 @@ def fit_report(
     fits = tuple(fit_host(r, need, util, context_mib, gpus) for r in host_results)
     rows: list[list[Any]] = []
     details: list[str] = []
+    notes: list[str] = []
     for hf in fits:
         if hf.error is not None:
             rows.append([hf.host, "-", "", "", "", "", "", "", "", "", f"error: {hf.error}"])
@@ -208,7 +209,9 @@ def fit_report(
         for r in hf.results:
             rows.append([
                 hf.host, r.index, _cell(r.total_gib), _cell(r.free_host_gib), _cell(r.free_gib),
-                _cell(r.requested_gib), "pass" if r.startup_ok else "FAIL", _cell(r.kv_cache_gib),
+                _cell(r.requested_gib), "pass" if r.startup_ok else "FAIL",
+                # in parentheses: what vLLM would compute, were start-up not to stop it first
+                _cell(r.kv_cache_gib, "{:.2f}" if r.startup_ok else "({:.2f})"),
                 _cell(r.max_util_startup, "{:.3f}"), _cell(r.min_util_kv, "{:.3f}"), r.verdict,
             ])
             prefix = f"{hf.host} GPU {r.index}"
@@ -216,8 +219,8 @@ def fit_report(
                 details.append(f"{prefix}: vLLM would say: {r.vllm_error}")
             for s in r.suggestions:
                 details.append(f"{prefix}: instead: {s}")
-            for n in r.notes:
-                details.append(f"{prefix}: note: {n}")
+            notes.extend(n for n in r.notes if n not in notes)
+    details.extend(f"note: {n}" for n in notes)
     code = EXIT_OK if fits and all(hf.ok for hf in fits) else EXIT_FAILED
     document = {
         "command": "fit",
