@@ -1,8 +1,8 @@
 """vLLM's own start-up memory arithmetic, replayed on a GPU's live numbers (pure, no I/O).
 
 `gpufleet fit` must say what vLLM will say, so this module copies vLLM's formula rather than
-estimating one. Source read: vllm-project/vllm, commit 35d5cda123ec (main, late 2025, the
-v0.11/v0.12 era that has ``vllm.utils.mem_utils``):
+estimating one. Source read: vllm-project/vllm at commit 35d5cda123ec (a recent main: it
+has ``vllm.utils.mem_utils`` and the VLLM_USE_V2_MODEL_RUNNER switch; release tag not checked):
 
 * ``vllm/v1/worker/gpu_worker.py`` ``Worker.init_device``: CUDA context, then
   ``init_worker_distributed_environment`` (NCCL), then ``init_snapshot = MemorySnapshot()``
