@@ -24,13 +24,10 @@ class AppContext:
     def inventory(self):
         """Loaded lazily so `gpufleet --help` never touches the disk."""
         if self._inventory is None:
-            from ..inventory import find_inventory, load_inventory
+            from ..inventory import IMPLICIT_HINT, find_inventory, load_inventory
 
-            path = find_inventory(self.inventory_path, os.environ, os.getcwd(), os.path.expanduser("~"))
-            self._inventory = load_inventory(path)
-            if getattr(self._inventory, "implicit", False):
-                from ..inventory import IMPLICIT_HINT
-
+            self._inventory = load_inventory(find_inventory(self.inventory_path))
+            if self._inventory.implicit:
                 click.echo(IMPLICIT_HINT, err=True)
         return self._inventory
 

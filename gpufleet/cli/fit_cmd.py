@@ -24,32 +24,17 @@ from ..fit import (
     weights_gib_from_params,
 )
 from ..model import HostResult, Snapshot
+from ..selection import parse_gpu_list
 
 HEADERS = ["HOST", "GPU", "TOTAL", "FREE", "VLLM FREE", "REQUESTED", "START-UP", "KV CACHE",
            "MAX UTIL", "MIN UTIL", "VERDICT"]
 
 
 def parse_gpus(spec: Optional[str]) -> Optional[tuple[int, ...]]:
-    """'all' or None -> None (every GPU); '0', '0,1', '0-3', '0,2-3' -> sorted indices."""
-    if spec is None or str(spec).strip().lower() in ("", "all"):
+    """'all' or None -> None (every GPU); otherwise the shared --gpus syntax (0-3, 0,2,5)."""
+    if spec is None:
         return None
-    found: set[int] = set()
-    for part in str(spec).split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                first, last = (int(x) for x in part.split("-", 1))
-                if first > last or first < 0:
-                    raise ValueError
-                found.update(range(first, last + 1))
-            else:
-                index = int(part)
-                if index < 0:
-                    raise ValueError
-                found.add(index)
-        except ValueError:
-            raise UsageError(f"--gpus {spec!r}: write 'all' or indices like 0,1 or 0-3") from None
-    return tuple(sorted(found))
+    return parse_gpu_list(str(spec))
 
 
 def need_from_options(
