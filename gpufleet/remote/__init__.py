@@ -1,0 +1,43 @@
+"""The remote side: the agent's source and the constant command that runs it on a host.
+
+Nothing from the inventory or from process names becomes shell text: the command below is a
+constant (only the interpreter path varies, and the transport shlex-quotes it), and the
+agent plus its request travel on stdin as ``<len>\\n<agent source><request JSON>``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List, Mapping
+
+AGENT_FILE = "agent.py"
+
+#: The -c program of docs/DESIGN.md ("Running the agent"): read stdin, exec the agent.
+BOOTSTRAP = (
+    'import sys;d=sys.stdin.buffer.read();n=d.index(b"\\n");k=int(d[:n]);'
+    'exec(compile(d[n+1:n+1+k],"gpufleet-agent","exec"),'
+    '{"__name__":"gpufleet_agent","REQUEST":d[n+1+k:]})'
+)
+
+
+def agent_source() -> bytes:
+    """The agent's source bytes, read from the file beside this module (works installed too)."""
+    try:
+        from importlib import resources
+
+        return resources.files(__name__).joinpath(AGENT_FILE).read_bytes()
+    except (ImportError, AttributeError, FileNotFoundError):  # pragma: no cover - old Pythons
+        return (Path(__file__).resolve().parent / AGENT_FILE).read_bytes()
+
+
+def bootstrap_command(python: str = "python3", sudo: bool = False) -> List[str]:
+    """argv that runs the agent: ``[sudo -n] PYTHON -c BOOTSTRAP`` (sudo never prompts)."""
+    argv = ["sudo", "-n"] if sudo else []
+    return argv + [python, "-c", BOOTSTRAP]
+
+
+def encode_request(request: Mapping[str, Any]) -> bytes:
+    """The stdin payload: ``<len of source>\\n<source><request JSON>``; the request is data only."""
+    source = agent_source()
+    payload = json.dumps(dict(request), separators=(",", ":")).encode("utf-8")
+    return str(len(source)).encode("ascii") + b"\n" + source + payload

@@ -1,0 +1,461 @@
+"""The agent's pure parsers against RECORDED nvidia-smi and /proc output.
+
+Recorded text lives in tests/fixtures/recorded/ (exact copies of line ranges of
+/work/shared/recorded/*.log, see SOURCES.json there). Where the recorded logs hold no sample
+(stat lines, cgroup paths of systemd services, docker, kubepods, sessions; the driver's
+/proc information file), the sample below is built from the documented format and says so.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpufleet.remote import agent
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "recorded"
+RECORDED_LOGS = REPO.parent / "shared" / "recorded"
+
+GPU0_UUID = "GPU-b6867955-3f5c-7ad9-b674-7a2248eb9a7f"  # h200-single-gpu.log line 33
+GPU1_UUID_TWO = "GPU-b226c03d-98d5-aaff-f57c-8cd874d83c3e"  # h200-two-gpus.log line 11
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+# ------------------------------------------------------------------- fixtures are the logs
+
+
+def test_fixtures_match_recorded_logs():
+    if not RECORDED_LOGS.is_dir():
+        pytest.skip("recorded logs not beside the repository")
+    sources = json.loads((FIXTURES / "SOURCES.json").read_text())
+    assert len(sources) >= 10
+    for name, src in sources.items():
+        lines = (RECORDED_LOGS / src["log"]).read_bytes().split(b"\n")
+        expected = b"\n".join(lines[src["first_line"] - 1 : src["last_line"]]) + b"\n"
+        assert (FIXTURES / name).read_bytes() == expected, name
+
+
+# ------------------------------------------------------------------- nvidia-smi CSV
+
+
+RECORDED_7 = ["index", "uuid", "name", "memory.used", "memory.total", "memory.free",
+              "utilization.gpu"]
+
+
+def test_query_gpu_recorded_row():
+    (gpu,) = agent.parse_gpu_csv(fixture("query_gpu_7fields.csv"), RECORDED_7)
+    assert gpu == {
+        "index": 0, "uuid": GPU0_UUID, "name": "NVIDIA H200", "memory_used_mib": 0,
+        "memory_total_mib": 143771, "memory_free_mib": 143156, "utilization_pct": 0,
+    }
+
+
+def test_query_gpu_with_units_and_reserved():
+    # recorded with --format=csv (header, units): data rows parse, the header does not
+    header, *rows = fixture("query_gpu_csv_units.csv").splitlines()
+    fields = ["index", "pci.bus_id", "uuid", "memory.used", "memory.reserved", "memory.total"]
+    gpus = agent.parse_gpu_csv("\n".join(rows), fields)
+    assert [g["index"] for g in gpus] == [0, 1]
+    assert gpus[1]["pci_bus_id"] == "00000000:00:07.0"
+    assert gpus[1]["uuid"] == GPU1_UUID_TWO
+    assert [g["memory_reserved_mib"] for g in gpus] == [616, 616]
+    assert gpus[0]["memory_total_mib"] == 143771
+    with pytest.raises(agent.ParseError):
+        agent.parse_gpu_csv(header, fields)
+
+
+def test_index_used_recorded():
+    rows = agent.parse_gpu_csv(fixture("index_used_two.csv"), ["index", "memory.used"])
+    assert [(r["index"], r["memory_used_mib"]) for r in rows] == [(0, 4), (1, 9243)]
+    rows = agent.parse_gpu_csv(fixture("index_used.csv"), ["index", "memory.used"])
+    assert rows == [{"index": 0, "memory_used_mib": 26651}]
+
+
+def test_not_available_values_become_none():
+    # the recorded row with its numbers replaced by nvidia-smi's "not available" spellings
+    line = fixture("query_gpu_7fields.csv").strip().split(", ")
+    line[3], line[5], line[6] = "[N/A]", "[Not Supported]", "N/A"
+    (gpu,) = agent.parse_gpu_csv(", ".join(line), RECORDED_7)
+    assert gpu["memory_used_mib"] is None
+    assert gpu["memory_free_mib"] is None
+    assert gpu["utilization_pct"] is None
+    assert gpu["memory_total_mib"] == 143771
+    assert agent.na("[GPU requires reset]") is None
+    assert agent.na(" NVIDIA H200 ") == "NVIDIA H200"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "garbage",
+        "0, GPU-b6867955-3f5c-7ad9-b674",  # truncated row
+        fixture("query_gpu_7fields.csv")[:40],
+        "x, GPU-b6867955-3f5c-7ad9-b674-7a2248eb9a7f, NVIDIA H200, 0, 143771, 143156, 0",
+        "0, GPU-b6867955-3f5c-7ad9-b674-7a2248eb9a7f, NVIDIA H200, lots, 143771, 143156, 0",
+        "[N/A], GPU-b6867955-3f5c-7ad9-b674-7a2248eb9a7f, NVIDIA H200, 0, 143771, 143156, 0",
+        "0, [N/A], NVIDIA H200, 0, 143771, 143156, 0",
+        b"\x00\xff\xfe 0, \x80".decode("utf-8", "replace"),
+    ],
+)
+def test_garbage_gpu_rows_raise(text):
+    with pytest.raises(agent.ParseError):
+        agent.parse_gpu_csv(text, RECORDED_7)
+
+
+def test_gpu_name_with_comma_keeps_columns():
+    line = "0, GPU-x, NVIDIA H200, rev 2, 0, 143771, 143156, 0"
+    (gpu,) = agent.parse_gpu_csv(line, RECORDED_7)
+    assert gpu["name"] == "NVIDIA H200, rev 2"
+    assert gpu["memory_total_mib"] == 143771
+
+
+def test_compute_apps_recorded():
+    apps, skipped = agent.parse_apps_csv(fixture("compute_apps.csv"))
+    assert skipped == 0
+    assert apps == [
+        {"pid": 426, "process_name": "python3", "used_mib": 5638, "gpu_uuid": GPU0_UUID},
+        {"pid": 425, "process_name": "python3", "used_mib": 20998, "gpu_uuid": GPU0_UUID},
+    ]
+    assert agent.parse_apps_csv("") == ([], 0)  # recorded: no processes -> no output
+
+
+def test_compute_apps_extra_column_is_an_error_not_a_shift():
+    # recorded with a 5th column (gpu_bus_id): must not be read as the 4-column layout
+    with pytest.raises(agent.ParseError):
+        agent.parse_apps_csv(fixture("compute_apps_bus.csv"))
+
+
+def test_compute_apps_na_memory_comma_name_and_missing_pid():
+    apps, skipped = agent.parse_apps_csv(
+        "426, python3, [N/A], %s\n"
+        "427, /opt/my, odd/python3, 12, %s\n"
+        "[N/A], python3, 100, %s\n" % (GPU0_UUID, GPU0_UUID, GPU0_UUID))
+    assert apps[0]["used_mib"] is None
+    assert apps[1]["process_name"] == "/opt/my, odd/python3"
+    assert apps[1]["used_mib"] == 12
+    assert skipped == 1
+    with pytest.raises(agent.ParseError):
+        agent.parse_apps_csv("426, python3, 5638")
+
+
+def test_split_row():
+    assert agent.split_row("a, b, c", 3) == ["a", "b", "c"]
+    assert agent.split_row("1, x, y, 2, u", 4, 1) == ["1", "x, y", "2", "u"]
+    with pytest.raises(agent.ParseError):
+        agent.split_row("a, b", 3)
+    with pytest.raises(agent.ParseError):
+        agent.split_row("a", 4, 1)
+
+
+# ------------------------------------------------------------------- minor numbers, versions
+
+
+def test_q_minor_numbers_recorded():
+    assert agent.parse_q_minors(fixture("q_minor_bus.txt")) == {
+        "0000:00:06.0": 0, "0000:00:07.0": 1}
+
+
+def test_q_minor_numbers_full_layout():
+    # a full `nvidia-smi -q` keeps "Minor Number" under the "GPU 0000...:..." header
+    # (header line recorded in q_pids.txt; the rest in the recorded indentation)
+    header = fixture("q_pids.txt").splitlines()[8]
+    assert header == "GPU 00000000:00:06.0"
+    minor1, bus1, minor2, bus2 = fixture("q_minor_bus.txt").splitlines()
+    text = "\n".join([
+        header, "    Product Name                          : NVIDIA H200", minor2,
+        "    PCI", bus1,
+        "GPU 00000000:00:07.0", minor1, "    PCI", bus2,
+        "GPU 00000000:00:08.0", "    Minor Number                          : N/A",
+    ])
+    # the header wins over a Bus Id in the same block; N/A minor -> None
+    assert agent.parse_q_minors(text) == {
+        "0000:00:06.0": 1, "0000:00:07.0": 0, "0000:00:08.0": None}
+
+
+def test_versions_from_bare_table_and_q():
+    assert agent.parse_versions(fixture("bare_table.txt")) == ("580.159.04", "13.0")
+    assert agent.parse_versions(fixture("q_pids.txt")) == ("580.159.04", "13.0")
+    assert agent.parse_versions("garbage") == (None, None)
+
+
+def test_normalize_bus_id():
+    assert agent.normalize_bus_id("00000000:00:06.0") == "0000:00:06.0"
+    assert agent.normalize_bus_id("0000:00:06.0") == "0000:00:06.0"
+    assert agent.normalize_bus_id("00000000:1A:00.0") == "0000:1a:00.0"
+    assert agent.normalize_bus_id("N/A") is None
+    assert agent.normalize_bus_id(None) is None
+
+
+# Not recorded: the layout of /proc/driver/nvidia/gpus/<bus>/information as the NVIDIA
+# kernel module prints it ("Key: <tab> value").
+PROC_INFORMATION = (
+    "Model: \t\t NVIDIA H200\nIRQ:   \t\t 0\nGPU UUID: \t GPU-2f2c1bb6-8097-1b4c-7dca-7d0a9443fc53\n"
+    "Video BIOS: \t 96.00.af.00.01\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
+    "DMA Mask: \t 0xfffffffffffff\nBus Location: \t 0000:00:07.0\nDevice Minor: \t 1\n"
+    "GPU Excluded:\t No\n"
+)
+
+
+def test_proc_information():
+    assert agent.parse_proc_information(PROC_INFORMATION) == ("0000:00:07.0", 1)
+    assert agent.parse_proc_information("garbage\n") == (None, None)
+
+
+def test_gpu_minors_from_fake_proc(tmp_path):
+    d = tmp_path / "driver" / "nvidia" / "gpus" / "0000:00:07.0"
+    d.mkdir(parents=True)
+    (d / "information").write_text(PROC_INFORMATION)
+    assert agent.gpu_minors_from_proc(str(tmp_path)) == {"0000:00:07.0": 1}
+    assert agent.gpu_minors_from_proc(str(tmp_path / "nope")) == {}
+
+
+# ------------------------------------------------------------------- /proc/PID files
+
+
+def stat_line(pid=425, comm="VLLM::Worker", state="S", ppid=412, pgid=412, session=300,
+              flags=4194560, starttime=1234567):
+    """A /proc/PID/stat line in proc(5) layout (52 fields); not recorded, values from the
+    recorded ps/status output of PID 425 where there are any."""
+    rest = [state, ppid, pgid, session, 34816, pgid, flags] + [0] * 12 + [starttime] + [0] * 30
+    return "%d (%s) %s\n" % (pid, comm, " ".join(str(x) for x in rest))
+
+
+def test_parse_stat_fields():
+    st = agent.parse_stat(stat_line())
+    assert st == {"pid": 425, "comm": "VLLM::Worker", "state": "S", "ppid": 412, "pgid": 412,
+                  "session": 300, "flags": 4194560, "starttime": 1234567}
+    assert agent.is_kernel_thread(st) is False
+
+
+@pytest.mark.parametrize("comm", ["a) (b) c", ") S 1 2 3", "x)", "(", "spaces  in it"])
+def test_parse_stat_comm_with_parens_and_spaces(comm):
+    st = agent.parse_stat(stat_line(comm=comm, state="D", ppid=7, starttime=99))
+    assert st["comm"] == comm
+    assert (st["state"], st["ppid"], st["starttime"]) == ("D", 7, 99)
+
+
+def test_parse_stat_rejects_garbage():
+    for bad in ["", "425 VLLM S 1", "425 (x) S 1 2 3", "abc (x) " + "1 " * 50]:
+        with pytest.raises(agent.ParseError):
+            agent.parse_stat(bad)
+
+
+def test_kernel_thread_flag():
+    assert agent.is_kernel_thread(agent.parse_stat(stat_line(flags=0x00208040)))
+    assert agent.is_kernel_thread({"pid": 9, "ppid": 2, "flags": None})
+    assert not agent.is_kernel_thread({"pid": 9, "ppid": 2, "flags": 0})
+
+
+def test_status_uid():
+    # recorded head of /proc/425/status has no Uid line
+    assert agent.parse_status_uid(fixture("proc_status_head.txt")) is None
+    assert agent.parse_status_uid(fixture("proc_status_head.txt") +
+                                  "Uid:\t1000\t1001\t1001\t1001\n") == 1001
+
+
+def test_format_cmdline():
+    # recorded: /proc/425/cmdline | tr '\\0' ' ' printed "python3 /tmp/hold.py VLLM::Worker 20 "
+    raw = b"\0".join([b"python3", b"/tmp/hold.py", b"VLLM::Worker", b"20"]) + b"\0"
+    assert agent.format_cmdline(raw) == "python3 /tmp/hold.py VLLM::Worker 20"
+    assert agent.format_cmdline(b"\xff\xfeab\0c") == "\ufffd\ufffdab c"
+    assert len(agent.format_cmdline(b"x" * 10000)) == agent.CMDLINE_MAX
+    assert agent.format_cmdline(b"") == ""
+
+
+def test_device_targets_recorded():
+    targets = [line.split(" -> ")[1] for line in fixture("proc_fd_ls.txt").splitlines()]
+    assert len(targets) == 10
+    assert all(agent.device_target(t) == t for t in targets)
+    for other in ["/dev/null", "/dev/nvidia-modeset", "/dev/nvidiaX", "/dev/nvidia0 (deleted)",
+                  "/tmp/dev/nvidia0", "socket:[1234]", "/dev/nvidia-caps/a/b"]:
+        assert agent.device_target(other) is None
+    assert agent.device_target("/dev/dxg") == "/dev/dxg"
+
+
+# ------------------------------------------------------------------- cgroups
+
+
+def test_cgroup_recorded_lines():
+    for name in ("cgroup_pid1.txt", "cgroup_self.txt"):
+        text = fixture(name)
+        path = agent.parse_cgroup(text)
+        assert path == text.strip()[3:]
+        assert agent.unit_of(path) is None
+        assert agent.container_from_cgroup_text(text) is None
+
+
+# Not recorded: cgroup paths in the formats systemd, docker, kubelet and LXC write.
+CGROUP_CASES = [
+    ("0::/system.slice/vllm-minimax.service\n", "vllm-minimax.service", None),
+    ("0::/user.slice/user-1000.slice/session-3.scope\n", "session-3.scope", None),
+    ("0::/user.slice/user-1000.slice/user@1000.service/app.slice/app-tmux-42.scope\n",
+     "app-tmux-42.scope", None),
+    ("0::/system.slice/docker-4f3a5b6c7d8e9f00112233445566778899aabbccddeeff001122334455667788"
+     ".scope\n", "docker-4f3a5b6c7d8e9f00112233445566778899aabbccddeeff001122334455667788.scope",
+     "docker:4f3a5b6c7d8e"),
+    ("12:pids:/docker/4f3a5b6c7d8e9f00112233445566778899aabbccddeeff001122334455667788\n"
+     "1:name=systemd:/docker/4f3a5b6c7d8e9f00112233445566778899aabbccddeeff001122334455667788\n"
+     "0::/\n", None, "docker:4f3a5b6c7d8e"),
+    ("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234_5678.slice/"
+     "cri-containerd-aabbccddeeff00112233445566778899aabbccddeeff00112233445566778899.scope\n",
+     "cri-containerd-aabbccddeeff00112233445566778899aabbccddeeff00112233445566778899.scope",
+     "k8s:aabbccddeeff"),
+    ("0::/kubepods/besteffort/pod1234-5678\n", None, "kubepods"),
+    ("0::/lxc.payload.web01/system.slice/vllm.service\n", "vllm.service", "lxc:web01"),
+    ("1:name=systemd:/system.slice/vllm.service\n0::/\n", "vllm.service", None),
+]
+
+
+@pytest.mark.parametrize("text,unit,container", CGROUP_CASES)
+def test_cgroup_unit_and_container(text, unit, container):
+    assert agent.unit_of(agent.parse_cgroup(text)) == unit
+    assert agent.container_from_cgroup_text(text) == container
+
+
+def test_parse_cgroup_prefers_v2_then_systemd():
+    hybrid = "9:name=systemd:/\n4:memory:/process_api/x\n0::/\n"  # this dev machine's shape
+    assert agent.parse_cgroup(hybrid) == "/"
+    assert agent.parse_cgroup("1:name=systemd:/a.service\n0::/b.service\n") == "/b.service"
+    assert agent.parse_cgroup("garbage") is None
+
+
+# ------------------------------------------------------------------- guards and verdicts
+
+
+def test_unit_names():
+    assert agent.valid_unit("vllm-minimax.service")
+    assert agent.valid_unit("user@1000.service")
+    assert agent.valid_unit("session-3.scope")
+    for bad in ["", "vllm", "-vllm.service", "vllm.service; reboot", "a b.service",
+                "$(reboot).service", "../x.service", None, 5, "x" * 300 + ".service"]:
+        assert not agent.valid_unit(bad), bad
+
+
+def test_refusal_guard():
+    assert agent.refusal(1, 100, [50, 1]) == "refused: pid <= 1"
+    assert agent.refusal(0, 100, []) == "refused: pid <= 1"
+    assert agent.refusal(-5, 100, []) == "refused: pid <= 1"
+    assert agent.refusal(True, 100, []) == "refused: pid <= 1"
+    assert agent.refusal("7", 100, []) == "refused: pid <= 1"
+    assert agent.refusal(100, 100, [50]) == "refused: own session"
+    assert agent.refusal(50, 100, [50]) == "refused: own session"
+    assert agent.refusal(51, 100, [50]) is None
+
+
+def test_classify_survivor():
+    z = agent.classify_survivor("Z", None, 696, "python3", ["sent"])
+    assert "zombie" in z and "696" in z and "python3" in z
+    d = agent.classify_survivor("D", "uvm_wait", 1, "systemd", ["sent", "sent"])
+    assert "uvm_wait" in d and "reset or reboot" in d
+    assert "EPERM" in agent.classify_survivor("S", None, 1, "x", ["permission denied"])
+    assert agent.classify_survivor("S", None, 1, "x", ["refused: own session"]) == \
+        "refused: own session"
+    assert "still running" in agent.classify_survivor("R", None, 1, "x", ["sent", "sent"])
+
+
+def test_reset_refusal():
+    assert agent.reset_refusal(True, False, False, []) is None
+    assert agent.reset_refusal(False, False, False, []) == "not root"
+    assert "container" in agent.reset_refusal(True, True, False, [])
+    assert "WSL2" in agent.reset_refusal(True, False, True, [])
+    assert agent.reset_refusal(True, False, False, [12, 3]) == "held by PID 3, 12"
+
+
+# ------------------------------------------------------------------- fake /proc trees
+
+
+def make_proc(tmp_path, pid, stat, fds=(), comm=None, cmdline=b"", cgroup="0::/\n",
+              status="Uid:\t0\t0\t0\t0\n", wchan="0"):
+    d = tmp_path / str(pid)
+    (d / "fd").mkdir(parents=True)
+    (d / "stat").write_text(stat)
+    (d / "status").write_text(status)
+    (d / "comm").write_text((comm or agent.parse_stat(stat)["comm"]) + "\n")
+    (d / "cmdline").write_bytes(cmdline)
+    (d / "cgroup").write_text(cgroup)
+    (d / "wchan").write_text(wchan)
+    for i, target in enumerate(fds):
+        os.symlink(target, str(d / "fd" / str(i)))
+    return d
+
+
+def test_scan_fds_fake_proc(tmp_path):
+    recorded = [line.split(" -> ")[1] for line in fixture("proc_fd_ls.txt").splitlines()]
+    make_proc(tmp_path, 425, stat_line(), ["/dev/null", "pipe:[1]"] + recorded)
+    make_proc(tmp_path, 426, stat_line(426, "trainer"), ["/dev/nvidia1", "/dev/nvidiactl"])
+    make_proc(tmp_path, 500, stat_line(500, "bash"), ["/dev/pts/0"])
+    make_proc(tmp_path, 600, stat_line(600, "self"), ["/dev/nvidia0"])
+    (tmp_path / "self").mkdir()
+    found, denied = agent.scan_fds(agent.device_target, exclude={600}, proc=str(tmp_path))
+    assert denied == 0
+    assert found == {
+        425: {"/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm",
+              "/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"},
+        426: {"/dev/nvidia1", "/dev/nvidiactl"},
+    }
+
+
+def test_process_entry_fake_proc(tmp_path):
+    svc = "0::/system.slice/vllm-minimax.service\n"
+    make_proc(tmp_path, 425, stat_line(comm="a) b", session=300), comm="a) b",
+              cmdline=b"python3\0/tmp/hold.py\0VLLM::Worker\0" b"20\0", cgroup=svc,
+              status=fixture("proc_status_head.txt") + "Uid:\t0\t0\t0\t0\n", wchan="futex_wait")
+    make_proc(tmp_path, 77, stat_line(77, "sshd", session=300))
+    ctx = {"self_pid": 88, "ancestors": [77, 1], "session": 300, "warnings": []}
+    e = agent.process_entry(425, ctx, str(tmp_path))
+    assert e["comm"] == "a) b" and e["state"] == "S" and e["ppid"] == 412
+    assert e["starttime"] == 1234567 and e["session"] == 300 and e["pgid"] == 412
+    assert e["uid"] == 0 and e["user"] == "root"
+    assert e["cmdline"].startswith("python3 /tmp/hold.py VLLM::Worker")
+    assert e["unit"] == "vllm-minimax.service" and e["container"] is None
+    assert e["cgroup"] == "/system.slice/vllm-minimax.service"
+    assert e["wchan"] == "futex_wait" and e["kernel_thread"] is False
+    assert e["relation"] == "session"
+    assert agent.process_entry(77, ctx, str(tmp_path))["relation"] == "ancestor"
+    assert agent.process_entry(77, ctx, str(tmp_path))["wchan"] is None
+    assert agent.process_entry(999, ctx, str(tmp_path)) is None  # vanished: skipped
+
+
+def test_ancestors_fake_proc(tmp_path):
+    make_proc(tmp_path, 30, stat_line(30, "python3", ppid=20))
+    make_proc(tmp_path, 20, stat_line(20, "sudo", ppid=10))
+    make_proc(tmp_path, 10, stat_line(10, "sshd", ppid=1))
+    make_proc(tmp_path, 1, stat_line(1, "systemd", ppid=0))
+    assert agent.ancestors_of(30, str(tmp_path)) == [20, 10, 1]
+
+
+# ------------------------------------------------------------------- request, lock
+
+
+def test_parse_request_defaults_and_errors():
+    req = agent.parse_request(b'{"mode": "clean", "targets": []}')
+    assert (req["deadline_s"], req["grace_s"], req["timeout_s"], req["poll_s"]) == \
+        (55.0, 10.0, 60.0, 0.1)
+    assert agent.parse_request(b"")["mode"] == "snapshot"
+    for bad in [b"[1]", b'{"mode": "rm"}', b'{"deadline_s": "x"}', b'{"deadline_s": -1}',
+                b'{"mode": "clean", "targets": 5}', b'{"nvidia_smi": 3}', b"{nope"]:
+        with pytest.raises(ValueError):
+            agent.parse_request(bad)
+
+
+def test_lock_busy_then_acquired(tmp_path):
+    path = str(tmp_path / "lock")
+    fd = agent.acquire_lock(path, 0.0)
+    assert fd is not None
+    try:
+        assert agent.acquire_lock(path, 0.25) is None  # another open file description
+    finally:
+        os.close(fd)
+    fd2 = agent.acquire_lock(path, 0.0)
+    assert fd2 is not None
+    with open(path) as other:
+        with pytest.raises(OSError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd2)
