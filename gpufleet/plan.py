@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from . import policy
 from .errors import UsageError
-from .model import ProcessInfo, Snapshot
+from .model import ProcessInfo, Snapshot, ledger
 
 EVIDENCE_SMI = "nvidia-smi"
 EVIDENCE_DEVICE = "device-file"
@@ -474,6 +474,13 @@ def make_plan(
             "cannot read every process's file descriptors (not root): other users' "
             "device-file holders may be missing"
         )
+    threshold = unattributed_mib + tolerance_mib
+    for row in ledger(snapshot):
+        if row.index in in_scope and (row.unattributed_mib or 0) > threshold:
+            notes.append(
+                f"GPU {row.index}: {row.unattributed_mib} MiB used that nvidia-smi attributes to "
+                "no process (other PID namespace, WSL2, display clients or a driver leak)"
+            )
     if invisible:
         mib = sum(r.used_mib or 0 for r in invisible)
         notes.append(
@@ -514,7 +521,7 @@ def make_plan(
         refused=tuple(sorted(refused.values(), key=lambda r: r.pid)),
         units_to_stop=tuple(units),
         invisible=invisible,
-        threshold_mib={i: unattributed_mib + tolerance_mib for i in scope_t},
+        threshold_mib={i: threshold for i in scope_t},
         notes=tuple(notes),
     )
 

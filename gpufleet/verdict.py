@@ -1,0 +1,326 @@
+"""Did a clean work? The verdict on one host, from the plan, the agent's clean document and the
+before snapshot (pure).
+
+``clean`` means every scope GPU's memory.used is at or below its threshold (the host's expected
+unattributed memory + tolerance) in the agent's after-snapshot; anything else is ``dirty``, with
+a reason that says what is left, who holds it, where unattributed memory most likely went, and
+whether a GPU reset is possible on this host. Memory is the proof, not the signals: a process
+can be gone while the driver still holds its memory, and a zombie holds none (measured).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+from . import policy
+from .model import Snapshot, SnapshotError, ledger, parse_snapshot
+from .plan import Plan, fmt_gpus
+
+CLEAN = "clean"
+DIRTY = "dirty"
+
+# Survivor kinds.
+SURVIVED = "survived"  # a target still alive (same pid and start time)
+STUCK = "stuck"  # uninterruptible sleep: signals cannot end it
+ZOMBIE = "zombie"
+REFUSED = "refused"  # the plan refused it; expected to remain
+INVISIBLE = "invisible"  # listed by nvidia-smi, not in this PID namespace
+NEW = "new"  # appeared during the clean
+UNTOUCHED = "untouched"  # was there, not in the plan
+
+# Likely causes of unattributed memory.
+CAUSE_WSL2 = "WSL2 reservation"
+CAUSE_NAMESPACE = "other PID namespace"
+CAUSE_DISPLAY = "display clients"
+CAUSE_LEAK = "driver leak"
+
+
+@dataclass(frozen=True)
+class GpuOutcome:
+    index: int
+    before_mib: Optional[int]
+    after_mib: Optional[int]
+    threshold_mib: int
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Survivor:
+    pid: int
+    name: str
+    gpus: tuple[int, ...]
+    used_mib: Optional[int]
+    kind: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Unattributed:
+    gpu: int
+    mib: int
+    cause: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    host: str
+    verdict: str
+    reason: str
+    freed_mib: Optional[int]
+    left_mib: Optional[int]
+    gpus: tuple[GpuOutcome, ...] = ()
+    survivors: tuple[Survivor, ...] = ()
+    unattributed: tuple[Unattributed, ...] = ()
+    reset_possible: bool = False
+    reset_blockers: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
+
+    @property
+    def clean(self) -> bool:
+        return self.verdict == CLEAN
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _state(raw: Optional[str]) -> str:
+    return (raw or "?")[:1]
+
+
+def _problems(clean: Mapping[str, Any]) -> list[str]:
+    """What went wrong in the agent's own steps, quoted from its document."""
+    out = []
+    if clean.get("lock") == "busy":
+        out.append("another gpufleet clean holds this host's lock; nothing was signalled")
+    for unit in clean.get("units_stopped") or ():
+        if not unit.get("ok"):
+            out.append(f"stopping {unit.get('unit')} failed: {unit.get('error') or '?'}")
+    for sig in clean.get("signals") or ():
+        outcome = str(sig.get("outcome") or "")
+        if outcome == "permission denied" or outcome.startswith("error"):
+            out.append(f"SIG{sig.get('signal')} to PID {sig.get('pid')}: {outcome}")
+    for reset in clean.get("reset") or ():
+        if not reset.get("ok"):
+            out.append(f"reset of GPU {reset.get('index')} failed: {reset.get('message') or '?'}")
+    return out
+
+
+def _dirty_early(plan: Plan, why: str, problems: list[str]) -> Verdict:
+    return Verdict(plan.host, DIRTY, "; ".join([why] + problems), None, None,
+                   problems=tuple(problems))
+
+
+def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verdict:
+    """The verdict for one host. ``clean`` is the agent's clean document (parsed JSON)."""
+    problems = _problems(clean)
+    raw_after = clean.get("after")
+    if raw_after is None:
+        return _dirty_early(plan, "the agent returned no after-snapshot", problems)
+    if isinstance(raw_after, Snapshot):
+        after = raw_after
+    else:
+        try:
+            after = parse_snapshot(raw_after)
+        except SnapshotError as exc:
+            return _dirty_early(plan, f"unreadable after-snapshot: {exc}", problems)
+    if not after.nvidia_smi_ok:
+        return _dirty_early(
+            plan, f"nvidia-smi failed after the clean: {after.nvidia_smi_error or '?'}", problems
+        )
+
+    scope = set(plan.scope)
+    before_by_uuid = {g.uuid: g for g in before.gpus}
+    before_by_index = {g.index: g for g in before.gpus}
+    after_by_index = {g.index: g for g in after.gpus}
+
+    # Per GPU: used after vs threshold. A GPU is matched to its before self by UUID.
+    outcomes = []
+    for index in plan.scope:
+        a = after_by_index.get(index)
+        b = before_by_uuid.get(a.uuid) if a is not None else None
+        if b is None:
+            b = before_by_index.get(index)
+        threshold = plan.threshold_mib.get(index, 0)
+        after_used = a.memory_used_mib if a is not None else None
+        ok = after_used is not None and after_used <= threshold
+        outcomes.append(GpuOutcome(index, b.memory_used_mib if b else None, after_used,
+                                   threshold, ok))
+    if any(o.after_mib is None for o in outcomes):
+        left = None
+    else:
+        left = sum(o.after_mib or 0 for o in outcomes)
+    if left is None or any(o.before_mib is None for o in outcomes):
+        freed = None
+    else:
+        freed = sum(o.before_mib or 0 for o in outcomes) - left
+
+    ctx = policy.PolicyContext.from_snapshot(after)
+    survivors = _survivors(plan, clean, before, after, scope, ctx)
+    unattributed = _unattributed(plan, after, scope, ctx)
+    blockers = _reset_blockers(after, ctx)
+
+    bad = [o for o in outcomes if not o.ok]
+    if not bad and not (clean.get("lock") == "busy"):
+        return Verdict(plan.host, CLEAN, "", freed, left, tuple(outcomes), tuple(survivors),
+                       tuple(unattributed), not blockers, tuple(blockers), tuple(problems))
+
+    parts = []
+    for o in bad:
+        if o.after_mib is None:
+            parts.append(f"GPU {o.index}: memory unknown after the clean")
+        else:
+            parts.append(f"GPU {o.index}: {o.after_mib} MiB left (threshold {o.threshold_mib})")
+    if survivors:
+        parts.append("survivors: " + ", ".join(
+            f"{s.pid} {s.name} on GPU {fmt_gpus(s.gpus) or '-'} ({s.kind}: {s.detail})"
+            for s in survivors
+        ))
+    for u in unattributed:
+        parts.append(f"GPU {u.gpu}: {u.mib} MiB unattributed, likely {u.cause} ({u.detail})")
+    parts.extend(problems)
+    if blockers:
+        parts.append("GPU reset not possible here: " + ", ".join(blockers))
+    else:
+        parts.append("a GPU reset is possible here (--reset)")
+    return Verdict(plan.host, DIRTY, "; ".join(parts), freed, left, tuple(outcomes),
+                   tuple(survivors), tuple(unattributed), not blockers, tuple(blockers),
+                   tuple(problems))
+
+
+def _survivors(plan, clean, before, after, scope, ctx) -> list[Survivor]:
+    """Who still holds a scope GPU after the clean, and what kind of holder it is."""
+    targets = {t.pid: t for t in plan.targets}
+    refused = {r.pid: r for r in plan.refused}
+    agent_said = {int(s["pid"]): s for s in clean.get("survivors") or () if "pid" in s}
+
+    gpus_of: dict[int, set[int]] = {}
+    used_of: dict[int, Optional[int]] = {}
+    for app in after.compute_apps:
+        gpu = after.gpu_by_uuid(app.gpu_uuid)
+        if gpu is None or gpu.index not in scope:
+            continue
+        gpus_of.setdefault(app.pid, set()).add(gpu.index)
+        prev = used_of.get(app.pid, 0)
+        used_of[app.pid] = None if prev is None or app.used_mib is None else prev + app.used_mib
+    listed = set(gpus_of)
+    full = plan.full_scope
+    for holder in after.holders:
+        if holder.pid in listed:
+            continue
+        held = set(after.holder_gpu_indices(holder))
+        mine = held & scope
+        if not (mine or (full and not held)):
+            continue
+        proc = after.processes.get(holder.pid)
+        if proc is not None and policy.never_signal_reason(proc, ctx) is not None:
+            continue  # driver daemons and display servers stay by design; see reset blockers
+        if holder.pid in targets or holder.pid in refused or holder.pid not in before.processes \
+                or holder.pid in agent_said:
+            gpus_of.setdefault(holder.pid, set()).update(mine)
+            used_of.setdefault(holder.pid, None)
+    for pid in agent_said:
+        gpus_of.setdefault(pid, set(targets[pid].gpus) & scope if pid in targets else set())
+        used_of.setdefault(pid, None)
+
+    out = []
+    for pid in sorted(gpus_of):
+        proc = after.processes.get(pid)
+        said = agent_said.get(pid, {})
+        if proc is None and not said:
+            app_name = next((a.process_name for a in after.compute_apps if a.pid == pid), "?")
+            out.append(Survivor(pid, app_name, tuple(sorted(gpus_of[pid])), used_of[pid],
+                                INVISIBLE, "not visible from this PID namespace (container?)"))
+            continue
+        name = proc.name if proc is not None else (targets[pid].name if pid in targets else "?")
+        state = _state(proc.state if proc is not None else said.get("state"))
+        wchan = (proc.wchan if proc is not None else None) or said.get("wchan") or "?"
+        old = before.processes.get(pid)
+        same = old is not None and proc is not None and old.starttime == proc.starttime
+        if proc is not None and not same and pid not in agent_said:
+            kind, detail = NEW, "started during the clean"
+        elif state == "D":
+            kind, detail = STUCK, (f"uninterruptible sleep in {wchan}: signals cannot end it; "
+                                   "a GPU reset or a reboot frees it")
+        elif state in ("Z", "X"):
+            parent = after.processes.get(proc.ppid) if proc is not None and proc.ppid else None
+            kind, detail = ZOMBIE, (f"zombie, parent PID {proc.ppid if proc else '?'} "
+                                    f"({parent.name if parent else '?'}); holds no GPU memory")
+        elif pid in targets:
+            kind = SURVIVED
+            detail = said.get("reason") or "still alive after TERM and KILL"
+        elif pid in refused:
+            kind, detail = REFUSED, refused[pid].reason
+        else:
+            kind, detail = UNTOUCHED, "was not in the plan"
+        out.append(Survivor(pid, name, tuple(sorted(gpus_of[pid])), used_of[pid], kind, detail))
+    return out
+
+
+def _unattributed(plan, after, scope, ctx) -> list[Unattributed]:
+    """Memory over threshold that no listed process accounts for, with its likely cause."""
+    out = []
+    minor_of = {g.index: (g.minor if g.minor is not None else g.index) for g in after.gpus}
+    for row in ledger(after):
+        if row.index not in scope or row.unattributed_mib is None:
+            continue
+        if row.unattributed_mib <= plan.threshold_mib.get(row.index, 0):
+            continue
+        dev = f"/dev/nvidia{minor_of[row.index]}"
+        hidden, display = [], []
+        for holder in after.holders:
+            if holder.pid in after.listed_pids():
+                continue
+            if dev not in holder.devices and "/dev/dxg" not in holder.devices:
+                continue
+            proc = after.processes.get(holder.pid)
+            if proc is not None and policy.protected_daemon(proc) in _DISPLAY:
+                display.append(f"{proc.pid} {proc.name}")
+            elif proc is None or policy.never_signal_reason(proc, ctx) is None:
+                hidden.append(str(holder.pid))
+        invisible = sorted(a.pid for a in after.apps_on(row.index) if a.pid not in after.processes)
+        if after.facts.wsl2:
+            cause, detail = CAUSE_WSL2, ("Windows and the WSL2 GPU driver hold memory that no "
+                                         "Linux process owns")
+        elif hidden or invisible or after.facts.in_container:
+            who = []
+            if hidden:
+                who.append("unlisted holders PID " + ", ".join(hidden))
+            if invisible:
+                who.append("PIDs " + ", ".join(map(str, invisible)) + " not visible here")
+            if after.facts.in_container:
+                who.append(f"the agent runs in container {after.facts.container or '?'}")
+            cause, detail = CAUSE_NAMESPACE, "hidden PIDs / in a container: " + "; ".join(who)
+        elif display:
+            cause, detail = CAUSE_DISPLAY, ("graphics clients are not in nvidia-smi's "
+                                            "compute-apps: " + ", ".join(display))
+        else:
+            cause, detail = CAUSE_LEAK, "memory no process holds; a GPU reset frees it"
+        out.append(Unattributed(row.index, row.unattributed_mib, cause, detail))
+    return out
+
+
+_DISPLAY = frozenset(
+    name for name, what in policy.PROTECTED_DAEMONS.items() if what.startswith("display")
+)
+
+
+def _reset_blockers(after: Snapshot, ctx: policy.PolicyContext) -> list[str]:
+    """Why `nvidia-smi -r` cannot work here: it needs root, the host itself, and no holders."""
+    out = []
+    facts = after.facts
+    if not facts.is_root:
+        out.append("not root")
+    if facts.in_container:
+        out.append(f"in container {facts.container or '?'}")
+    if facts.wsl2:
+        out.append("WSL2 has no GPU reset")
+    holders = []
+    for holder in sorted(after.holders, key=lambda h: h.pid):
+        if holder.pid == facts.agent_pid:
+            continue
+        proc = after.processes.get(holder.pid)
+        holders.append(f"{holder.pid} {proc.name if proc else '?'}")
+    if holders:
+        out.append("NVIDIA device files held by " + ", ".join(holders))
+    return out
