@@ -37,7 +37,7 @@ KINDS = ("stop_units", "clean", "wait_free", "fit", "clear_shm", "start_unit", "
 MUTATING = frozenset({"stop_units", "clean", "clear_shm", "start_unit", "shell"})
 # Steps that take a GPU snapshot (their result is what a later `assert` may look at).
 DEFAULT_TIMEOUT_S = {
-    "stop_units": 120.0, "clean": 90.0, "wait_free": 300.0, "fit": 60.0, "clear_shm": 60.0,
+    "stop_units": 120.0, "clean": 60.0, "wait_free": 300.0, "fit": 60.0, "clear_shm": 60.0,
     "start_unit": 120.0, "wait_http": 900.0, "shell": 60.0, "assert": 60.0, "report": 60.0,
 }
 TOP_LEVEL_KEYS = ("name", "description", "vars", "steps")
@@ -223,8 +223,14 @@ def _v_units(value: Any, fail: Fail, allow_empty: bool = False) -> tuple[str, ..
     return tuple(out)
 
 
-def _v_units_or_none(value: Any, fail: Fail) -> tuple[str, ...]:
-    return _v_units(value, fail, allow_empty=True)
+def _v_globs(value: Any, fail: Fail) -> tuple[str, ...]:
+    """Command-line globs never to signal, added to the host's `protect`."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        fail(f"expected a list of glob strings, got {_describe(value)}")
+    return tuple(dict.fromkeys(_plain_string(v, _sub_fail(fail, f"[{i}]"), "a glob string")
+                               for i, v in enumerate(value)))
 
 
 def _v_url(value: Any, fail: Fail) -> str:
@@ -417,12 +423,14 @@ KIND_FIELDS: dict[str, dict[str, _Field]] = {
     },
     "clean": {
         "gpus": _Field(_v_gpus, default=None),
-        "units": _Field(_v_units_or_none, default=()),
         "grace": _Field(_v_seconds, default=10.0),
         "tolerance_mib": _Field(_v_mib, default=64),
+        "protect": _Field(_v_globs, default=()),
+        "include_spanning": _Field(_v_bool, default=False),
+        "stop_units": _Field(_v_bool, default=False),
+        "disable_units": _Field(_v_bool, default=False),
         "shm": _Field(_v_bool, default=False),
         "reset": _Field(_v_bool, default=False),
-        "include_unlisted": _Field(_v_bool, default=False),
     },
     "wait_free": {
         "gpus": _Field(_v_gpus, default=None),
@@ -815,15 +823,20 @@ def describe(step: Step) -> str:
         return f"{verb} {', '.join(p['units'])}{scope}"
     if k == "clean":
         extra = []
-        if p["units"]:
-            extra.append(f"stopping {', '.join(p['units'])} first")
+        if p["stop_units"]:
+            extra.append("stopping (and disabling)" if p["disable_units"] else "stopping")
+            extra[-1] += " the systemd units of the holders"
+        if p["protect"]:
+            extra.append(f"protecting {', '.join(p['protect'])}")
+        if p["include_spanning"]:
+            extra.append("including processes that span other GPUs")
         if p["shm"]:
             extra.append("clearing /dev/shm")
         if p["reset"]:
             extra.append("resetting the GPUs")
-        more = f", {', '.join(extra)}" if extra else ""
-        return (f"clean {_gpus_text(p['gpus'])}: TERM, {p['grace']:g}s grace, KILL; "
-                f"wait for memory (tolerance {p['tolerance_mib']} MiB){more}")
+        more = f"; {', '.join(extra)}" if extra else ""
+        return (f"clean {_gpus_text(p['gpus'])} by GPU evidence: TERM, {p['grace']:g}s grace, KILL; "
+                f"wait up to {step.timeout:g}s for the memory (tolerance {p['tolerance_mib']} MiB){more}")
     if k == "wait_free":
         want = (f"{p['min_free_mib']} MiB" if p["min_free_mib"] is not None
                 else f"{p['min_free_fraction']:.0%}")

@@ -87,15 +87,14 @@ def test_pre_train_cleans_0_3_and_guards_4_7() -> None:
     rb = load_runbook(PLAYBOOKS / "pre-train.yaml")
     clean = next(s for s in rb.steps if s.kind == "clean")
     assert clean.params["gpus"] == (0, 1, 2, 3)
-    assert clean.params["units"] == ()
+    assert clean.params["stop_units"] is False
     asserts = [s.params["that"] for s in rb.steps if s.kind == "assert"]
     assert asserts[0]["sets"] == {"holders_alive_on": (4, 5, 6, 7)}
     assert asserts[-1]["sets"] == {"holders_alive_on": (4, 5, 6, 7)}
     assert asserts[1]["sets"] == {"no_holders_on": (0, 1, 2, 3)}
     assert asserts[1]["bounds"] == {"unexpected_unattributed_mib": (None, 0)}
-    rb2 = load_runbook(PLAYBOOKS / "pre-train.yaml", {"UNITS": "vllm-a, vllm-b"})
-    assert next(s for s in rb2.steps if s.kind == "clean").params["units"] == (
-        "vllm-a.service", "vllm-b.service")
+    rb2 = load_runbook(PLAYBOOKS / "pre-train.yaml", {"STOP_UNITS": "true"})
+    assert next(s for s in rb2.steps if s.kind == "clean").params["stop_units"] is True
 
 
 def test_wsl2_preflight_is_read_only_and_keeps_going() -> None:
@@ -364,6 +363,12 @@ def test_bad_unit_names(bad: str) -> None:
         unit_name(bad)
 
 
+def test_stop_units_takes_a_string_of_names() -> None:
+    rb = _parse("steps:\n  - {kind: stop_units, units: '{{ U }}'}\n", U="vllm-a, vllm-b vllm-a")
+    assert rb.steps[0].params["units"] == ("vllm-a.service", "vllm-b.service")
+    assert "list of unit names" in _error("steps:\n  - {kind: stop_units, units: '{{ U }}'}\n", U=" ")
+
+
 def test_mutating_kinds_are_exactly_the_ones_that_change_hosts() -> None:
     assert MUTATING == {"stop_units", "clean", "clear_shm", "start_unit", "shell"}
     assert set(KIND_FIELDS) == set(KINDS)
@@ -391,15 +396,15 @@ def test_describe_shows_what_would_happen() -> None:
     rb = _parse("""\
         steps:
           - {kind: stop_units, units: [a, b.service], disable: true}
-          - {kind: clean, gpus: 0-3, units: [c], shm: true, grace: 7}
+          - {kind: clean, gpus: 0-3, stop_units: true, shm: true, grace: 7, protect: '*train*'}
           - {kind: wait_free, gpus: 1, min_free_mib: 40000}
           - {kind: shell, command: 'systemctl status x', expect_exit: [0, 3]}
           - {kind: assert, that: {free_mib_min: 10, gpus: 4-7, holders_alive_on: 4-7}}
         """)
     texts = [describe(s) for s in rb.steps]
     assert texts[0] == "stop and disable a.service, b.service"
-    assert "GPUs 0-3" in texts[1] and "7s grace" in texts[1] and "c.service" in texts[1] \
-        and "/dev/shm" in texts[1]
+    assert "GPUs 0-3" in texts[1] and "7s grace" in texts[1] and "systemd units" in texts[1] \
+        and "/dev/shm" in texts[1] and "*train*" in texts[1]
     assert texts[2] == "wait until GPU 1 each have >= 40000 MiB free (poll 1s)"
     assert "systemctl status x" in texts[3] and "0,3" in texts[3]
     assert "free_mib >= 10 on GPUs 4-7" in texts[4] and "alive on GPUs 4-7" in texts[4]
