@@ -44,7 +44,7 @@ TOP_LEVEL_KEYS = ("defaults", "hosts", "groups")
 # Host names, group names and tags: they are typed on command lines and shown in tables.
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
 # A DNS name, an IPv4/IPv6 literal (with an optional %zone) or an ssh_config Host alias.
-_ADDRESS_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:%-]*\Z")
+_ADDRESS_RE = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9._:%-]*\Z")
 # POSIX portable user names (letters, digits, . _ -), not starting with '-'.
 _USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
 # The remote interpreter is shlex-quoted into the one constant command; keep it one plain word.
@@ -372,8 +372,9 @@ def _check_duplicates(node: Any, where: str, seen: set) -> None:
 
 
 def _load_yaml(text: str, source: str) -> Any:
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)  # the reader already refuses non-printable characters
         node = loader.get_single_node()
         if node is None:
             return None
@@ -386,7 +387,7 @@ def _load_yaml(text: str, source: str) -> Any:
         problem = getattr(exc, "problem", None)
         context = getattr(exc, "context", None)
         if problem and context:
-            detail = f"{problem} ({context})"
+            detail = f"{context}, {problem}"
         else:
             detail = problem or context or str(exc)
         loc = f"{source}:{line}" if line else source
@@ -397,7 +398,8 @@ def _load_yaml(text: str, source: str) -> Any:
         # PyYAML's own constructors raise these for e.g. `2020-13-45` (read as a date).
         raise UsageError(_one_line(f"{source}: invalid YAML value: {exc}")) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 # --------------------------------------------------------------------------- validation
@@ -592,7 +594,9 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
 HOST_KEYS: tuple[str, ...] = tuple(_VALIDATORS)
 DEFAULT_KEYS: tuple[str, ...] = tuple(k for k in HOST_KEYS if k != "address")
 # Keys that accept null, meaning "unset here" (so ~/.ssh/config or a search fills them in).
-_NULLABLE = frozenset({"port", "user", "identity_file", "known_hosts_file", "nvidia_smi"})
+_NULLABLE = frozenset(
+    {"address", "port", "user", "identity_file", "known_hosts_file", "nvidia_smi"}
+)
 
 
 class _Ctx:
