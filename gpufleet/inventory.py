@@ -390,6 +390,8 @@ def _load_yaml(text: str, source: str) -> Any:
             detail = f"{context}, {problem}"
         else:
             detail = problem or context or str(exc)
+        if isinstance(exc, yaml.reader.ReaderError):
+            detail = f"character U+{int(exc.character):04X} is not allowed in YAML"
         loc = f"{source}:{line}" if line else source
         raise UsageError(_one_line(f"{loc}: YAML syntax error: {detail}")) from None
     except RecursionError:
@@ -415,7 +417,9 @@ def _describe(value: Any) -> str:
     if isinstance(value, float):
         return f"the number {value!r}"
     if isinstance(value, str):
-        return f"the string {value!r}" if len(value) <= 80 else f"a string of {len(value)} characters"
+        if len(value) > 80:
+            return f"a string of {len(value)} characters"
+        return f"the string {value!r}"
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, (list, tuple)):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -590,7 +591,8 @@ VALUES = st.recursive(
     | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), inner, max_size=5),
     max_leaves=20,
 )
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# GPUFLEET_FUZZ_EXAMPLES=20000 for a long run; the default keeps the unit suite quick.
+FUZZ = settings(max_examples=int(os.environ.get("GPUFLEET_FUZZ_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
