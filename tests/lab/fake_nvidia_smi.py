@@ -1,0 +1,651 @@
+#!/usr/bin/env python3
+"""A fake ``nvidia-smi`` for the test lab, faithful to the output recorded on real H200 hosts.
+
+Why a fake: gpufleet must be tested end to end (SSH, agent, parsing, clean) on machines without
+GPUs. Every format below is copied from /work/shared/recorded/*.log (driver 580.159.04); what
+the recordings do not show is marked "unrecorded" and kept close to what the driver prints.
+
+State lives in ``$FAKEGPU_ROOT`` (default /run/fakegpu, per lab host):
+
+* ``config.json``: the GPUs and the failure modes (see ``DEFAULTS``);
+* ``procs/<pid>.json``: one record per holder (written by fakecuda.py):
+  ``{"pid", "starttime", "alloc": {"<index>": MiB}}``. A holder counts while /proc/<pid> exists
+  with the same starttime and is not a zombie (recorded: a zombie holds no GPU memory); once
+  dead, its memory stays ``release_delay_s`` more (the death time is written into the record the
+  first time it is seen), then the record is deleted;
+* ``resets.jsonl``: one line per successful ``--gpu-reset``.
+
+Stdlib only and few imports: it is run very often.
+"""
+import json
+import os
+import sys
+import time
+
+ROOT = os.environ.get("FAKEGPU_ROOT") or "/run/fakegpu"
+
+DEFAULTS = {
+    "gpus": 1,
+    "name": "NVIDIA RTX 6000 Ada Generation",  # a string, or one per GPU (list)
+    "total_mib": 49140,  # an int, or one per GPU (list)
+    "reserved_mib": 616,  # recorded on H200: total = used + free + reserved
+    "driver": "580.159.04",
+    "cuda": "13.0",
+    "seed": "fakegpu",  # UUIDs derive from it: stable per host
+    "uuids": None,  # optional explicit list
+    "bus_ids": None,  # optional explicit list; default 00000000:00:06.0, :07.0, ...
+    "minors": None,  # optional /dev/nvidiaN minor per index (index != minor on real hosts)
+    "ghost_mib": {},  # per index: memory used that no process owns
+    "utilization": {},  # per index, percent
+    "release_delay_s": 0.0,
+    "hidden_pids": False,  # container PID namespace: compute-apps lists nothing
+    "wsl2": False,  # per-process used memory is [N/A]
+    "fail": False,
+    "hang": False,
+    "garbage": False,
+    "temp_c": 37,
+    "power_w": 126,
+    "power_cap_w": 700,
+}
+
+FAIL_TEXT = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running."
+)
+BAD_ARGS = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
+
+# --help-query-gpu (recorded names and aliases): canonical name first.
+GPU_FIELDS = {
+    "index": "index",
+    "uuid": "uuid",
+    "gpu_uuid": "uuid",
+    "name": "name",
+    "gpu_name": "name",
+    "pci.bus_id": "pci.bus_id",
+    "gpu_bus_id": "pci.bus_id",
+    "memory.used": "memory.used",
+    "memory.total": "memory.total",
+    "memory.free": "memory.free",
+    "memory.reserved": "memory.reserved",
+    "utilization.gpu": "utilization.gpu",
+    "driver_version": "driver_version",
+    "count": "count",
+    "timestamp": "timestamp",
+    "persistence_mode": "persistence_mode",
+    "compute_mode": "compute_mode",
+    "temperature.gpu": "temperature.gpu",
+}
+GPU_UNITS = {
+    "memory.used": "MiB",
+    "memory.total": "MiB",
+    "memory.free": "MiB",
+    "memory.reserved": "MiB",
+    "utilization.gpu": "%",
+}
+# --help-query-compute-apps (recorded list).
+APP_FIELDS = {
+    "pid": "pid",
+    "process_name": "process_name",
+    "name": "process_name",
+    "used_gpu_memory": "used_gpu_memory",
+    "used_memory": "used_gpu_memory",
+    "gpu_uuid": "gpu_uuid",
+    "gpu_bus_id": "gpu_bus_id",
+    "gpu_name": "gpu_name",
+    "timestamp": "timestamp",
+}
+APP_UNITS = {"used_gpu_memory": "MiB"}
+
+
+class Exit(Exception):
+    def __init__(self, code, text=""):
+        Exception.__init__(self, code)
+        self.code = code
+        self.text = text
+
+
+# --- state --------------------------------------------------------------------------------
+
+
+def load_config():
+    cfg = dict(DEFAULTS)
+    try:
+        with open(os.path.join(ROOT, "config.json")) as f:
+            cfg.update(json.load(f))
+    except FileNotFoundError:
+        pass
+    return cfg
+
+
+def _per_gpu(value, i):
+    if isinstance(value, list):
+        return value[i] if i < len(value) else value[-1]
+    return value
+
+
+def _uuid(seed, i):
+    import hashlib
+
+    h = hashlib.md5(("%s/%d" % (seed, i)).encode()).hexdigest()
+    return "GPU-%s-%s-%s-%s-%s" % (h[0:8], h[8:12], h[12:16], h[16:20], h[20:32])
+
+
+def gpus_of(cfg):
+    out = []
+    ghost = cfg.get("ghost_mib") or {}
+    util = cfg.get("utilization") or {}
+    for i in range(int(cfg["gpus"])):
+        out.append(
+            {
+                "index": i,
+                "uuid": cfg["uuids"][i] if cfg.get("uuids") else _uuid(cfg["seed"], i),
+                "name": _per_gpu(cfg["name"], i),
+                "bus_id": cfg["bus_ids"][i]
+                if cfg.get("bus_ids")
+                else "00000000:00:%02X.0" % (6 + i),
+                "minor": cfg["minors"][i] if cfg.get("minors") else i,
+                "total": int(_per_gpu(cfg["total_mib"], i)),
+                "reserved": int(_per_gpu(cfg["reserved_mib"], i)),
+                "ghost": int(ghost.get(str(i), 0)),
+                "util": int(util.get(str(i), 0)),
+            }
+        )
+    return out
+
+
+def proc_state(pid):
+    """(state, starttime) of a pid in this PID namespace, or None when it does not exist."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            data = f.read().decode("ascii", "replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    rest = data[data.rindex(")") + 2 :].split()
+    return rest[0], int(rest[19])
+
+
+def process_name(pid):
+    """Basename of argv[0]: what nvidia-smi shows (recorded: a prctl rename does not change it)."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            argv0 = f.read().split(b"\0", 1)[0].decode("utf-8", "replace")
+    except OSError:
+        argv0 = ""
+    if not argv0:
+        try:
+            with open("/proc/%d/comm" % pid) as f:
+                argv0 = f.read().strip()
+        except OSError:
+            argv0 = "[Not Found]"
+    return argv0.rsplit("/", 1)[-1]
+
+
+def _write_json(path, doc):
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.rename(tmp, path)
+
+
+def holders(cfg):
+    """Records that count now: [(record, live)]; dead records past the delay are deleted."""
+    pdir = os.path.join(ROOT, "procs")
+    try:
+        names = sorted(os.listdir(pdir))
+    except FileNotFoundError:
+        return []
+    delay = float(cfg.get("release_delay_s") or 0.0)
+    now = time.time()
+    out = []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(pdir, name)
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        st = proc_state(int(rec["pid"]))
+        live = st is not None and st[0] not in ("Z", "X") and st[1] == int(rec["starttime"])
+        if live:
+            out.append((rec, True))
+            continue
+        since = rec.get("dead_since")
+        if since is None and delay > 0:
+            rec["dead_since"] = since = now
+            try:
+                _write_json(path, rec)
+            except OSError:
+                pass
+        if since is not None and now - float(since) < delay:
+            out.append((rec, False))
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return out
+
+
+def snapshot(cfg):
+    gpus = gpus_of(cfg)
+    by_index = {g["index"]: g for g in gpus}
+    for g in gpus:
+        g["used"] = g["ghost"]
+    apps = []
+    for rec, live in holders(cfg):
+        for idx, mib in sorted((rec.get("alloc") or {}).items(), key=lambda kv: int(kv[0])):
+            g = by_index.get(int(idx))
+            if g is None or not mib:
+                continue
+            g["used"] += int(mib)
+            if live:
+                apps.append({"pid": int(rec["pid"]), "gpu": g, "mib": int(mib)})
+    for g in gpus:
+        g["used"] = min(g["used"], g["total"] - g["reserved"])
+        g["free"] = g["total"] - g["reserved"] - g["used"]
+    apps.sort(key=lambda a: (a["gpu"]["index"], a["pid"]))
+    if cfg.get("hidden_pids"):
+        apps = []
+    for a in apps:
+        a["name"] = process_name(a["pid"])
+    return gpus, apps
+
+
+# --- arguments ----------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    opts = {"format": None, "display": None, "id": None}
+    flags = set()
+    i = 0
+    with_value = {
+        "--query-gpu": "query_gpu",
+        "--query-compute-apps": "query_apps",
+        "--format": "format",
+        "-i": "id",
+        "--id": "id",
+        "-d": "display",
+        "--display": "display",
+    }
+    bare = {
+        "-q": "query",
+        "--query": "query",
+        "-r": "reset",
+        "--gpu-reset": "reset",
+        "-L": "list",
+        "--list-gpus": "list",
+        "-h": "help",
+        "--help": "help",
+        "--version": "version",
+    }
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, val = arg.partition("=")
+        if key in with_value:
+            if not eq:
+                i += 1
+                if i >= len(argv):
+                    raise Exit(2, BAD_ARGS)
+                val = argv[i]
+            opts[with_value[key]] = val
+        elif arg in bare:
+            flags.add(bare[arg])
+        else:
+            raise Exit(2, BAD_ARGS)
+        i += 1
+    return opts, flags
+
+
+def select(gpus, ident):
+    if ident is None:
+        return gpus
+    out = []
+    for part in ident.split(","):
+        part = part.strip()
+        found = None
+        for g in gpus:
+            if part == str(g["index"]) or part == g["uuid"] or part.upper() == g["bus_id"]:
+                found = g
+        if found is None:
+            raise Exit(6, "No devices were found")
+        if found not in out:
+            out.append(found)
+    return out
+
+
+# --- output -------------------------------------------------------------------------------
+
+
+def fmt_csv(fields, rows, fmt, units):
+    parts = [p.strip() for p in fmt.split(",")]
+    if not parts or parts[0] != "csv" or any(p not in ("csv", "noheader", "nounits") for p in parts):
+        raise Exit(2, BAD_ARGS)
+    with_units = "nounits" not in parts
+    lines = []
+    if "noheader" not in parts:
+        lines.append(
+            ", ".join(
+                "%s [%s]" % (f, units[f]) if with_units and f in units else f for f in fields
+            )
+        )
+    for row in rows:
+        cells = []
+        for f, v in zip(fields, row):
+            v = str(v)
+            if with_units and f in units and not v.startswith("["):
+                v = "%s %s" % (v, units[f])
+            cells.append(v)
+        lines.append(", ".join(cells))
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def resolve(fields_text, table):
+    out = []
+    for name in fields_text.split(","):
+        name = name.strip()
+        if name not in table:
+            raise Exit(2, 'Field "%s" is not a valid field to query.\n' % name)
+        out.append(table[name])
+    return out
+
+
+def stamp():
+    return time.strftime("%Y/%m/%d %H:%M:%S.000")
+
+
+def query_gpu(cfg, gpus, fields_text, fmt):
+    fields = resolve(fields_text, GPU_FIELDS)
+    rows = []
+    for g in gpus:
+        value = {
+            "index": g["index"],
+            "uuid": g["uuid"],
+            "name": g["name"],
+            "pci.bus_id": g["bus_id"],
+            "memory.used": g["used"],
+            "memory.total": g["total"],
+            "memory.free": g["free"],
+            "memory.reserved": g["reserved"],
+            "utilization.gpu": g["util"],
+            "driver_version": cfg["driver"],
+            "count": int(cfg["gpus"]),
+            "timestamp": stamp(),
+            "persistence_mode": "Enabled",
+            "compute_mode": "Default",
+            "temperature.gpu": cfg["temp_c"],
+        }
+        rows.append([value[f] for f in fields])
+    return fmt_csv(fields, rows, fmt, GPU_UNITS)
+
+
+def query_apps(cfg, gpus, apps, fields_text, fmt):
+    fields = resolve(fields_text, APP_FIELDS)
+    wanted = {g["index"] for g in gpus}
+    rows = []
+    for a in apps:
+        if a["gpu"]["index"] not in wanted:
+            continue
+        value = {
+            "pid": a["pid"],
+            "process_name": a["name"],
+            "used_gpu_memory": "[N/A]" if cfg.get("wsl2") else a["mib"],
+            "gpu_uuid": a["gpu"]["uuid"],
+            "gpu_bus_id": a["gpu"]["bus_id"],
+            "gpu_name": a["gpu"]["name"],
+            "timestamp": stamp(),
+        }
+        rows.append([value[f] for f in fields])
+    return fmt_csv(fields, rows, fmt, APP_UNITS)
+
+
+def _fit(text, width):
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def table(cfg, gpus, apps):
+    sep = "+-----------------------------------------+------------------------+----------------------+"
+    wide = "+" + "-" * 89 + "+"
+    out = [time.strftime("%a %b %d %H:%M:%S %Y") + "       ", wide]
+    head = "| NVIDIA-SMI %-23sDriver Version: %-15sCUDA Version: %-9s|" % (
+        cfg["driver"],
+        cfg["driver"],
+        cfg["cuda"],
+    )
+    out += [
+        head,
+        sep,
+        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
+        "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |",
+        "|                                         |                        |               MIG M. |",
+        "|=========================================+========================+======================|",
+    ]
+    for g in gpus:
+        out.append(
+            "|%4d  %-29s%4s  |%19s Off |%21s |"
+            % (g["index"], _fit(g["name"], 29), "On", g["bus_id"], "0")
+        )
+        power = "%dW / %4dW" % (cfg["power_w"], cfg["power_cap_w"])
+        out.append(
+            "| N/A   %2dC    P0 %23s |%8dMiB / %6dMiB |%7d%%      Default |"
+            % (cfg["temp_c"], power, g["used"], g["total"], g["util"])
+        )
+        out.append(
+            "|                                         |                        |             Disabled |"
+        )
+        out.append(sep)
+    out += [
+        "",
+        wide,
+        "| Processes:" + " " * 78 + "|",
+        "|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |",
+        "|        ID   ID                                                               Usage      |",
+        "|" + "=" * 89 + "|",
+    ]
+    if not apps:
+        out.append("|  No running processes found" + " " * 61 + "|")
+    for a in apps:
+        mem = "N/A" if cfg.get("wsl2") else "%dMiB" % a["mib"]
+        name = a["name"]
+        room = 46 - len(mem) - 1
+        if len(name) > room:
+            name = "..." + name[-(room - 3) :]
+        out.append(
+            "|%5d   N/A  N/A%17d%7s   %s%s |"
+            % (a["gpu"]["index"], a["pid"], "C", name.ljust(46 - len(mem)), mem)
+        )
+    out.append(wide)
+    return "\n".join(out) + "\n"
+
+
+def _kv(indent, label, value, width=55):
+    return (" " * indent + label).ljust(width) + ": " + str(value)
+
+
+def query(cfg, all_gpus, gpus, apps, display):
+    sections = {s.strip().upper() for s in display.split(",")} if display else None
+    if sections is not None and not sections <= {"PIDS", "MEMORY"}:
+        raise Exit(2, BAD_ARGS)
+    out = [
+        "",
+        "==============NVSMI LOG==============",
+        "",
+        _kv(0, "Timestamp", time.strftime("%a %b %d %H:%M:%S %Y")),
+        _kv(0, "Driver Version", cfg["driver"]),
+        _kv(0, "CUDA Version", cfg["cuda"]),
+        "",
+        _kv(0, "Attached GPUs", len(all_gpus)),
+    ]
+    for g in gpus:
+        out.append("GPU " + g["bus_id"])
+        if sections is None:
+            out += [
+                _kv(4, "Product Name", g["name"]),
+                _kv(4, "Persistence Mode", "Enabled"),
+                _kv(4, "Minor Number", g["minor"]),
+                _kv(4, "GPU UUID", g["uuid"]),
+                "    PCI",
+                _kv(8, "Bus", "0x%s" % g["bus_id"][9:11]),
+                _kv(8, "Device", "0x%s" % g["bus_id"][12:14]),
+                _kv(8, "Domain", "0x%s" % g["bus_id"][4:8]),
+                _kv(8, "Bus Id", g["bus_id"]),
+            ]
+        if sections is None or "MEMORY" in sections:
+            out += [
+                "    FB Memory Usage",
+                _kv(8, "Total", "%d MiB" % g["total"]),
+                _kv(8, "Reserved", "%d MiB" % g["reserved"]),
+                _kv(8, "Used", "%d MiB" % g["used"]),
+                _kv(8, "Free", "%d MiB" % g["free"]),
+            ]
+        if sections is None or "PIDS" in sections:
+            mine = [a for a in apps if a["gpu"] is g]
+            if not mine:
+                out.append(_kv(4, "Processes", "None"))
+            else:
+                out.append("    Processes")
+                for a in mine:
+                    used = "Not available" if cfg.get("wsl2") else "%d MiB" % a["mib"]
+                    out += [
+                        _kv(8, "GPU instance ID", "N/A", 42),
+                        _kv(8, "Compute instance ID", "N/A", 42),
+                        _kv(8, "Process ID", a["pid"], 42),
+                        _kv(12, "Type", "C", 42),
+                        _kv(12, "Name", a["name"], 42),
+                        _kv(12, "Used GPU Memory", used, 42),
+                    ]
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def in_use(gpu, apps):
+    """Processes keeping a GPU busy: memory on it, or its device file open (as the driver sees)."""
+    if any(a["gpu"] is gpu for a in apps):
+        return True
+    dev = "/dev/nvidia%d" % gpu["minor"]
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            fds = os.listdir("/proc/%s/fd" % name)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink("/proc/%s/fd/%s" % (name, fd)) == dev:
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+def reset(cfg, gpus, apps, ident):
+    if ident is None:
+        chosen = gpus
+    else:
+        chosen = select(gpus, ident)
+    if os.geteuid() != 0:
+        # unrecorded: the driver refuses non-root resets
+        lines = ["The following GPUs could not be reset:"]
+        lines += ["  GPU %s: Insufficient Permissions" % g["bus_id"] for g in chosen]
+        raise Exit(4, "\n".join(lines) + "\n")
+    busy = [g for g in chosen if in_use(g, apps)]
+    if busy:
+        n = len(busy)
+        lines = ["The following GPUs could not be reset:"]
+        lines += ["  GPU %s: In use by another client" % g["bus_id"] for g in busy]
+        lines.append("")
+        lines.append(
+            "%d device%s currently being used by one or more other processes (e.g., Fabric "
+            "Manager, CUDA application, graphics application such as an X server, or a "
+            "monitoring application such as another instance of nvidia-smi). Please first kill "
+            "all processes using %s and all compute applications running in the system."
+            % (n, " is" if n == 1 else "s are", "this device" if n == 1 else "these devices")
+        )
+        raise Exit(255, "\n".join(lines) + "\n")
+    # A reset frees memory no process owns (the ghost): record it in the config.
+    path = os.path.join(ROOT, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raw = {}
+    ghost = dict(raw.get("ghost_mib") or {})
+    lines = []
+    with open(os.path.join(ROOT, "resets.jsonl"), "a") as f:
+        for g in chosen:
+            ghost.pop(str(g["index"]), None)
+            f.write(json.dumps({"index": g["index"], "t": time.time()}) + "\n")
+            lines.append("GPU %s was successfully reset." % g["bus_id"])
+    raw["ghost_mib"] = ghost
+    _write_json(path, raw)
+    lines.append("All done.")
+    return "\n".join(lines) + "\n"
+
+
+def garble(text):
+    """Truncated, garbled output: what a dying driver or a broken pipe can leave."""
+    cut = text[: max(1, len(text) * 3 // 5)]
+    return cut + "\ufffd\x1b[0m#,,GPU-?? , [Unknown Error],\n"
+
+
+def run(argv):
+    cfg = load_config()
+    if cfg.get("hang"):
+        while True:
+            time.sleep(3600)
+    if cfg.get("fail"):
+        raise Exit(9, FAIL_TEXT + "\n")
+    opts, flags = parse_args(argv)
+    if "help" in flags:
+        return "NVIDIA System Management Interface -- v%s (fakegpu)\n" % cfg["driver"]
+    if "version" in flags:
+        return "NVIDIA-SMI version  : %s\nDRIVER version     : %s\nCUDA Version       : %s\n" % (
+            cfg["driver"],
+            cfg["driver"],
+            cfg["cuda"],
+        )
+    all_gpus, apps = snapshot(cfg)
+    if "reset" in flags:
+        return reset(cfg, all_gpus, apps, opts["id"])
+    gpus = select(all_gpus, opts["id"])
+    if opts.get("query_gpu") is not None or opts.get("query_apps") is not None:
+        if opts["format"] is None:
+            raise Exit(2, '"--format" must be specified when querying information.\n')
+        if opts.get("query_gpu") is not None:
+            text = query_gpu(cfg, gpus, opts["query_gpu"], opts["format"])
+        else:
+            text = query_apps(cfg, gpus, apps, opts["query_apps"], opts["format"])
+    elif "query" in flags:
+        text = query(cfg, all_gpus, gpus, apps, opts["display"])
+    elif "list" in flags:
+        text = "".join("GPU %d: %s (UUID: %s)\n" % (g["index"], g["name"], g["uuid"]) for g in gpus)
+    elif opts["display"] is not None:
+        raise Exit(2, BAD_ARGS)
+    else:
+        text = table(cfg, gpus, [a for a in apps if a["gpu"] in gpus])
+    if cfg.get("garbage"):
+        text = garble(text)
+    return text
+
+
+def main():
+    try:
+        text = run(sys.argv[1:])
+        code = 0
+    except Exit as e:
+        text, code = e.text, e.code
+        if text and not text.endswith("\n"):
+            text += "\n"
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

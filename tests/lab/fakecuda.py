@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""A fake CUDA program for the test lab: holds "GPU memory" the way a real CUDA process does.
+
+What real CUDA does that gpufleet depends on (recorded in /work/shared/recorded):
+
+* it opens EVERY /dev/nvidiaN (several fds on the GPUs it uses, a few on the others, even with
+  CUDA_VISIBLE_DEVICES), plus /dev/nvidiactl and /dev/nvidia-uvm; on WSL2 it opens /dev/dxg;
+* its memory is attributed to it by nvidia-smi's compute-apps list (by GPU UUID);
+* vLLM renames its processes both in comm (prctl) and in the cmdline (setproctitle);
+* it keeps its memory until the process is gone (a SIGTERM handler delays the release).
+
+This program registers its allocation in $FAKEGPU_ROOT/procs/<pid>.json with its starttime; the
+fake nvidia-smi decides liveness itself (pid + starttime, not a zombie), so a record never needs
+to be removed on exit.
+
+Usage (all optional)::
+
+    fakecuda.py --gpus 0,1 --mib 716 [--title VLLM::Worker] [--ignore-term] [--term-delay 1.5]
+                [--spawn-child 'ARGS'] ... [--ready-file PATH] [--cuda-visible 1,0]
+                [--no-devices] [--zombie-child MIB] [--exit-after S] [--detach]
+
+``--mib`` is one number for every GPU or one per GPU (``716,1024``). ``--gpus ''`` allocates
+nothing (CUDA initialised, no memory). ``--detach`` daemonises (setsid, stdio to /dev/null or
+``--log``) and prints the ready document (JSON: pid, starttime, children, zombie) once the whole
+family is set up, so a caller over SSH gets the pids and the session can end at once.
+"""
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.environ.get("FAKEGPU_ROOT") or "/run/fakegpu"
+PR_SET_NAME = 15
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="fakecuda")
+    p.add_argument("--gpus", default="0", help="comma-separated CUDA device indices ('' = none)")
+    p.add_argument("--mib", default="500", help="MiB per GPU: one value or one per GPU")
+    p.add_argument("--title", default=None, help="new process name (comm and cmdline)")
+    p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--term-delay", type=float, default=None, help="seconds from SIGTERM to exit")
+    p.add_argument("--spawn-child", action="append", default=[], metavar="ARGS")
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--cuda-visible", default=None, help="like CUDA_VISIBLE_DEVICES")
+    p.add_argument("--no-devices", action="store_true", help="a CPU-only process (API server)")
+    p.add_argument("--zombie-child", type=int, default=None, metavar="MIB",
+                   help="fork a child that allocates MIB on the first GPU and exits unreaped")
+    p.add_argument("--exit-after", type=float, default=None)
+    p.add_argument("--detach", action="store_true")
+    p.add_argument("--log", default=os.devnull)
+    return p.parse_args(argv)
+
+
+def starttime(pid="self"):
+    with open("/proc/%s/stat" % pid, "rb") as f:
+        data = f.read().decode("ascii", "replace")
+    return int(data[data.rindex(")") + 2 :].split()[19])
+
+
+def write_json(path, doc):
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.chmod(tmp, 0o666)
+    os.rename(tmp, path)
+
+
+def config():
+    try:
+        with open(os.path.join(ROOT, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def rename(title):
+    """Rename like vLLM: the cmdline (setproctitle) and comm (prctl PR_SET_NAME)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        _overwrite_argv(title)
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)
+
+
+def _overwrite_argv(title):
+    """setproctitle's Linux method without the package: overwrite the argv area in place."""
+    import ctypes
+
+    with open("/proc/self/stat", "rb") as f:
+        data = f.read().decode("ascii", "replace")
+    fields = data[data.rindex(")") + 2 :].split()
+    arg_start, arg_end = int(fields[45]), int(fields[46])  # stat fields 48, 49
+    size = arg_end - arg_start
+    raw = title.encode()[: size - 1]
+    buf = raw + b"\0" * (size - len(raw))
+    ctypes.memmove(arg_start, buf, size)
+
+
+def physical(gpus, visible):
+    """CUDA device index -> nvidia-smi index through CUDA_VISIBLE_DEVICES (indices only)."""
+    if visible is None or visible == "":
+        return gpus
+    vis = [int(v) for v in visible.split(",") if v.strip() != ""]
+    return [vis[g] for g in gpus]
+
+
+def open_devices(used_indices, minors):
+    """Open every NVIDIA device file like CUDA does; more fds on the GPUs that are used."""
+    fds = []
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        names = []
+    numbered = sorted((n for n in names if re.match(r"^nvidia\d+$", n)), key=lambda n: int(n[6:]))
+    if "dxg" in names and not numbered:
+        for _ in range(4):
+            fds.append(os.open("/dev/dxg", os.O_RDWR))
+        return fds
+    if not numbered:
+        sys.stderr.write("RuntimeError: No CUDA GPUs are available\n")
+        sys.exit(1)
+    used_minors = {minors[i] if i < len(minors) else i for i in used_indices}
+    for ctl in ("nvidiactl", "nvidia-uvm"):
+        if ctl in names:
+            fds.append(os.open("/dev/" + ctl, os.O_RDWR))
+            fds.append(os.open("/dev/" + ctl, os.O_RDWR))
+    for n in numbered:
+        count = 4 if int(n[6:]) in used_minors else 1
+        for _ in range(count):
+            fds.append(os.open("/dev/" + n, os.O_RDWR))
+    return fds
+
+
+def register(alloc):
+    if not alloc:
+        return
+    pdir = os.path.join(ROOT, "procs")
+    pid = os.getpid()
+    write_json(
+        os.path.join(pdir, "%d.json" % pid),
+        {"pid": pid, "starttime": starttime(), "alloc": alloc},
+    )
+
+
+def wait_file(path, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            time.sleep(0.01)
+    raise SystemExit("fakecuda: child not ready after %.0fs: %s" % (timeout, path))
+
+
+def zombie_child(index, mib, minors):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            open_devices([index], minors)
+            register({str(index): mib})
+        finally:
+            os._exit(0)
+    # Never reaped: the child stays a zombie while this process lives.
+    for _ in range(500):
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
+            break
+        time.sleep(0.01)
+    return pid
+
+
+def detach(args, argv):
+    """Daemonise; the parent prints the ready document and exits when the family is set up."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(wfd)
+        chunks = []
+        while True:
+            chunk = os.read(rfd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        text = b"".join(chunks).decode()
+        if not text:
+            sys.stderr.write("fakecuda: holder failed to start (see %s)\n" % args.log)
+            os._exit(1)
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        os._exit(0)
+    os.close(rfd)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    return wfd
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    pipe = detach(args, argv) if args.detach else None
+
+    cfg = config()
+    minors = cfg.get("minors") or []
+    visible = args.cuda_visible
+    if visible is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [int(g) for g in args.gpus.split(",") if g.strip() != ""]
+    phys = physical(gpus, visible)
+    mibs = [int(m) for m in args.mib.split(",")] if args.mib else [0]
+    alloc = {}
+    for n, idx in enumerate(phys):
+        mib = mibs[n] if n < len(mibs) else mibs[-1]
+        if mib > 0:
+            alloc[str(idx)] = alloc.get(str(idx), 0) + mib
+
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif args.term_delay is not None:
+        delay = args.term_delay
+
+        def on_term(signum, frame):
+            time.sleep(delay)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    if args.title:
+        rename(args.title)
+    fds = [] if args.no_devices else open_devices(phys, minors)
+    register(alloc)
+    zombie = None
+    if args.zombie_child is not None:
+        zombie = zombie_child(phys[0] if phys else 0, args.zombie_child, minors)
+
+    children = []
+    procs = []
+    me = os.getpid()
+    for n, child_args in enumerate(args.spawn_child):
+        ready = "/tmp/fakecuda-ready-%d-%d.json" % (me, n)
+        try:
+            os.unlink(ready)
+        except OSError:
+            pass
+        cmd = [sys.executable, os.path.abspath(__file__)] + shlex.split(child_args)
+        cmd += ["--ready-file", ready]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True))
+        children.append(ready)
+    children = [wait_file(path, 60) for path in children]
+
+    doc = {
+        "pid": me,
+        "starttime": starttime(),
+        "title": args.title,
+        "alloc": alloc,
+        "fds": len(fds),
+        "children": children,
+        "zombie": zombie,
+    }
+    if args.ready_file:
+        write_json(args.ready_file, doc)
+    if pipe is not None:
+        os.write(pipe, json.dumps(doc).encode())
+        os.close(pipe)
+
+    deadline = None if args.exit_after is None else time.time() + args.exit_after
+    while deadline is None or time.time() < deadline:
+        time.sleep(3600 if deadline is None else max(0.0, min(3600, deadline - time.time())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""PID 1 of one lab host: builds the host's private view of the machine, runs its sshd, reaps.
+
+Started by lab.py as ``unshare -m -p -f -u --mount-proc --kill-child python3 lab_init.py SPEC``
+(root), so it runs in fresh mount, PID and UTS namespaces. Why each piece:
+
+* a tmpfs on /run: per-host /run/fakegpu (the fake driver's state), /run/sshd (privsep dir)
+  and /run/gflab (scripts, keys, sshd_config, copied in: the lab's own temp dir may be hidden);
+* a tmpfs on /dev with bind mounts of null, zero, full, random, urandom, tty, a new devpts,
+  a fresh /dev/shm and REGULAR files standing in for /dev/nvidiaN, nvidiactl, nvidia-uvm (or
+  /dev/dxg on a WSL2 host): holders open them, gpufleet finds them in /proc/PID/fd;
+* private /tmp and /root (tmpfs; /root gets /etc/skel, so the machine's own dotfiles do not
+  change the session PATH) and copy-on-write /home (overlayfs): lock files, audit logs and
+  ready files of one host are not seen by another, and nothing leaks onto the real machine;
+  the lab's Python (spec "keep") stays visible at its path when it lives under /root or /tmp;
+* the fake nvidia-smi placed at the chosen path through an overlay of its nearest existing
+  directory (so /usr/local/nvidia/bin/nvidia-smi works without touching the real disk);
+* a host without python3 on PATH gets PATH = a directory of symlinks to /usr/bin and /usr/sbin
+  minus python* (the real interpreter stays at its absolute path for the fake nvidia-smi).
+
+It reports "ok" (or "error: ...") on the status fd once sshd listens, then reaps orphans and
+exits when SIGTERM arrives or the lifeline pipe from the lab closes (the lab process died):
+the death of a PID namespace's init kills every process in it.
+"""
+import ctypes
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_BIND = 4096
+MS_REC = 16384
+MNT_DETACH = 2
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def mount(source, target, fstype=None, flags=0, data=None):
+    res = _libc.mount(
+        source.encode() if source else None,
+        target.encode(),
+        fstype.encode() if fstype else None,
+        ctypes.c_ulong(flags),
+        data.encode() if data else None,
+    )
+    if res != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "mount %s on %s (%s): %s" % (source, target, fstype, os.strerror(err)))
+
+
+def umount(target):
+    if _libc.umount2(target.encode(), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "umount %s: %s" % (target, os.strerror(err)))
+
+
+def write(path, data, mode=0o644):
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+    os.chmod(path, mode)
+
+
+def build_dev(spec):
+    """A private /dev: the few real character devices sessions need, plus fake GPU files."""
+    os.mkdir("/run/gflab/olddev")
+    mount("/dev", "/run/gflab/olddev", None, MS_BIND | MS_REC)
+    mount("gflab-dev", "/dev", "tmpfs", MS_NOSUID, "mode=755,size=4m")
+    for name in ("null", "zero", "full", "random", "urandom", "tty"):
+        write("/dev/" + name, b"", 0o666)
+        mount("/run/gflab/olddev/" + name, "/dev/" + name, None, MS_BIND)
+    os.mkdir("/dev/pts")
+    try:
+        mount("devpts", "/dev/pts", "devpts", MS_NOSUID, "newinstance,ptmxmode=0666,mode=620")
+        os.symlink("pts/ptmx", "/dev/ptmx")
+    except OSError:
+        mount("/run/gflab/olddev/pts", "/dev/pts", None, MS_BIND)
+        write("/dev/ptmx", b"", 0o666)
+        mount("/run/gflab/olddev/ptmx", "/dev/ptmx", None, MS_BIND)
+    os.mkdir("/dev/shm")
+    mount("gflab-shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    for link, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        os.symlink(target, "/dev/" + link)
+    umount("/run/gflab/olddev")
+    os.rmdir("/run/gflab/olddev")
+    if spec["wsl2"]:
+        write("/dev/dxg", b"", 0o666)
+    else:
+        for minor in spec["minors"]:
+            write("/dev/nvidia%d" % minor, b"", 0o666)
+        for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+            write("/dev/" + name, b"", 0o666)
+
+
+def overlay(target, upper_files, tag):
+    """Overlay ``target`` (an existing dir) with files written into a tmpfs upper layer."""
+    base = "/run/gflab/ov/" + tag
+    os.makedirs(base + "/u")
+    os.makedirs(base + "/w")
+    for rel, (data, mode) in upper_files.items():
+        path = os.path.join(base + "/u", rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write(path, data, mode)
+    mount(
+        "gflab-ov",
+        target,
+        "overlay",
+        0,
+        "lowerdir=%s,upperdir=%s/u,workdir=%s/w" % (target, base, base),
+    )
+
+
+def place_smi(path, wrapper):
+    """Put the fake nvidia-smi at ``path`` without writing to the real disk."""
+    parent = os.path.dirname(path)
+    anchor = parent
+    while not os.path.isdir(anchor):
+        anchor = os.path.dirname(anchor)
+    rel = os.path.relpath(path, anchor)
+    overlay(anchor, {rel: (wrapper, 0o755)}, "smi")
+
+
+def nopython_path():
+    """PATH dir with every /usr/bin and /usr/sbin command except python*: python3 'not found'."""
+    farm = "/run/gflab/nopy-bin"
+    os.mkdir(farm)
+    for d in ("/usr/sbin", "/usr/bin"):
+        for name in os.listdir(d):
+            if name.startswith("python"):
+                continue
+            try:
+                os.symlink(os.path.join(d, name), os.path.join(farm, name))
+            except FileExistsError:
+                pass
+    return farm
+
+
+def wait_listening(port, proc, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            return "sshd exited with status %s" % proc.returncode
+        s = socket.socket()
+        try:
+            s.settimeout(0.2)
+            s.connect(("127.0.0.1", port))
+            return None
+        except OSError:
+            time.sleep(0.005)
+        finally:
+            s.close()
+    return "sshd not listening after %.0fs" % timeout
+
+
+def setup(spec, files):
+    socket.sethostname(spec["name"])
+    mount("gflab-run", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+    for d in ("/run/gflab", "/run/sshd", "/run/fakegpu", "/run/lock"):
+        os.mkdir(d, 0o755)
+    os.mkdir("/run/fakegpu/procs")
+    os.chmod("/run/fakegpu/procs", 0o777)
+    os.chmod("/run/lock", 0o1777)
+    write("/run/fakegpu/config.json", json.dumps(spec["config"], indent=1), 0o666)
+    for name, data in files.items():
+        write("/run/gflab/" + name, data, 0o600 if name.endswith("_key") else 0o644)
+    os.chmod("/run/gflab/fake_nvidia_smi.py", 0o755)
+    os.chmod("/run/gflab/fakecuda.py", 0o755)
+    wrapper = '#!/bin/sh\nexec %s -S -E /run/gflab/fake_nvidia_smi.py "$@"\n' % spec["smi_python"]
+    write("/run/gflab/nvidia-smi", wrapper, 0o755)
+    # Directories that must stay visible under the private /root and /tmp (the lab's Python).
+    keep = [k for k in spec.get("keep", []) if os.path.isdir(k)]
+    for n, k in enumerate(keep):
+        os.makedirs("/run/gflab/stage/%d" % n)
+        mount(k, "/run/gflab/stage/%d" % n, None, MS_BIND | MS_REC)
+    build_dev(spec)
+    mount("gflab-tmp", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    mount("gflab-root", "/root", "tmpfs", MS_NOSUID | MS_NODEV, "mode=700")
+    for name in os.listdir("/etc/skel"):
+        src = os.path.join("/etc/skel", name)
+        if os.path.isfile(src):
+            with open(src, "rb") as f:
+                write(os.path.join("/root", name), f.read(), 0o644)
+    if os.path.isdir("/home"):
+        overlay("/home", {}, "home")
+    for n, k in enumerate(keep):
+        os.makedirs(k, exist_ok=True)
+        mount("/run/gflab/stage/%d" % n, k, None, MS_BIND | MS_REC)
+        umount("/run/gflab/stage/%d" % n)
+    if spec["nvidia_smi"]:
+        place_smi(spec["nvidia_smi"], wrapper)
+    path = spec["path"]
+    if not spec["python3"]:
+        path = nopython_path()
+    sshd_config = spec["sshd_config"].replace("@PATH@", path)
+    write("/run/gflab/sshd_config", sshd_config, 0o644)
+
+
+def main():
+    spec_path, status_fd, lifeline_fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    with open(spec_path) as f:
+        spec = json.load(f)
+    files = {}
+    for name, path in spec["files"].items():
+        with open(path, "rb") as f:
+            files[name] = f.read()
+    log = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def report(text):
+        try:
+            os.write(status_fd, (text.replace("\n", " ") + "\n").encode())
+            os.close(status_fd)
+        except OSError:
+            pass
+
+    try:
+        setup(spec, files)
+        os.chdir("/")
+        sshd = subprocess.Popen(
+            ["/usr/sbin/sshd", "-D", "-e", "-f", "/run/gflab/sshd_config"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
+        problem = wait_listening(spec["port"], sshd, 10.0)
+    except Exception as exc:  # report any setup failure to the lab, then die
+        report("error: %s: %s" % (type(exc).__name__, exc))
+        return 1
+    if problem:
+        report("error: %s" % problem)
+        return 1
+    report("ok")
+
+    def on_chld(signum, frame):
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    def on_term(signum, frame):
+        os._exit(0)
+
+    signal.signal(signal.SIGCHLD, on_chld)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    on_chld(0, None)
+    while True:
+        try:
+            if not os.read(lifeline_fd, 1):
+                return 0
+        except OSError as exc:
+            if exc.errno != errno.EINTR:
+                return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
