@@ -267,6 +267,14 @@ def make_plan(
         if full:
             candidates[holder.pid] = _Candidate(proc, EVIDENCE_DEVICE, held, None)
             continue
+        if not snapshot.gpus:
+            evidence_refusal[holder.pid] = (
+                AMBIGUOUS,
+                "ambiguous: nvidia-smi reported no GPUs, so device files cannot be mapped to "
+                "GPU indices",
+                held,
+            )
+            continue
         if not held:
             devs = ", ".join(holder.devices) or "no device"
             evidence_refusal[holder.pid] = (

@@ -1,0 +1,493 @@
+"""gpufleet.plan: the clean plan on named scenario fixtures (tests/fixtures/scenarios/*.json,
+agent snapshot documents; each says what it models in its "scenario" key)."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpufleet import plan as planmod
+from gpufleet import policy
+from gpufleet.errors import UsageError
+from gpufleet.model import Snapshot, parse_snapshot
+from gpufleet.plan import Plan, UnitStop, make_plan, to_request
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
+ALL = sorted(p.stem for p in SCENARIOS.glob("*.json"))
+
+
+def doc(name: str) -> dict[str, Any]:
+    return json.loads((SCENARIOS / f"{name}.json").read_text())
+
+
+def load(name: str) -> Snapshot:
+    return parse_snapshot(doc(name))
+
+
+def pids(plan: Plan) -> set[int]:
+    return {t.pid for t in plan.targets}
+
+
+def refused(plan: Plan) -> dict[int, tuple[str, str]]:
+    return {r.pid: (r.kind, r.reason) for r in plan.refused}
+
+
+VLLM = {4340, 4341, 4360, 4361, 4362, 4363}
+RANKS = {4520, 4521, 4522, 4523}
+
+
+# ---------------------------------------------------------------- train-node: vLLM + trainer
+
+
+def test_train_node_vllm_gpus_take_the_vllm_family_only() -> None:
+    plan = make_plan(load("train-node"), (0, 1, 2, 3))
+    assert plan.host == "train-node" and plan.scope == (0, 1, 2, 3) and not plan.full_scope
+    assert pids(plan) == VLLM
+    by = {t.pid: t for t in plan.targets}
+    # EngineCore_DPn are the family roots (wave 0); their workers follow (wave 1)
+    assert [(t.pid, t.wave, t.family_root) for t in plan.targets] == [
+        (4340, 0, 4340), (4341, 0, 4341),
+        (4360, 1, 4340), (4361, 1, 4340), (4362, 1, 4341), (4363, 1, 4341),
+    ]
+    assert by[4360].gpus == (0,) and by[4360].used_mib == 44136 and by[4363].gpus == (3,)
+    assert by[4340].used_mib == 420 and by[4340].evidence == "nvidia-smi"
+    assert by[4360].name == "VLLM::Worker" and by[4360].cmdline == "VLLM::Worker_DP0_TP0"
+    assert by[4360].starttime == 881300 and by[4360].user == "alice"
+    # the ranks hold /dev/nvidia0-3 too (CUDA opens every device file) but nvidia-smi lists
+    # them on 4-7 only: not targets, and not refusals either
+    assert not RANKS & (pids(plan) | set(refused(plan)))
+    # driver daemons hold every device file: refused by policy, not as "ambiguous"
+    assert refused(plan)[1187][0] == policy.PROTECTED
+    assert refused(plan)[1203][0] == policy.PROTECTED
+    assert set(refused(plan)) == {1187, 1203}
+    assert plan.units_to_stop == () and plan.invisible == ()
+    assert plan.threshold_mib == {0: 64, 1: 64, 2: 64, 3: 64}
+
+
+def test_train_node_trainer_gpus() -> None:
+    plan = make_plan(load("train-node"), (4, 5, 6, 7))
+    assert pids(plan) == RANKS
+    assert {t.wave for t in plan.targets} == {0}  # torchrun has no GPU evidence: 4 roots
+
+
+def test_train_node_everything() -> None:
+    plan = make_plan(load("train-node"))
+    assert plan.full_scope and plan.scope == tuple(range(8))
+    assert pids(plan) == VLLM | RANKS
+    # no process is a target because of its name: torchrun, the API server, the
+    # resource tracker, bash and tmux have no GPU evidence
+    assert not {4510, 4320, 4321, 3950, 3951, 3952} & pids(plan)
+    # the agent, its sudo and sshd ancestors hold nothing: not even mentioned
+    assert not {51190, 51205, 51206, 51212, 1290} & (pids(plan) | set(refused(plan)))
+
+
+def test_scope_as_unordered_list_is_normalised() -> None:
+    plan = make_plan(load("train-node"), [3, 1, 2, 0, 1])
+    assert plan.scope == (0, 1, 2, 3) and not plan.full_scope
+    assert make_plan(load("train-node"), tuple(range(8))).full_scope
+
+
+def test_include_parents_makes_the_api_server_the_root() -> None:
+    plan = make_plan(load("train-node"), (0, 1, 2, 3), include_parents=True)
+    by = {t.pid: t for t in plan.targets}
+    assert set(by) == VLLM | {4320}
+    assert by[4320].evidence == planmod.EVIDENCE_PARENT and by[4320].wave == 0
+    assert by[4320].gpus == (0, 1, 2, 3) and by[4320].used_mib is None
+    assert all(by[p].wave == 1 and by[p].family_root == 4320 for p in VLLM)
+    # the tmux pane's shell is a session leader: never added, nor tmux, nor the tracker
+    assert not {3951, 3950, 4321} & set(by)
+    full = make_plan(load("train-node"), include_parents=True)
+    assert {t.pid for t in full.targets if t.evidence == "parent"} == {4320, 4510}
+    assert {full.target(p).family_root for p in RANKS} == {4510}
+
+
+def test_scope_cutting_a_family_refuses_the_parent_of_the_outside_child() -> None:
+    plan = make_plan(load("train-node"), (0, 1, 2))
+    # EngineCore_DP1 (GPU 2) would take its worker on GPU 3 down with it
+    assert pids(plan) == {4340, 4360, 4361, 4362}
+    kind, reason = refused(plan)[4341]
+    assert kind == planmod.FAMILY
+    assert reason == ("signalling it would also end PID 4363 (VLLM::Worker): "
+                      "uses GPU 3, outside the scope")
+    assert plan.target(4362).wave == 0 and plan.target(4362).family_root == 4362
+    # the job-level risk is said, not guessed at
+    assert any("4362 shares process group 4320 with PIDs 4363" in n for n in plan.notes)
+    parents = make_plan(load("train-node"), (0, 1, 2), include_parents=True)
+    assert 4320 not in pids(parents)  # its subtree reaches GPU 3
+
+
+def test_targets_never_depend_on_names() -> None:
+    d = doc("train-node")
+    for pid, proc in d["processes"].items():
+        if int(pid) in VLLM | RANKS:
+            proc["comm"] = "sshd-lookalike" if int(pid) % 2 else "x"
+            proc["cmdline"] = f"/opt/bin/job{pid} --fast"
+    for app in d["compute_apps"]:
+        app["process_name"] = "nvidia-persistenced"
+    assert pids(make_plan(parse_snapshot(d))) == VLLM | RANKS
+    # and a process called VLLM::Worker without GPU evidence is no target
+    d = doc("train-node")
+    d["processes"]["4999"] = dict(d["processes"]["4360"], pid=4999, ppid=3951, starttime=9)
+    assert 4999 not in pids(make_plan(parse_snapshot(d)))
+
+
+def test_threshold_is_expected_unattributed_plus_tolerance() -> None:
+    plan = make_plan(load("train-node"), (2, 5), unattributed_mib=300, tolerance_mib=32)
+    assert plan.threshold_mib == {2: 332, 5: 332}
+
+
+@pytest.mark.parametrize("scope,words", [((), "empty"), ((0, 8), "no GPU 8"), ((-1,), "negative"),
+                                         (("a",), "indices")])
+def test_bad_scope_is_a_usage_error(scope, words: str) -> None:
+    with pytest.raises(UsageError, match=words):
+        make_plan(load("train-node"), scope)
+
+
+def test_negative_tolerance_is_a_usage_error() -> None:
+    with pytest.raises(UsageError):
+        make_plan(load("train-node"), tolerance_mib=-1)
+
+
+# ------------------------------------------------ shared-node: spanning, bob, zombie, ctl-only
+
+
+def test_spanning_process_is_refused_with_its_gpus() -> None:
+    plan = make_plan(load("shared-node"), (0, 1, 2, 3))
+    assert refused(plan)[5120] == (
+        planmod.SPANNING,
+        "spans GPUs 3,4 (GPU 4 outside the scope; pass --include-spanning)",
+    )
+    assert plan.refusal(5120).gpus == (3, 4)
+
+
+def test_include_spanning_makes_it_a_target_and_says_so() -> None:
+    plan = make_plan(load("shared-node"), (0, 1, 2, 3), include_spanning=True)
+    t = plan.target(5120)
+    assert t is not None and t.gpus == (3, 4) and t.used_mib == 30512 + 1234
+    assert any("5120" in n and "outside the scope" in n for n in plan.notes)
+
+
+def test_other_users_and_zombies_and_driver_only_holders() -> None:
+    plan = make_plan(load("shared-node"), (0, 1, 2, 3))
+    assert pids(plan) == {5400, 5300}
+    r = refused(plan)
+    assert r[6100] == (policy.OWNER, "owned by bob; connect as root or with sudo")
+    # the zombie child of finetune.py holds nothing and is said to be a zombie
+    assert r[5310] == (policy.ZOMBIE, "zombie, parent PID 5300 (python)")
+    # ...and it does not stop its parent from being signalled
+    assert plan.target(5300).wave == 0
+    kind, reason = r[5500]
+    assert kind == planmod.NO_EVIDENCE
+    assert "/dev/nvidia-uvm, /dev/nvidiactl (no /dev/nvidiaN)" in reason
+    sudo = make_plan(load("shared-node"), (0, 1, 2, 3), is_sudo=True)
+    assert 6100 in pids(sudo)
+
+
+def test_driver_only_holder_is_a_target_of_a_full_clean() -> None:
+    plan = make_plan(load("shared-node"))
+    t = plan.target(5500)
+    assert t is not None and t.evidence == "device-file" and t.gpus == ()
+    assert any("not root" in n for n in plan.notes)
+
+
+def test_zombie_with_gpu_evidence_is_never_a_target() -> None:
+    d = doc("shared-node")
+    d["processes"]["5400"]["state"] = "Z"
+    plan = make_plan(parse_snapshot(d), (0,))
+    assert pids(plan) == set()
+    assert refused(plan)[5400] == (policy.ZOMBIE, "zombie, parent PID 1 (systemd)")
+
+
+# -------------------------------------------------------- hidden PIDs, containers, WSL2
+
+
+def test_hidden_pids_full_scope_signals_the_device_holders() -> None:
+    plan = make_plan(load("hidden-pids"))
+    assert plan.full_scope
+    assert [(t.pid, t.wave, t.family_root, t.evidence, t.gpus) for t in plan.targets] == [
+        (57, 0, 57, "device-file", (0, 1)),  # minors 4,5 are nvidia-smi indices 0,1
+        (88, 1, 57, "device-file", (0, 1)),
+        (89, 1, 57, "device-file", (0, 1)),
+    ]
+    assert all(t.used_mib is None for t in plan.targets)
+    assert any("container docker-7f3e2a91d0b4" in n for n in plan.notes)
+    assert any("GPU 0: 126410 MiB used that nvidia-smi attributes to no process" in n
+               for n in plan.notes)
+    # PID 1 of the container is the API server: never, include_parents or not
+    assert 1 not in pids(make_plan(load("hidden-pids"), include_parents=True))
+
+
+def test_hidden_pids_partial_scope_is_ambiguous() -> None:
+    plan = make_plan(load("hidden-pids"), (0,))
+    assert pids(plan) == set()
+    for pid in (57, 88, 89):
+        kind, reason = refused(plan)[pid]
+        assert kind == planmod.AMBIGUOUS
+        assert reason.startswith("ambiguous: holds /dev/nvidiaN of GPUs 0,1")
+        assert "opens every GPU's device file" in reason
+    assert "nothing to signal" in plan.notes
+
+
+def test_holder_of_only_scope_device_files_is_a_target_when_nobody_else_is_listed() -> None:
+    d = doc("hidden-pids")
+    for h in d["holders"]:
+        h["devices"] = ["/dev/nvidia4", "/dev/nvidiactl", "/dev/nvidia-uvm"]  # GPU 0 only
+    plan = make_plan(parse_snapshot(d), (0,))
+    assert pids(plan) == {57, 88, 89}
+    assert plan.target(88).gpus == (0,)
+    # ...but not when nvidia-smi lists someone else on that GPU
+    d["compute_apps"] = [{"pid": 4242, "process_name": "python", "used_mib": 900,
+                          "gpu_uuid": d["gpus"][0]["uuid"]}]
+    plan = make_plan(parse_snapshot(d), (0,))
+    assert pids(plan) == set()
+    assert refused(plan)[88] == (
+        planmod.AMBIGUOUS,
+        "ambiguous: not listed by nvidia-smi, which lists other processes on GPUs 0 (PIDs 4242)",
+    )
+    assert [(i.pid, i.gpu, i.used_mib) for i in plan.invisible] == [(4242, 0, 900)]
+
+
+def test_nvidia_smi_failure_makes_partial_scopes_ambiguous() -> None:
+    d = doc("train-node")
+    d["nvidia_smi"] = {"ok": False, "error": "NVIDIA-SMI has failed because it couldn't "
+                       "communicate with the NVIDIA driver", "exit_code": 9, "seconds": 0.2}
+    d["compute_apps"] = []
+    plan = make_plan(parse_snapshot(d), (0,))
+    assert pids(plan) == set()
+    assert all(r.kind in (planmod.AMBIGUOUS, policy.PROTECTED) for r in plan.refused)
+    assert any(n.startswith("nvidia-smi failed (NVIDIA-SMI has failed") for n in plan.notes)
+    d["gpus"] = []
+    full = make_plan(parse_snapshot(d))
+    assert full.full_scope and full.scope == () and full.threshold_mib == {}
+    assert pids(full) == VLLM | RANKS  # full clean: every non-protected holder
+    partial = make_plan(parse_snapshot(d), (0,))  # indices cannot be checked, nor mapped
+    assert pids(partial) == set()
+    assert "cannot be mapped" in refused(partial)[4360][1]
+
+
+def test_processes_in_another_pid_namespace_are_invisible() -> None:
+    plan = make_plan(load("pod-host-pids"))
+    assert [(i.pid, i.gpu, i.process_name, i.used_mib, i.reason) for i in plan.invisible] == [
+        (2841377, 0, "python", 30512, "not visible from this PID namespace (container?)")]
+    assert pids(plan) == set() and plan.refused == ()
+    assert make_plan(load("pod-host-pids"), (1,)).invisible == ()
+
+
+def test_wsl2_dxg_holders() -> None:
+    plan = make_plan(load("wsl2"))
+    assert plan.full_scope and plan.scope == (0,)
+    assert [(t.pid, t.evidence, t.gpus, t.wave) for t in plan.targets] == [
+        (900, "device-file", (), 0), (950, "device-file", (), 0)]
+    assert any(n.startswith("WSL2") for n in plan.notes)
+    assert make_plan(load("wsl2"), (0,)).targets == plan.targets
+
+
+def test_foreign_container_process_is_refused() -> None:
+    d = doc("train-node")
+    d["processes"]["4520"]["container"] = "docker-91ac0e55d2f1"
+    plan = make_plan(parse_snapshot(d), (4,), stop_units=True)
+    assert refused(plan)[4520] == (policy.CONTAINER,
+                                   "runs in container docker-91ac0e55d2f1; stop the container")
+
+
+# ------------------------------------------------------------------ units
+
+
+def test_unit_owned_vllm_is_refused_by_default() -> None:
+    plan = make_plan(load("unit-vllm"))
+    assert pids(plan) == set()
+    for pid in (2260, 2261):
+        assert refused(plan)[pid] == (
+            policy.UNIT, "belongs to vllm-minimax.service; stop the unit or pass --stop-units")
+
+
+def test_stop_units_stops_the_unit_then_signals_what_remains() -> None:
+    plan = make_plan(load("unit-vllm"), stop_units=True)
+    assert pids(plan) == {2260, 2261}
+    assert plan.units_to_stop == (UnitStop("vllm-minimax.service", False, (2260, 2261)),)
+    assert plan.target(2260).unit == "vllm-minimax.service"
+    disabled = make_plan(load("unit-vllm"), stop_units=True, disable_units=True)
+    assert disabled.units_to_stop[0].disable is True
+    # with include_parents the EngineCore joins; the API server leads its own session
+    parents = make_plan(load("unit-vllm"), stop_units=True, include_parents=True)
+    assert parents.target(2240).wave == 0 and 2210 not in pids(parents)
+
+
+def test_unit_is_not_stopped_when_it_also_runs_gpus_outside_the_scope() -> None:
+    plan = make_plan(load("unit-vllm"), (0,), stop_units=True)
+    assert pids(plan) == set() and plan.units_to_stop == ()
+    assert refused(plan)[2260] == (
+        policy.UNIT,
+        "belongs to vllm-minimax.service, which also runs PID 2261 (VLLM::Worker): uses GPU 1, "
+        "outside the scope; not stopping it",
+    )
+
+
+def test_unit_is_not_stopped_when_it_holds_the_agents_ancestor() -> None:
+    d = doc("unit-vllm")
+    d["processes"]["2210"]["relation"] = "ancestor"
+    plan = make_plan(parse_snapshot(d), stop_units=True)
+    assert pids(plan) == set() and plan.units_to_stop == ()
+    kind, reason = refused(plan)[2261]
+    assert kind in (policy.UNIT, planmod.FAMILY)
+    assert "PID 2210 (vllm)" in reason and "ancestor of the gpufleet agent" in reason
+
+
+# ------------------------------------------------------------ agent session, protect globs
+
+
+def test_agent_session_job_and_display_are_refused() -> None:
+    plan = make_plan(load("agent-session"), (0,))
+    assert pids(plan) == {2700}
+    r = refused(plan)
+    assert r[2600] == (policy.PROTECTED, "in the gpufleet agent's own session")
+    assert r[1650] == (policy.PROTECTED, "Xorg (display server, never signalled)")
+    assert r[1900][0] == policy.PROTECTED
+    assert set(r) == {2600, 1650, 1900}
+    assert pids(make_plan(load("agent-session"))) == {2700, 2750}
+
+
+def test_protected_trainer_and_a_family_that_would_end_it() -> None:
+    snap = load("protected-trainer")
+    plan = make_plan(snap, (2,), protect=("*train_prod.py*",))
+    assert pids(plan) == {3300}
+    assert refused(plan)[3102] == (policy.PROTECTED, "protected by '*train_prod.py*'")
+    assert refused(plan)[1220][0] == policy.PROTECTED  # dcgm-exporter, not "ambiguous"
+    plan3 = make_plan(snap, (3,), protect=("*train_prod.py*",))
+    assert pids(plan3) == set()
+    assert refused(plan3)[3400] == (
+        planmod.FAMILY,
+        "signalling it would also end PID 3401 (python): refused: protected by "
+        "'*train_prod.py*'",
+    )
+    free = make_plan(snap, (3,))
+    assert [(t.pid, t.wave, t.family_root) for t in free.targets] == [
+        (3103, 0, 3103), (3400, 0, 3400), (3401, 1, 3400)]
+
+
+# ------------------------------------------------------------------ request
+
+
+def test_request_is_the_documented_clean_request() -> None:
+    plan = make_plan(load("unit-vllm"), stop_units=True)
+    req = to_request(plan, grace_s=10, timeout_s=60, shm=True, reset=False,
+                     operator="joel@laptop", lock_path="/run/lock/gpufleet.lock")
+    assert req == {
+        "mode": "clean", "deadline_s": 70.0, "nvidia_smi": None, "smi_timeout_s": 10.0,
+        "scope": [0, 1],
+        "targets": [{"pid": 2260, "starttime": 31200, "wave": 0},
+                    {"pid": 2261, "starttime": 31201, "wave": 0}],
+        "units": [{"unit": "vllm-minimax.service", "disable": False}],
+        "grace_s": 10.0, "timeout_s": 60.0, "poll_s": 0.1,
+        "threshold_mib": {"0": 64, "1": 64},
+        "shm": True, "reset": False, "lock_path": "/run/lock/gpufleet.lock",
+        "operator": "joel@laptop",
+    }
+    assert json.loads(json.dumps(req)) == req
+
+
+def test_request_lists_roots_first() -> None:
+    plan = make_plan(load("train-node"), (0, 1, 2, 3), include_parents=True)
+    waves = [t["wave"] for t in to_request(plan, 5, 30, False, False, "op")["targets"]]
+    assert waves == sorted(waves) and waves[0] == 0 and waves.count(0) == 1
+
+
+@pytest.mark.parametrize("grace,timeout,kw", [(-1, 10, {}), (5, 0, {}), (20, 10, {}),
+                                              (1, 10, {"deadline_s": 5}), (1, 10, {"poll_s": 0})])
+def test_request_rejects_bad_times(grace, timeout, kw) -> None:
+    plan = make_plan(load("train-node"), (0,))
+    with pytest.raises(UsageError):
+        to_request(plan, grace, timeout, False, False, "op", **kw)
+
+
+def test_plan_as_dict_is_json() -> None:
+    plan = make_plan(load("shared-node"), (0, 1, 2, 3))
+    d = json.loads(json.dumps(plan.as_dict()))
+    assert d["threshold_mib"] == {"0": 64, "1": 64, "2": 64, "3": 64}
+    assert {t["pid"] for t in d["targets"]} == {5300, 5400}
+
+
+# ------------------------------------------------------------------ invariants
+
+
+def _check_invariants(snap: Snapshot, plan: Plan, include_spanning: bool) -> None:
+    ctx = policy.PolicyContext.from_snapshot(snap)
+    tp = pids(plan)
+    assert not tp & set(refused(plan)), "a process is both target and refused"
+    for t in plan.targets:
+        proc = snap.processes[t.pid]
+        assert policy.never_signal_reason(proc, ctx) is None
+        assert not policy.is_zombie(proc)
+        assert t.starttime == proc.starttime is not None
+        if t.evidence == "nvidia-smi" and not include_spanning:
+            assert set(t.gpus) <= set(plan.scope)
+        if t.evidence == "nvidia-smi":
+            assert t.gpus == snap.gpu_indices_of_app(t.pid)
+        # every family root is a target, and waves follow it
+        assert t.family_root in tp
+        assert t.wave == (0 if t.family_root == t.pid else 1)
+    # every visible process nvidia-smi lists inside the scope is accounted for
+    for pid in snap.listed_pids():
+        gpus = set(snap.gpu_indices_of_app(pid))
+        if pid in snap.processes and gpus & set(plan.scope):
+            assert pid in tp or pid in refused(plan), pid
+        if pid not in snap.processes and gpus & set(plan.scope):
+            assert pid in {i.pid for i in plan.invisible}
+    # a target's descendants never include something nvidia-smi shows outside the scope
+    # (unless it is a spanning target itself)
+    children: dict[int, list[int]] = {}
+    for p in snap.processes.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    for t in plan.targets:
+        stack = list(children.get(t.pid, ()))
+        while stack:
+            d = stack.pop()
+            stack.extend(children.get(d, ()))
+            gpus = set(snap.gpu_indices_of_app(d))
+            if gpus and d not in tp:
+                assert gpus <= set(plan.scope), (t.pid, d)
+            assert d in tp or policy.never_signal_reason(snap.processes[d], ctx) is None
+
+
+_SNAPS = {name: load(name) for name in ALL}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(ALL),
+    data=st.data(),
+    include_spanning=st.booleans(),
+    include_parents=st.booleans(),
+    stop_units=st.booleans(),
+    protect=st.sampled_from([(), ("*train*",), ("VLLM::Worker",)]),
+)
+def test_plan_invariants_on_every_scenario_and_scope(name, data, include_spanning,
+                                                     include_parents, stop_units, protect):
+    snap = _SNAPS[name]
+    indices = [g.index for g in snap.gpus]
+    scope = data.draw(st.one_of(st.none(), st.sets(st.sampled_from(indices), min_size=1)))
+    plan = make_plan(snap, None if scope is None else tuple(scope),
+                     include_spanning=include_spanning, include_parents=include_parents,
+                     stop_units=stop_units, protect=protect)
+    _check_invariants(snap, plan, include_spanning)
+    ctx = policy.PolicyContext.from_snapshot(snap, protect=protect, stop_units=stop_units)
+    for t in plan.targets:
+        assert policy.refusal_reason(snap.processes[t.pid], ctx) is None
+    for u in plan.units_to_stop:
+        assert stop_units and all(snap.processes[p].unit == u.unit for p in u.pids)
+
+
+def test_fixtures_are_agent_documents() -> None:
+    for name in ALL:
+        d = doc(name)
+        assert d["agent_version"] == 1 and d["scenario"], name
+        snap = parse_snapshot(copy.deepcopy(d))
+        for key, proc in d["processes"].items():
+            assert int(key) == proc["pid"]
+        assert snap.facts.agent_pid in snap.processes
+        assert snap.processes[snap.facts.agent_pid].relation == "self"

@@ -1,0 +1,291 @@
+"""gpufleet.policy: the never-signal list and every refusal reason, on processes taken from the
+named scenario fixtures (tests/fixtures/scenarios/) and small variations of them."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpufleet import policy
+from gpufleet.model import ProcessInfo, Snapshot, parse_snapshot
+from gpufleet.policy import PolicyContext, refusal, refusal_reason
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
+
+
+def load(name: str) -> Snapshot:
+    return parse_snapshot(json.loads((SCENARIOS / f"{name}.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def train() -> Snapshot:
+    return load("train-node")
+
+
+@pytest.fixture(scope="module")
+def ctx(train: Snapshot) -> PolicyContext:
+    return PolicyContext.from_snapshot(train)
+
+
+def kind(proc: ProcessInfo, ctx: PolicyContext):
+    found = refusal(proc, ctx)
+    return None if found is None else found[0]
+
+
+def test_context_comes_from_the_agent_facts(train: Snapshot) -> None:
+    ctx = PolicyContext.from_snapshot(train, protect=("*x*",), stop_units=True, is_sudo=True)
+    assert ctx.agent_pid == 51212 and ctx.uid == 0 and ctx.is_root
+    assert ctx.protect == ("*x*",) and ctx.stop_units and ctx.is_sudo
+    assert ctx.own_container is None  # not in a container: no container is "ours"
+
+
+def test_gpu_workers_are_allowed(train: Snapshot, ctx: PolicyContext) -> None:
+    for pid in (4340, 4360, 4363, 4520):
+        assert refusal_reason(train.processes[pid], ctx) is None, pid
+        assert policy.may_signal(train.processes[pid], ctx)
+
+
+def test_pid1_and_kernel_threads(train: Snapshot, ctx: PolicyContext) -> None:
+    assert refusal_reason(train.processes[1], ctx) == "PID 1 (init)"
+    assert refusal_reason(train.processes[2], ctx) == "kernel thread"
+    kworker = ProcessInfo(pid=77, ppid=2, starttime=5, state="I", uid=0, user="root",
+                          comm="kworker/3:1", cmdline="")
+    assert refusal_reason(kworker, ctx) == "kernel thread"
+    flagged = dataclasses.replace(train.processes[4360], kernel_thread=True)
+    assert refusal_reason(flagged, ctx) == "kernel thread"
+
+
+def test_agent_itself_ancestors_and_session(train: Snapshot, ctx: PolicyContext) -> None:
+    assert refusal_reason(train.processes[51212], ctx) == "the gpufleet agent itself"
+    for pid in (51190, 51205, 51206):
+        assert "ancestor of the gpufleet agent" in refusal_reason(train.processes[pid], ctx)
+    # the agent's PID alone protects it, even if the relation were lost
+    bare = dataclasses.replace(train.processes[51212], relation=None, comm="python3",
+                               cmdline="python3 -c pass")
+    assert refusal_reason(bare, ctx) == "the gpufleet agent itself"
+    job = load("agent-session").processes[2600]
+    assert refusal_reason(job, ctx) == "in the gpufleet agent's own session"
+
+
+@pytest.mark.parametrize(
+    "comm,cmdline",
+    [
+        ("sshd", "sshd: /usr/sbin/sshd -D [listener] 0 of 10-100 startups"),
+        ("sshd", "sshd: alice@pts/0"),
+        ("sshd-session", "sshd-session: alice [priv]"),
+        ("sshd-auth", "sshd-auth: alice [net]"),
+        ("renamed", "/usr/sbin/sshd -D -e"),
+        ("renamed", "sshd: bob@notty"),
+    ],
+)
+def test_sshd_is_never_signalled(comm: str, cmdline: str, ctx: PolicyContext) -> None:
+    proc = ProcessInfo(pid=900, ppid=1, starttime=10, state="S", uid=0, user="root",
+                       comm=comm, cmdline=cmdline)
+    assert refusal_reason(proc, ctx) == "sshd (never signalled)"
+    assert kind(proc, ctx) == policy.PROTECTED
+
+
+def test_ssh_client_is_not_sshd(ctx: PolicyContext) -> None:
+    proc = ProcessInfo(pid=900, ppid=1, starttime=10, state="S", uid=0, user="root",
+                       comm="ssh", cmdline="ssh -N -L 8000:localhost:8000 gpu-07")
+    assert refusal_reason(proc, ctx) is None
+
+
+@pytest.mark.parametrize(
+    "comm,cmdline,daemon",
+    [
+        # comm is truncated to 15 bytes by the kernel
+        ("nvidia-persiste", "/usr/bin/nvidia-persistenced --user nvidia-persistenced",
+         "nvidia-persistenced"),
+        ("nv-fabricmanage", "/usr/bin/nv-fabricmanager -c /usr/share/nvidia/nvswitch/fabricmanager.cfg",
+         "nv-fabricmanager"),
+        ("nv-hostengine", "/usr/bin/nv-hostengine -n", "nv-hostengine"),
+        ("dcgm-exporter", "/usr/bin/dcgm-exporter -f /etc/dcgm-exporter/dcp-metrics-included.csv",
+         "dcgm-exporter"),
+        ("Xorg", "/usr/lib/xorg/Xorg vt2 -displayfd 3", "Xorg"),
+        ("Xwayland", "/usr/bin/Xwayland :0 -rootless -noreset", "Xwayland"),
+        # cmdline's argv0 alone is enough (comm rewritten, e.g. by prctl)
+        ("worker", "/usr/bin/nvidia-persistenced --verbose", "nvidia-persistenced"),
+        ("gnome-shell", "/usr/bin/gnome-shell", "gnome-shell"),
+    ],
+)
+def test_driver_and_display_daemons(comm: str, cmdline: str, daemon: str,
+                                    ctx: PolicyContext) -> None:
+    proc = ProcessInfo(pid=1187, ppid=1, starttime=10, state="S", uid=0, user="root",
+                       comm=comm, cmdline=cmdline)
+    assert policy.protected_daemon(proc) == daemon
+    reason = refusal_reason(proc, ctx)
+    assert reason is not None and reason.startswith(daemon + " (") and "never signalled" in reason
+
+
+def test_fixture_daemons_are_refused(train: Snapshot, ctx: PolicyContext) -> None:
+    assert refusal_reason(train.processes[1187], ctx).startswith("nvidia-persistenced")
+    assert refusal_reason(train.processes[1203], ctx).startswith("nv-hostengine")
+    assert refusal_reason(train.processes[1290], ctx) == "sshd (never signalled)"
+
+
+def test_similar_names_are_not_protected(ctx: PolicyContext) -> None:
+    for comm, cmdline in [("nvidia-smi", "nvidia-smi -q"), ("python", "python xorg_tools.py"),
+                          ("VLLM::Worker", "VLLM::Worker_TP0"), ("nvtop", "nvtop")]:
+        proc = ProcessInfo(pid=700, ppid=1, starttime=10, state="S", uid=0, user="root",
+                           comm=comm, cmdline=cmdline)
+        assert refusal_reason(proc, ctx) is None, comm
+
+
+def test_protect_globs_match_cmdline_or_comm(train: Snapshot) -> None:
+    rank = train.processes[4520]
+    worker = train.processes[4360]
+    by_cmd = PolicyContext.from_snapshot(train, protect=("*configs/llama3-8b.yaml",))
+    assert refusal_reason(rank, by_cmd) == "protected by '*configs/llama3-8b.yaml'"
+    assert refusal_reason(worker, by_cmd) is None
+    by_comm = PolicyContext.from_snapshot(train, protect=("nope", "VLLM::*"))
+    assert refusal_reason(worker, by_comm) == "protected by 'VLLM::*'"
+    assert kind(worker, by_comm) == policy.PROTECTED
+    # fnmatch is case-sensitive here: a protect list is exact
+    assert refusal_reason(worker, PolicyContext.from_snapshot(train, protect=("vllm::*",))) is None
+
+
+def test_zombie_names_its_parent() -> None:
+    shared = load("shared-node")
+    ctx = PolicyContext.from_snapshot(shared)
+    assert refusal(shared.processes[5310], ctx) == (policy.ZOMBIE,
+                                                     "zombie, parent PID 5300 (python)")
+    orphan = dataclasses.replace(shared.processes[5310], ppid=424242)
+    assert refusal_reason(orphan, ctx) == "zombie, parent PID 424242 (?)"
+
+
+def test_other_users_need_root_or_sudo() -> None:
+    shared = load("shared-node")  # the agent runs as alice, uid 1000, not root
+    bob = shared.processes[6100]
+    ctx = PolicyContext.from_snapshot(shared)
+    assert refusal(bob, ctx) == (policy.OWNER, "owned by bob; connect as root or with sudo")
+    assert refusal_reason(shared.processes[5400], ctx) is None  # alice's own
+    assert refusal_reason(bob, PolicyContext.from_snapshot(shared, is_sudo=True)) is None
+    unknown = dataclasses.replace(shared.processes[5400], uid=None)
+    assert refusal(unknown, ctx)[0] == policy.OWNER
+    nameless = dataclasses.replace(bob, user=None)
+    assert refusal_reason(nameless, ctx) == "owned by uid 1001; connect as root or with sudo"
+
+
+def test_containers_other_than_our_own() -> None:
+    hidden = load("hidden-pids")  # the agent runs inside docker-7f3e2a91d0b4
+    ctx = PolicyContext.from_snapshot(hidden)
+    assert ctx.own_container == "docker-7f3e2a91d0b4"
+    assert refusal_reason(hidden.processes[88], ctx) is None
+    train = load("train-node")
+    boxed = dataclasses.replace(train.processes[4520], container="docker-91ac0e55d2f1")
+    assert refusal(boxed, PolicyContext.from_snapshot(train)) == (
+        policy.CONTAINER, "runs in container docker-91ac0e55d2f1; stop the container")
+    # a container is never stopped for you, --stop-units or not
+    assert refusal(boxed, PolicyContext.from_snapshot(train, stop_units=True))[0] == \
+        policy.CONTAINER
+
+
+def test_systemd_services_need_stop_units() -> None:
+    unit = load("unit-vllm")
+    worker = unit.processes[2260]
+    assert refusal(worker, PolicyContext.from_snapshot(unit)) == (
+        policy.UNIT, "belongs to vllm-minimax.service; stop the unit or pass --stop-units")
+    assert refusal_reason(worker, PolicyContext.from_snapshot(unit, stop_units=True)) is None
+
+
+@pytest.mark.parametrize(
+    "unit,service",
+    [("vllm-minimax.service", "vllm-minimax.service"), ("session-4.scope", None),
+     ("init.scope", None), ("user@1000.service", None), ("user-runtime-dir@1000.service", None),
+     ("run-u812.scope", None), ("vte-spawn-7c4e.scope", None), (None, None),
+     ("ollama.service", "ollama.service")],
+)
+def test_service_unit(unit, service) -> None:
+    proc = ProcessInfo(pid=10, ppid=1, starttime=1, state="S", uid=0, user="root", comm="x",
+                       cmdline="x", unit=unit)
+    assert policy.service_unit(proc) == service
+
+
+def test_unknown_start_time_cannot_be_signalled(train: Snapshot, ctx: PolicyContext) -> None:
+    proc = dataclasses.replace(train.processes[4360], starttime=None)
+    assert refusal(proc, ctx)[0] == policy.IDENTITY
+
+
+def test_most_final_reason_wins(train: Snapshot, ctx: PolicyContext) -> None:
+    # an sshd zombie of another user in a unit: the never-signal list speaks first
+    proc = ProcessInfo(pid=3901, ppid=3870, starttime=1, state="Z", uid=1001, user="bob",
+                       comm="sshd", cmdline="", unit="ssh.service")
+    nonroot = dataclasses.replace(ctx, is_root=False, uid=1000)
+    assert refusal(proc, nonroot)[0] == policy.PROTECTED
+    zombie = dataclasses.replace(proc, comm="python")
+    assert refusal(zombie, nonroot)[0] == policy.ZOMBIE
+    alive = dataclasses.replace(zombie, state="S")
+    assert refusal(alive, nonroot)[0] == policy.OWNER
+    assert refusal(alive, ctx)[0] == policy.UNIT
+
+
+_procs = st.builds(
+    ProcessInfo,
+    pid=st.integers(0, 70000),
+    ppid=st.one_of(st.none(), st.integers(0, 70000)),
+    starttime=st.one_of(st.none(), st.integers(1, 10**9)),
+    state=st.sampled_from(["S", "R", "D", "Z", "T", "I", None]),
+    uid=st.one_of(st.none(), st.integers(0, 2000)),
+    user=st.one_of(st.none(), st.sampled_from(["root", "alice", "bob"])),
+    comm=st.sampled_from(["python", "sshd", "Xorg", "VLLM::Worker", "nvidia-persiste", "bash"]),
+    cmdline=st.sampled_from(["", "python train.py", "sshd: alice@notty", "/usr/bin/nv-hostengine",
+                             "VLLM::Worker_TP0", "-bash"]),
+    unit=st.sampled_from([None, "session-3.scope", "vllm.service", "user@1000.service"]),
+    container=st.sampled_from([None, "docker-1", "docker-2"]),
+    kernel_thread=st.booleans(),
+    relation=st.sampled_from([None, "self", "ancestor", "session"]),
+)
+_contexts = st.builds(
+    PolicyContext,
+    agent_pid=st.one_of(st.none(), st.integers(0, 70000)),
+    uid=st.one_of(st.none(), st.integers(0, 2000)),
+    is_root=st.booleans(),
+    is_sudo=st.booleans(),
+    protect=st.sampled_from([(), ("*train*",), ("VLLM::*",)]),
+    stop_units=st.booleans(),
+    own_container=st.sampled_from([None, "docker-1"]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_procs, _contexts)
+def test_never_signal_list_holds_under_every_option(proc: ProcessInfo,
+                                                    ctx: PolicyContext) -> None:
+    absolute = (
+        proc.pid <= 1 or proc.kernel_thread or proc.ppid == 2 or proc.pid == 2
+        or proc.relation is not None or proc.pid == ctx.agent_pid
+        or proc.comm in ("sshd", "Xorg", "nvidia-persiste")
+        or proc.cmdline.startswith("sshd") or proc.cmdline == "/usr/bin/nv-hostengine"
+        or any(policy.fnmatch.fnmatchcase(s, g) for g in ctx.protect
+               for s in (proc.cmdline, proc.comm))
+    )
+    got = refusal(proc, ctx)
+    if absolute:
+        assert got is not None and got[0] == policy.PROTECTED
+    if got is None:
+        # allowed: alive, known identity, ours (or root), not someone else's container/service
+        assert proc.state not in ("Z",) and proc.starttime is not None
+        assert ctx.is_root or ctx.is_sudo or (proc.uid is not None and proc.uid == ctx.uid)
+        assert proc.container in (None, ctx.own_container)
+        assert ctx.stop_units or policy.service_unit(proc) is None
+
+
+def test_policy_is_the_only_place_with_the_never_signal_list() -> None:
+    """plan/verdict may not carry their own name lists: names protect only through policy."""
+    pkg = Path(policy.__file__).resolve().parent
+    names = ["sshd", "persistenced", "hostengine", "fabricmanager", "dcgm", "Xorg", "Xwayland",
+             "gnome-shell", "VLLM", "vllm", "python", "torchrun"]
+    for mod in ("plan.py", "verdict.py"):
+        code = "\n".join(
+            line for line in (pkg / mod).read_text().splitlines()
+            if not line.lstrip().startswith("#")
+        )
+        code = re.sub(r'"""[\s\S]*?"""', "", code)  # docstrings may explain, not decide
+        for name in names:
+            assert name not in code, f"{mod} mentions {name!r}"
