@@ -233,6 +233,18 @@ def _v_globs(value: Any, fail: Fail) -> tuple[str, ...]:
                                for i, v in enumerate(value)))
 
 
+_PROGRAM = re.compile(r"[A-Za-z0-9_./+][A-Za-z0-9_./+-]*\Z")
+
+
+def _v_program(value: Any, fail: Fail) -> str:
+    """A command name or absolute path on the host (one argv word, never shell text)."""
+    text = _plain_string(value, fail, "a program name or absolute path")
+    if len(text) > 4096 or not _PROGRAM.match(text) or ("/" in text and not text.startswith("/")):
+        fail(f"invalid program {text!r}: a command name or an absolute path "
+             "(letters, digits, '/', '.', '_', '+', '-')")
+    return text
+
+
 def _v_url(value: Any, fail: Fail) -> str:
     text = _plain_string(value, fail, "an http:// or https:// URL")
     if any(c.isspace() for c in text):
@@ -420,6 +432,7 @@ KIND_FIELDS: dict[str, dict[str, _Field]] = {
         "units": _Field(_v_units, required=True),
         "disable": _Field(_v_bool, default=False),
         "user": _Field(_v_bool, default=False),
+        "systemctl": _Field(_v_program, default="systemctl"),
     },
     "clean": {
         "gpus": _Field(_v_gpus, default=None),
@@ -454,6 +467,7 @@ KIND_FIELDS: dict[str, dict[str, _Field]] = {
     "start_unit": {
         "unit": _Field(_v_unit, required=True),
         "user": _Field(_v_bool, default=False),
+        "systemctl": _Field(_v_program, default="systemctl"),
     },
     "wait_http": {
         "url": _Field(_v_url, required=True),
@@ -820,7 +834,8 @@ def describe(step: Step) -> str:
     if k == "stop_units":
         verb = "stop and disable" if p["disable"] else "stop"
         scope = " (--user)" if p["user"] else ""
-        return f"{verb} {', '.join(p['units'])}{scope}"
+        via = "" if p["systemctl"] == "systemctl" else f" with {p['systemctl']}"
+        return f"{verb} {', '.join(p['units'])}{scope}{via}"
     if k == "clean":
         extra = []
         if p["stop_units"]:
@@ -853,7 +868,8 @@ def describe(step: Step) -> str:
     if k == "clear_shm":
         return "remove /dev/shm files no live process holds open"
     if k == "start_unit":
-        return f"start {p['unit']}{' (--user)' if p['user'] else ''}"
+        via = "" if p["systemctl"] == "systemctl" else f" with {p['systemctl']}"
+        return f"start {p['unit']}{' (--user)' if p['user'] else ''}{via}"
     if k == "wait_http":
         return f"poll {p['url']} on the host every {p['interval']:g}s until HTTP {p['status']}"
     if k == "shell":
