@@ -264,3 +264,12 @@ def test_clean_iff_every_scope_gpu_at_or_below_threshold(used, scope, expected) 
     if not ok:
         assert all(f"GPU {i}: {used[i]} MiB left" in v.reason
                    for i in scope if used[i] > expected + 64)
+
+
+@pytest.mark.parametrize("left,clean", [(64, True), (65, False), (0, True)])
+def test_threshold_boundary(left: int, clean: bool) -> None:
+    before = parse_snapshot(doc("train-node"))
+    plan = make_plan(before, (0,))
+    v = V.make_verdict(plan, clean_doc(after_doc("train-node", gone=VLLM, used={0: left})),
+                       before)
+    assert v.clean is clean
