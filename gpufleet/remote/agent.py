@@ -1105,9 +1105,10 @@ def wait_exit(targets, seconds, poll, deadline, proc=PROC):
     left = list(targets)
     while True:
         left = [t for t in left if not exited(t["pid"], t["starttime"], proc)]
-        if not left or time.monotonic() + poll > end:
+        now = time.monotonic()
+        if not left or now >= end:
             return left
-        time.sleep(poll)
+        time.sleep(min(poll, end - now))
 
 
 def stop_units(units, req, deadline, reserve, res):

@@ -1,0 +1,657 @@
+"""Run the real agent the way the controller does: the DESIGN.md bootstrap via ``python -c``,
+source and request on stdin, against real child processes of this test and a small stub
+nvidia-smi (written here) that prints RECORDED lines (tests/fixtures/recorded/).
+
+The stub is deliberately tiny; the faithful fake for the lab is tests/lab/fake_nvidia_smi.py.
+Each child started here is killed at teardown by its own PID.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.model import parse_snapshot
+from gpufleet.remote import bootstrap_command, encode_request
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "recorded"
+PY36 = "/root/.pyenv/versions/3.6.15/bin/python3"
+PYTHONS = [sys.executable] + ([PY36] if os.access(PY36, os.X_OK) else [])
+
+GPU0_UUID = "GPU-b6867955-3f5c-7ad9-b674-7a2248eb9a7f"  # h200-single-gpu.log
+GPU1_UUID = "GPU-b226c03d-98d5-aaff-f57c-8cd874d83c3e"  # h200-two-gpus.log
+EXIT9 = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+         "Make sure that the latest NVIDIA driver is installed and running.")
+
+
+def recorded(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+def recorded_app_line(pid: int) -> str:
+    """h200-single-gpu.log line 76 ("425, python3, 20998, GPU-b686...") for another PID."""
+    line = recorded("compute_apps.csv").splitlines()[1]
+    assert line.startswith("425, ")
+    return "%d, %s" % (pid, line[len("425, "):])
+
+
+STUB = r'''#!{python}
+import json, os, sys, time
+HERE = os.path.dirname(os.path.abspath(__file__))
+cfg = json.load(open(os.path.join(HERE, "stub.json")))
+with open(os.path.join(HERE, "calls.jsonl"), "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\n")
+
+def alive(pid):
+    try:
+        s = open("/proc/%d/stat" % pid).read()
+    except OSError:
+        return False
+    return s.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+mode = cfg.get("mode", "ok")
+if mode == "exit9":
+    print(cfg["exit9"])
+    sys.exit(9)
+if mode == "hang":
+    import subprocess
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    open(os.path.join(HERE, "hang.pids"), "w").write("%d %d" % (os.getpid(), g.pid))
+    time.sleep(3600)
+args = sys.argv[1:]
+apps = [a for a in cfg["apps"] if not a.get("dynamic") or alive(a["pid"])]
+if not args:
+    sys.stdout.write(cfg["bare"])
+elif args[0] == "-q":
+    sys.stdout.write(cfg["q"])
+elif args[0] == "--gpu-reset":
+    print("stub: reset " + " ".join(args[1:]))
+elif args[0].startswith("--query-gpu="):
+    fields = args[0].split("=", 1)[1].split(",")
+    for f in fields:
+        if f in cfg.get("reject", []):
+            print('Field "%s" is not a valid field to query.' % f)
+            print()
+            sys.exit(2)
+    if mode == "garbage":
+        sys.stdout.write(cfg["garbage"])
+        sys.exit(0)
+    for g in cfg["gpus"]:
+        vals = dict(g)
+        used = sum(a["used"] for a in apps if a["uuid"] == g["uuid"])
+        vals["memory.used"] = str(used)
+        if "memory.reserved" in g:
+            vals["memory.free"] = str(int(g["memory.total"]) - used - int(g["memory.reserved"]))
+        print(", ".join(vals.get(f, "[N/A]") for f in fields))
+elif args[0].startswith("--query-compute-apps="):
+    for a in apps:
+        print(a["line"])
+else:
+    print("stub: unknown arguments %r" % (args,))
+    sys.exit(2)
+'''
+
+# Values from the recorded logs: GPU 1 of h200-two-gpus.log is printed FIRST, so a join by
+# position instead of UUID shows up; GPU 0 is the single GPU of h200-single-gpu.log.
+GPUS = [
+    {"index": "1", "uuid": GPU1_UUID, "name": "NVIDIA H200", "pci.bus_id": "00000000:00:07.0",
+     "memory.total": "143771", "memory.reserved": "616", "utilization.gpu": "0",
+     "driver_version": "580.159.04"},
+    {"index": "0", "uuid": GPU0_UUID, "name": "NVIDIA H200", "pci.bus_id": "00000000:00:06.0",
+     "memory.total": "143771", "utilization.gpu": "0", "driver_version": "580.159.04"},
+]
+
+
+class Stub:
+    def __init__(self, directory: Path, **cfg):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.dir = directory
+        self.path = directory / "nvidia-smi"
+        self.path.write_text(STUB.replace("{python}", sys.executable))
+        self.path.chmod(0o755)
+        self.cfg = {"mode": "ok", "gpus": GPUS, "apps": [], "bare": recorded("bare_table.txt"),
+                    "q": recorded("q_minor_bus.txt"), "exit9": EXIT9, "reject": []}
+        self.update(**cfg)
+
+    def update(self, **cfg):
+        self.cfg.update(cfg)
+        (self.dir / "stub.json").write_text(json.dumps(self.cfg))
+
+    def calls(self):
+        f = self.dir / "calls.jsonl"
+        return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+HOLDER = r'''
+import ctypes, signal, sys, time
+ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)
+if "--ignore-term" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+files = [open(p, "rb") for p in sys.argv[2:] if p.startswith("/")]
+print("ready", flush=True)
+time.sleep(600)
+'''
+
+
+def starttime(pid: int) -> int:
+    return int(Path("/proc/%d/stat" % pid).read_text().rsplit(")", 1)[1].split()[19])
+
+
+def proc_state(pid: int):
+    try:
+        return Path("/proc/%d/stat" % pid).read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+@pytest.fixture
+def children():
+    """Start real processes; kill each by its own PID at teardown."""
+    started = []
+
+    def start(argv, wait_ready=True, **kw):
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, **kw)
+        started.append(p)
+        if wait_ready:
+            assert p.stdout.readline().strip() == b"ready"
+        return p
+
+    def holder(name="gf) w(x", *extra, **kw):
+        return start([sys.executable, "-c", HOLDER, name, "gpufleet-test-holder"] + list(extra),
+                     **kw)
+
+    start.holder = holder
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        if p.stdout:
+            p.stdout.close()
+
+
+def run_agent(request, python=sys.executable, env=None, argv=None, timeout=60.0):
+    """The controller's way: constant argv, `<len>\\n<source><json>` on stdin, no shell."""
+    p = subprocess.Popen(argv or bootstrap_command(python), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    out, err = p.communicate(encode_request(request), timeout=timeout)
+    assert p.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    assert len(lines) == 1, out  # exactly one JSON document
+    return json.loads(lines[0])
+
+
+def snap_request(stub, **kw):
+    req = {"mode": "snapshot", "deadline_s": 30.0, "nvidia_smi": str(stub.path),
+           "smi_timeout_s": 10.0}
+    req.update(kw)
+    return req
+
+
+# ------------------------------------------------------------------- snapshot
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_snapshot_real_processes(tmp_path, children, python):
+    holder = children.holder("gf) w(x", __file__)
+    apart = children.holder("apart", start_new_session=True)
+    stub = Stub(tmp_path / "stub", apps=[
+        {"pid": holder.pid, "used": 20998, "uuid": GPU0_UUID, "dynamic": True,
+         "line": recorded_app_line(holder.pid)},
+        {"pid": 426, "used": 5638, "uuid": GPU0_UUID,  # recorded verbatim (line 75)
+         "line": recorded("compute_apps.csv").splitlines()[0]},
+    ])
+    stub.update(apps=stub.cfg["apps"] + [
+        {"pid": apart.pid, "used": 100, "uuid": GPU1_UUID, "dynamic": True,
+         "line": "%d, python3, 100, %s" % (apart.pid, GPU1_UUID)}])
+    doc = run_agent(snap_request(stub), python=python)
+
+    assert doc["agent_version"] == 1 and doc["mode"] == "snapshot"
+    assert doc["nvidia_smi"]["ok"] is True, doc["nvidia_smi"]
+    assert doc["nvidia_smi"]["error"] is None
+    gpus = {g["index"]: g for g in doc["gpus"]}
+    assert set(gpus) == {0, 1}
+    assert gpus[0]["uuid"] == GPU0_UUID and gpus[0]["pci_bus_id"] == "00000000:00:06.0"
+    assert gpus[0]["memory_used_mib"] == 20998 + 5638
+    assert gpus[0]["memory_reserved_mib"] is None and gpus[0]["memory_free_mib"] is None
+    assert gpus[1]["memory_reserved_mib"] == 616
+    assert gpus[1]["memory_free_mib"] == 143771 - 100 - 616
+    assert gpus[0]["minor"] is None  # no /proc/driver/nvidia and no /dev/nvidiaN here
+    apps = {a["pid"]: a for a in doc["compute_apps"]}
+    assert apps[holder.pid]["gpu_index"] == 0  # joined by UUID, not by row position
+    assert apps[holder.pid]["used_mib"] == 20998
+    assert apps[apart.pid]["gpu_index"] == 1
+    facts = doc["facts"]
+    assert facts["driver_version"] == "580.159.04" and facts["cuda_version"] == "13.0"
+    assert facts["nvidia_smi"] == str(stub.path)
+    assert facts["is_root"] == (os.geteuid() == 0) and facts["uid"] == os.geteuid()
+    assert facts["python"] == subprocess.check_output(
+        [python, "-c", "import platform; print(platform.python_version())"]).decode().strip()
+
+    procs = doc["processes"]
+    h = procs[str(holder.pid)]
+    assert h["comm"] == "gf) w(x"  # prctl name with ') ' read back through stat and comm
+    assert "gpufleet-test-holder" in h["cmdline"] and h["cmdline"].startswith(sys.executable)
+    assert h["starttime"] == starttime(holder.pid)
+    assert h["ppid"] == os.getpid() and h["state"] == "S"
+    assert h["uid"] == os.geteuid() and h["user"]
+    assert h["relation"] == "session"  # same session as the agent (both children of pytest)
+    assert h["kernel_thread"] is False
+    assert procs[str(apart.pid)]["relation"] is None  # its own session
+    me = procs[str(facts["agent_pid"])]
+    assert me["relation"] == "self" and me["starttime"] == facts["agent_starttime"]
+    assert procs[str(os.getpid())]["relation"] == "ancestor"
+    assert procs["1"]["relation"] == "ancestor" if os.getpid() != 1 else True
+    if not os.path.exists("/proc/426"):
+        assert "426" not in procs
+        assert any("426" in w for w in doc["warnings"])
+    snap = parse_snapshot(doc)  # the controller's contract
+    assert snap.gpu_indices_of_app(holder.pid) == (0,)
+    assert snap.processes[holder.pid].name == "gf) w(x"
+    # nvidia-smi children of the agent are neither holders nor listed processes
+    stub_pids = [p for p, e in procs.items() if "nvidia-smi" in e["cmdline"]]
+    assert stub_pids == []
+
+
+def test_snapshot_holders_in_own_mount_namespace(tmp_path, children):
+    """A process that opened /dev/nvidia0 in another mount namespace (as in a container or
+    the lab) shows up as a holder through readlink of /proc/PID/fd."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare")
+    script = ("mount -t tmpfs tmpfs /dev && touch /dev/nvidia0 /dev/nvidia1 /dev/nvidiactl "
+              "/dev/nvidia-uvm && exec \"$0\" -c \"$1\" gfholder /dev/nvidia1 /dev/nvidiactl "
+              "/dev/nvidia-uvm")
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"])
+    if probe.returncode != 0:
+        pytest.skip("unshare -m not permitted here")
+    h = children(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
+                  sys.executable, HOLDER])
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(snap_request(stub))
+    holders = {x["pid"]: x["devices"] for x in doc["holders"]}
+    assert holders[h.pid] == ["/dev/nvidia-uvm", "/dev/nvidia1", "/dev/nvidiactl"]
+    assert doc["processes"][str(h.pid)]["comm"] == "gfholder"
+    snap = parse_snapshot(doc)
+    (mine,) = [x for x in snap.holders if x.pid == h.pid]
+    assert snap.holder_gpu_indices(mine) == (1,)  # no minor numbers here: /dev/nvidia1 -> GPU 1
+
+
+def test_snapshot_exit9(tmp_path):
+    stub = Stub(tmp_path / "stub", mode="exit9")
+    doc = run_agent(snap_request(stub))
+    assert doc["nvidia_smi"]["ok"] is False
+    assert doc["nvidia_smi"]["exit_code"] == 9
+    assert doc["nvidia_smi"]["error"] == EXIT9
+    assert doc["gpus"] == [] and doc["facts"]["agent_pid"] > 0
+    assert parse_snapshot(doc).nvidia_smi_ok is False
+
+
+def test_snapshot_hanging_nvidia_smi_is_bounded(tmp_path):
+    stub = Stub(tmp_path / "stub", mode="hang")
+    t0 = time.monotonic()
+    doc = run_agent(snap_request(stub, smi_timeout_s=1.0, deadline_s=30.0), timeout=20)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 8, elapsed
+    assert doc["nvidia_smi"]["ok"] is False
+    assert doc["nvidia_smi"]["error"] == "nvidia-smi timed out after 1s (driver hung?)"
+    # the stub and what it forked were killed (own session), not left running
+    pids = [int(x) for x in (tmp_path / "stub" / "hang.pids").read_text().split()]
+    end = time.monotonic() + 5
+    while time.monotonic() < end and any(proc_state(p) not in (None, "Z") for p in pids):
+        time.sleep(0.05)
+    assert all(proc_state(p) in (None, "Z") for p in pids)
+
+
+def test_snapshot_deadline_bounds_nvidia_smi(tmp_path):
+    stub = Stub(tmp_path / "stub", mode="hang")
+    t0 = time.monotonic()
+    doc = run_agent(snap_request(stub, smi_timeout_s=30.0, deadline_s=1.5), timeout=20)
+    assert time.monotonic() - t0 < 8
+    assert "timed out after 1.5s" in doc["nvidia_smi"]["error"]
+
+
+def test_snapshot_missing_nvidia_smi(tmp_path):
+    doc = run_agent({"mode": "snapshot", "nvidia_smi": str(tmp_path / "nope" / "nvidia-smi")})
+    assert doc["nvidia_smi"]["ok"] is False
+    assert doc["nvidia_smi"]["error"].startswith("nvidia-smi not found")
+    assert doc["facts"]["nvidia_smi"] is None
+    fallbacks = ["/usr/bin/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi",
+                 "/usr/lib/wsl/lib/nvidia-smi"]
+    if not any(os.path.exists(p) for p in fallbacks):
+        env = dict(os.environ, PATH=str(tmp_path))
+        doc = run_agent({"mode": "snapshot"}, env=env)
+        assert doc["nvidia_smi"]["error"] == "nvidia-smi not found"
+
+
+def test_snapshot_rejected_optional_field_degrades_to_null(tmp_path):
+    stub = Stub(tmp_path / "stub", reject=["memory.reserved"])
+    doc = run_agent(snap_request(stub))
+    assert doc["nvidia_smi"]["ok"] is True
+    assert {g["index"]: g["memory_reserved_mib"] for g in doc["gpus"]} == {0: None, 1: None}
+    queries = [c[0] for c in stub.calls() if c and c[0].startswith("--query-gpu=")]
+    assert "memory.reserved" in queries[0] and "memory.reserved" not in queries[1]
+
+
+@pytest.mark.parametrize("garbage", [
+    "garbage\n", recorded("query_gpu_7fields.csv")[:40] + "\n", "\x00\x01\x02\n",
+])
+def test_snapshot_garbage_output(tmp_path, garbage):
+    stub = Stub(tmp_path / "stub", mode="garbage", garbage=garbage)
+    doc = run_agent(snap_request(stub))
+    assert doc["nvidia_smi"]["ok"] is False
+    assert doc["nvidia_smi"]["error"].startswith("unparsable nvidia-smi")
+    assert doc["gpus"] == [] and "traceback" not in doc
+
+
+def test_bad_request_is_a_document():
+    doc = run_agent({"mode": "reboot"})
+    assert doc["error"].startswith("bad request")
+
+
+def test_shell_metacharacters_in_paths_are_data(tmp_path):
+    odd = tmp_path / "a b;$(touch PWNED)`touch PWNED2`'\"|&"
+    stub = Stub(odd)
+    doc = run_agent(snap_request(stub))
+    assert doc["nvidia_smi"]["ok"] is True
+    assert doc["facts"]["nvidia_smi"] == str(stub.path)
+    assert not list(tmp_path.rglob("PWNED*")) and not Path("PWNED").exists()
+
+
+# ------------------------------------------------------------------- clean
+
+
+def clean_request(tmp_path, stub, targets, **kw):
+    req = {"mode": "clean", "deadline_s": 30, "nvidia_smi": str(stub.path), "smi_timeout_s": 5,
+           "scope": [0], "targets": targets, "units": [], "grace_s": 5.0, "timeout_s": 10.0,
+           "poll_s": 0.05, "threshold_mib": {"0": 64, "1": 64}, "shm": False, "reset": False,
+           "lock_path": str(tmp_path / "clean.lock"), "operator": "tester@laptop"}
+    req.update(kw)
+    return req
+
+
+def agent_env(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return dict(os.environ, HOME=str(home))
+
+
+def audit_lines(tmp_path):
+    f = tmp_path / "home" / ".local" / "state" / "gpufleet" / "agent-audit.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def gpu_app(p, used=20998, uuid=GPU0_UUID):
+    return {"pid": p.pid, "used": used, "uuid": uuid, "dynamic": True,
+            "line": recorded_app_line(p.pid).replace(GPU0_UUID, uuid).replace(
+                "20998", str(used))}
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_clean_term_honoured_and_memory_verdict(tmp_path, children, python):
+    h = children.holder()
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    st = starttime(h.pid)
+    doc = run_agent(clean_request(tmp_path, stub, [{"pid": h.pid, "starttime": st, "wave": 0}]),
+                    python=python, env=agent_env(tmp_path))
+    assert doc["lock"] == "acquired" and "error" not in doc, doc.get("traceback")
+    assert [(s["pid"], s["signal"], s["outcome"]) for s in doc["signals"]] == \
+        [(h.pid, "TERM", "sent")]
+    assert h.wait(timeout=5) == -signal.SIGTERM
+    assert doc["memory_wait"]["ok"] is True and doc["memory_wait"]["polls"] >= 1
+    # exited, but this test (its parent) has not reaped it yet: reported as such, by parent
+    assert [(x["pid"], x["state"], x["ppid"]) for x in doc["survivors"]] == \
+        [(h.pid, "Z", os.getpid())]
+    assert "zombie" in doc["survivors"][0]["reason"]
+    after = parse_snapshot(doc["after"])
+    assert {g.index: g.memory_used_mib for g in after.gpus}[0] == 0
+    assert h.pid not in after.listed_pids()
+    (line,) = audit_lines(tmp_path)
+    assert (line["pid"], line["starttime"], line["signal"], line["outcome"], line["operator"]) \
+        == (h.pid, st, "TERM", "sent", "tester@laptop")
+    assert "gpufleet-test-holder" in line["cmdline"]
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_clean_term_ignored_gets_kill_after_grace(tmp_path, children, python):
+    h = children.holder("stubborn", "--ignore-term")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    doc = run_agent(clean_request(tmp_path, stub,
+                                  [{"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}],
+                                  grace_s=0.5), python=python, env=agent_env(tmp_path))
+    sig = [(s["signal"], s["outcome"]) for s in doc["signals"]]
+    assert sig == [("TERM", "sent"), ("KILL", "sent")]
+    assert doc["signals"][1]["t"] - doc["signals"][0]["t"] >= 0.5
+    assert h.wait(timeout=5) == -signal.SIGKILL
+    assert doc["memory_wait"]["ok"] is True
+    assert [x["signal"] for x in audit_lines(tmp_path)] == ["TERM", "KILL"]
+
+
+def test_clean_waves_in_order(tmp_path, children):
+    root = children.holder("root")
+    worker = children.holder("worker", "--ignore-term")
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [
+        {"pid": worker.pid, "starttime": starttime(worker.pid), "wave": 1},
+        {"pid": root.pid, "starttime": starttime(root.pid), "wave": 0},
+    ], grace_s=0.3, scope=[]), env=agent_env(tmp_path))
+    assert [(s["pid"], s["signal"], s["outcome"]) for s in doc["signals"]] == [
+        (root.pid, "TERM", "sent"), (worker.pid, "TERM", "sent"), (worker.pid, "KILL", "sent")]
+    assert root.wait(timeout=5) == -signal.SIGTERM and worker.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_clean_pid_reused_is_not_signalled(tmp_path, children):
+    h = children.holder()
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [
+        {"pid": h.pid, "starttime": starttime(h.pid) + 1, "wave": 0}], scope=[]),
+        env=agent_env(tmp_path))
+    assert [(s["signal"], s["outcome"]) for s in doc["signals"]] == [("TERM", "pid reused")]
+    time.sleep(0.2)
+    assert h.poll() is None  # still alive
+    assert doc["survivors"] == []  # the process we meant is gone; this one is someone else
+    assert doc["memory_wait"] == {"ok": True, "seconds": 0.0, "polls": 0, "used_mib": {},
+                                  "error": None}
+
+
+def test_clean_gone_target(tmp_path, children):
+    h = children.holder()
+    st = starttime(h.pid)
+    h.kill()
+    h.wait()
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [{"pid": h.pid, "starttime": st, "wave": 0}],
+                                  scope=[]), env=agent_env(tmp_path))
+    assert [s["outcome"] for s in doc["signals"]] == ["gone"]
+
+
+def test_clean_lock_busy_when_second_clean_runs(tmp_path, children):
+    h = children.holder("slow", "--ignore-term")
+    stub = Stub(tmp_path / "stub")
+    first_req = clean_request(tmp_path, stub, [
+        {"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}], grace_s=3.0, scope=[])
+    first = subprocess.Popen(bootstrap_command(sys.executable), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=agent_env(tmp_path))
+    first.stdin.write(encode_request(first_req))
+    first.stdin.close()
+    try:
+        lock = str(tmp_path / "clean.lock")
+        end = time.monotonic() + 10
+        held = False
+        while time.monotonic() < end and not held:  # until the first clean holds the lock
+            if os.path.exists(lock):
+                with open(lock) as f:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        fcntl.flock(f, fcntl.LOCK_UN)
+                    except OSError:
+                        held = True
+            time.sleep(0.02)
+        assert held
+        other = children.holder("bystander")
+        second = run_agent(clean_request(tmp_path, stub, [
+            {"pid": other.pid, "starttime": starttime(other.pid), "wave": 0}],
+            lock_wait_s=0.3, units=[{"unit": "x.service"}]), env=agent_env(tmp_path))
+        assert second["lock"] == "busy"
+        assert second["signals"] == [] and second["units_stopped"] == []
+        assert other.poll() is None
+        out = json.loads(first.stdout.read())
+        assert out["lock"] == "acquired"
+        assert [s["signal"] for s in out["signals"]] == ["TERM", "KILL"]
+    finally:
+        first.wait(timeout=30)
+        first.stdout.close()
+
+
+def test_clean_refuses_own_ancestor(tmp_path):
+    """The agent never signals its ancestors, whatever the controller asked."""
+    wrapper = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess,sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+        + bootstrap_command(sys.executable),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=agent_env(tmp_path))
+    stub = Stub(tmp_path / "stub")
+    time.sleep(0.1)
+    req = clean_request(tmp_path, stub, [
+        {"pid": wrapper.pid, "starttime": starttime(wrapper.pid), "wave": 0},
+        {"pid": 1, "starttime": starttime(1), "wave": 0}], scope=[], grace_s=0.2)
+    out, _ = wrapper.communicate(encode_request(req), timeout=30)
+    assert wrapper.returncode == 0  # not killed
+    doc = json.loads(out)
+    assert [s["outcome"] for s in doc["signals"]] == ["refused: own session",
+                                                      "refused: pid <= 1"]
+    reasons = {s["pid"]: s["reason"] for s in doc["survivors"]}
+    assert reasons[wrapper.pid] == "refused: own session"
+
+
+ZOMBIE_PARENT = r'''
+import os, time
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+print(pid, flush=True)
+time.sleep(600)
+'''
+
+
+def test_clean_zombie_target_names_parent(tmp_path, children):
+    parent = children([sys.executable, "-c", ZOMBIE_PARENT], wait_ready=False)
+    zpid = int(parent.stdout.readline())
+    end = time.monotonic() + 5
+    while proc_state(zpid) != "Z" and time.monotonic() < end:
+        time.sleep(0.02)
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [
+        {"pid": zpid, "starttime": starttime(zpid), "wave": 0}], scope=[]),
+        env=agent_env(tmp_path))
+    assert [s["outcome"] for s in doc["signals"]] == ["gone"]
+    (surv,) = doc["survivors"]
+    assert surv["pid"] == zpid and surv["state"] == "Z"
+    assert str(parent.pid) in surv["reason"] and "zombie" in surv["reason"]
+
+
+def test_clean_memory_verdict_waits_for_memory(tmp_path, children):
+    target = children.holder("target")
+    other = children.holder("keeps-memory")  # not a target: its memory stays
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(target, 1000), gpu_app(other, 500)])
+    t0 = time.monotonic()
+    doc = run_agent(clean_request(tmp_path, stub, [
+        {"pid": target.pid, "starttime": starttime(target.pid), "wave": 0}], timeout_s=1.0),
+        env=agent_env(tmp_path))
+    assert time.monotonic() - t0 < 10
+    mw = doc["memory_wait"]
+    assert mw["ok"] is False and mw["polls"] > 2 and 0.8 <= mw["seconds"] <= 5
+    assert mw["used_mib"] == {"0": 500} and "GPU 0" in mw["error"]
+    assert target.wait(timeout=5) == -signal.SIGTERM and other.poll() is None
+
+
+def test_clean_units_are_argv_data(tmp_path):
+    systemctl = tmp_path / "systemctl"
+    log = tmp_path / "systemctl.log"
+    systemctl.write_text("#!%s\nimport json, sys\nopen(%r, 'a').write(json.dumps(sys.argv[1:]) "
+                         "+ '\\n')\n" % (sys.executable, str(log)))
+    systemctl.chmod(0o755)
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [], scope=[], systemctl=str(systemctl), units=[
+        {"unit": "vllm-minimax.service", "disable": True},
+        {"unit": "x.service; reboot", "disable": False},
+        {"unit": "-H.service"},
+    ]), env=agent_env(tmp_path))
+    assert [(u["unit"], u["ok"]) for u in doc["units_stopped"]] == [
+        ("vllm-minimax.service", True), ("x.service; reboot", False), ("-H.service", False)]
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [c[-2:] for c in calls] == [["stop", "vllm-minimax.service"],
+                                       ["disable", "vllm-minimax.service"]]
+
+
+def test_clean_unit_failure_reported(tmp_path):
+    systemctl = tmp_path / "systemctl"
+    systemctl.write_text("#!/bin/sh\necho 'Failed to stop x.service: Unit x.service not loaded.' "
+                         ">&2\nexit 5\n")
+    systemctl.chmod(0o755)
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [], scope=[], systemctl=str(systemctl),
+                                  units=[{"unit": "x.service"}]), env=agent_env(tmp_path))
+    (u,) = doc["units_stopped"]
+    assert u["ok"] is False and "not loaded" in u["error"]
+
+
+def test_clean_shm_leftovers(tmp_path, children):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    names = ["nccl-unused", "torch_123_abc", "nccl-open", "psm_mapped", "vllm-recent",
+             "other-file"]
+    for n in names:
+        (shm / n).write_bytes(b"\0" * 4096)
+    old = time.time() - 3600
+    for n in names:
+        if n != "vllm-recent":
+            os.utime(str(shm / n), (old, old))
+    opener = children.holder("shm-open", str(shm / "nccl-open"))
+    mapper = children([sys.executable, "-c",
+                       "import mmap,sys,time\nf=open(sys.argv[1],'r+b')\n"
+                       "m=mmap.mmap(f.fileno(),4096)\nf.close()\nprint('ready',flush=True)\n"
+                       "time.sleep(600)", str(shm / "psm_mapped")])
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [], scope=[], shm=True, shm_dir=str(shm),
+                                  shm_min_age_s=60), env=agent_env(tmp_path))
+    assert sorted(doc["shm_removed"]) == [str(shm / "nccl-unused"), str(shm / "torch_123_abc")]
+    assert sorted(p.name for p in shm.iterdir()) == ["nccl-open", "other-file", "psm_mapped",
+                                                     "vllm-recent"]
+    assert opener.poll() is None and mapper.poll() is None
+
+
+def test_clean_reset_is_guarded(tmp_path):
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [], scope=[0, 7], reset=True),
+                    env=agent_env(tmp_path))
+    resets = {r["index"]: r for r in doc["reset"]}
+    assert resets[7]["ok"] is False and "no GPU" in resets[7]["message"]
+    facts = doc["after"]["facts"]
+    calls = [c for c in stub.calls() if c and c[0] == "--gpu-reset"]
+    if facts["is_root"] and not facts["in_container"] and not facts["wsl2"]:
+        assert resets[0]["ok"] is True and calls == [["--gpu-reset", "-i", "0"]]
+    else:
+        assert resets[0]["ok"] is False and resets[0]["message"].startswith("not reset:")
+        assert calls == []
+
+
+def test_clean_deadline_bounds_everything(tmp_path, children):
+    h = children.holder("stubborn2", "--ignore-term")
+    stub = Stub(tmp_path / "stub", mode="hang")
+    t0 = time.monotonic()
+    doc = run_agent(clean_request(tmp_path, stub, [
+        {"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}],
+        deadline_s=3, grace_s=1.0, timeout_s=60, smi_timeout_s=30), env=agent_env(tmp_path),
+        timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert [s["signal"] for s in doc["signals"]] == ["TERM", "KILL"]
+    assert doc["memory_wait"]["ok"] is False
+    assert h.wait(timeout=5) == -signal.SIGKILL
