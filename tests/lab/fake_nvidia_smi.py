@@ -452,7 +452,7 @@ def table(cfg, gpus, apps):
         if len(name) > room:
             name = "..." + name[-(room - 3) :]
         out.append(
-            "|%5d   N/A  N/A%17d%7s   %s%s |"
+            "|%5d   N/A  N/A%16d%7s   %s%s |"
             % (a["gpu"]["index"], a["pid"], "C", name.ljust(46 - len(mem)), mem)
         )
     out.append(wide)
