@@ -394,7 +394,8 @@ def make_plan(
                 parent = procs.get(cur.ppid)
                 if parent is None or parent.pid in listed:
                     break
-                if parent.pid in refused and refused[parent.pid].kind not in (AMBIGUOUS, NO_EVIDENCE):
+                soft = (AMBIGUOUS, NO_EVIDENCE)
+                if parent.pid in refused and refused[parent.pid].kind not in soft:
                     break
                 if parent.session is None or parent.session != cur.session:
                     break

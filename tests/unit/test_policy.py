@@ -102,7 +102,8 @@ def test_ssh_client_is_not_sshd(ctx: PolicyContext) -> None:
         # comm is truncated to 15 bytes by the kernel
         ("nvidia-persiste", "/usr/bin/nvidia-persistenced --user nvidia-persistenced",
          "nvidia-persistenced"),
-        ("nv-fabricmanage", "/usr/bin/nv-fabricmanager -c /usr/share/nvidia/nvswitch/fabricmanager.cfg",
+        ("nv-fabricmanage",
+         "/usr/bin/nv-fabricmanager -c /usr/share/nvidia/nvswitch/fabricmanager.cfg",
          "nv-fabricmanager"),
         ("nv-hostengine", "/usr/bin/nv-hostengine -n", "nv-hostengine"),
         ("dcgm-exporter", "/usr/bin/dcgm-exporter -f /etc/dcgm-exporter/dcp-metrics-included.csv",
