@@ -98,7 +98,7 @@ def clean_request(host: Host, plan: Plan, opts: CleanOptions) -> dict[str, Any]:
 
 def execute_plan(host: Host, session: Any, planned: HostClean, opts: CleanOptions) -> HostClean:
     """Exec 2: the agent runs the whole sequence; the verdict is computed here from its report."""
-    from .verdict import judge
+    from .verdict import make_verdict
 
     if planned.plan is None or not planned.ok:
         return planned
@@ -125,7 +125,7 @@ def execute_plan(host: Host, session: Any, planned: HostClean, opts: CleanOption
         planned.after = None
         planned.error = f"final snapshot unreadable: {exc}"
     assert planned.before is not None and planned.before.snapshot is not None
-    result = judge(planned.plan, doc, planned.before.snapshot, planned.after)
+    result = make_verdict(planned.plan, doc, planned.before.snapshot)
     planned.verdict = result.verdict
     planned.reason = result.reason
     planned.verdict_detail = result.as_dict()
