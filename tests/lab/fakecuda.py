@@ -7,7 +7,8 @@ What real CUDA does that gpufleet depends on (recorded in /work/shared/recorded)
   CUDA_VISIBLE_DEVICES), plus /dev/nvidiactl and /dev/nvidia-uvm; on WSL2 it opens /dev/dxg;
 * its memory is attributed to it by nvidia-smi's compute-apps list (by GPU UUID);
 * vLLM renames its processes both in comm (prctl) and in the cmdline (setproctitle);
-* it keeps its memory until the process is gone (a SIGTERM handler delays the release).
+* it keeps its memory until the process is gone (a SIGTERM handler delays the release);
+* an allocation larger than the free memory fails (torch.OutOfMemoryError, exit 1).
 
 This program registers its allocation in $FAKEGPU_ROOT/procs/<pid>.json with its starttime; the
 fake nvidia-smi decides liveness itself (pid + starttime, not a zombie), so a record never needs
@@ -142,6 +143,25 @@ def open_devices(used_indices, minors):
     return fds
 
 
+def check_free(alloc):
+    """Refuse what does not fit, as CUDA does (free memory as the fake nvidia-smi counts it)."""
+    if not alloc:
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fake_nvidia_smi as smi
+
+    gpus, _ = smi.snapshot(smi.load_config())
+    for g in gpus:
+        want = alloc.get(str(g["index"]), 0)
+        if want > g["free"]:
+            sys.stderr.write(
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate %.2f GiB. GPU %d "
+                "has a total capacity of %.2f GiB of which %.2f GiB is free.\n"
+                % (want / 1024.0, g["index"], g["total"] / 1024.0, g["free"] / 1024.0)
+            )
+            sys.exit(1)
+
+
 def register(alloc):
     if not alloc:
         return
@@ -198,7 +218,14 @@ def detach(args, argv):
             chunks.append(chunk)
         text = b"".join(chunks).decode()
         if not text:
-            sys.stderr.write("fakecuda: holder failed to start (see %s)\n" % args.log)
+            detail = ""
+            if args.log != os.devnull:
+                try:
+                    with open(args.log) as f:
+                        detail = f.read()[-2000:]
+                except OSError:
+                    pass
+            sys.stderr.write("%sfakecuda: holder failed to start (log: %s)\n" % (detail, args.log))
             os._exit(1)
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
@@ -249,6 +276,7 @@ def main(argv=None):
     if args.title:
         rename(args.title)
     fds = [] if args.no_devices else open_devices(phys, minors)
+    check_free(alloc)
     register(alloc)
     zombie = None
     if args.zombie_child is not None:

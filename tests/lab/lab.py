@@ -607,14 +607,18 @@ class Lab:
         nvidia_smi: Optional[str] = "default",
         python3: bool = True,
         minors: Optional[Sequence[int]] = None,
+        sshd_extra: str = "",
         **config: Any,
     ) -> LabHost:
         """Start one host. ``driver``: ok | fail | hang | garbage. ``nvidia_smi``: a path inside
         the host, "default" (/usr/bin/nvidia-smi, or /usr/lib/wsl/lib/nvidia-smi on WSL2) or None
         (no nvidia-smi). ``python3=False``: python3 is not on the session PATH. Other keyword
-        arguments go into the fake driver's config.json (see fake_nvidia_smi.DEFAULTS)."""
+        arguments go into the fake driver's config.json (see fake_nvidia_smi.DEFAULTS).
+        ``sshd_extra``: more sshd_config lines (e.g. "MaxStartups 1")."""
         if driver not in ("ok", "fail", "hang", "garbage"):
             raise ValueError("driver must be ok, fail, hang or garbage")
+        if nvidia_smi not in (None, "default") and not str(nvidia_smi).startswith("/"):
+            raise ValueError("nvidia_smi must be an absolute path, 'default' or None")
         with self._lock:
             self._counter += 1
             name = name or "gpu-%02d" % self._counter
@@ -651,7 +655,7 @@ class Lab:
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
                 "nvidia_smi": nvidia_smi, "python3": python3, "smi_python": self._smi_python,
                 "path": DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs(),
-                "sshd_config": self._sshd_config(port),
+                "sshd_config": self._sshd_config(port) + sshd_extra.strip() + "\n",
                 "files": {
                     "fake_nvidia_smi.py": str(HERE / "fake_nvidia_smi.py"),
                     "fakecuda.py": str(HERE / "fakecuda.py"),

@@ -124,7 +124,7 @@ def place_smi(path, wrapper):
     """Put the fake nvidia-smi at ``path`` without writing to the real disk."""
     parent = os.path.dirname(path)
     anchor = parent
-    while not os.path.isdir(anchor):
+    while not os.path.isdir(anchor) and anchor not in ("", "/"):
         anchor = os.path.dirname(anchor)
     rel = os.path.relpath(path, anchor)
     overlay(anchor, {rel: (wrapper, 0o755)}, "smi")
