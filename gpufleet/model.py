@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 AGENT_VERSION = 1
+COMM_MAX = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to this many bytes
 
 _NVIDIA_DEV = re.compile(r"^/dev/nvidia(\d+)$")
 
@@ -65,8 +66,15 @@ class ProcessInfo:
 
     @property
     def name(self) -> str:
-        """What an operator recognises: the comm, which vLLM renames (VLLM::Worker)."""
-        return self.comm or (self.cmdline.split(" ", 1)[0] if self.cmdline else "?")
+        """What an operator recognises: the comm, which vLLM renames (VLLM::Worker).
+
+        The kernel cuts comm at 15 bytes ("VLLM::EngineCor"); when the rewritten cmdline
+        starts with it (setproctitle), its first word is the full name (VLLM::EngineCore_DP0).
+        """
+        first = self.cmdline.split(" ", 1)[0] if self.cmdline else ""
+        if self.comm and len(self.comm) >= COMM_MAX and first.startswith(self.comm):
+            return first
+        return self.comm or first or "?"
 
 
 @dataclass(frozen=True)

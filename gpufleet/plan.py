@@ -33,6 +33,7 @@ from .model import ProcessInfo, Snapshot, ledger
 
 EVIDENCE_SMI = "nvidia-smi"
 EVIDENCE_DEVICE = "device-file"
+EVIDENCE_FAMILY = "family"  # device-file holder whose GPU processes below are all targets
 EVIDENCE_PARENT = "parent"  # added by include_parents: no GPU evidence of its own
 
 # Refusal kinds decided here (policy's kinds are in gpufleet.policy).
@@ -382,6 +383,31 @@ def make_plan(
                     policy.UNIT, candidates[pid].gpus,
                 )
                 changed = True
+
+    # A device-file holder refused as ambiguous is resolved by its family: when every GPU
+    # process below it is a target (and nothing below is protected), it is the family's root
+    # (vLLM's EngineCore above its Workers): signalled first so it can shut its children down.
+    # nvidia-smi lists no memory of its own, so ending it frees nothing outside the scope.
+    gpu_evidence_pids = set(listed) | {h.pid for h in snapshot.holders}
+    promoted = True
+    while promoted and snapshot.nvidia_smi_ok:
+        promoted = False
+        for pid in sorted(p for p, r in refused.items() if r.kind == AMBIGUOUS and p not in listed):
+            proc = procs.get(pid)
+            below = _descendants(pid, children)
+            if proc is None or not any(d in targets for d in below):
+                continue
+            if any(d in gpu_evidence_pids and d not in targets for d in below):
+                continue
+            if any(blocking_reason(d) is not None for d in below):
+                continue
+            if policy.refusal(proc, ctx) is not None:
+                continue
+            gpus = tuple(sorted({g for d in below if d in targets for g in targets[d].gpus}))
+            del refused[pid]
+            targets[pid] = _Candidate(proc, EVIDENCE_FAMILY, gpus, None)
+            candidates[pid] = targets[pid]
+            promoted = True
 
     approved_units = {policy.service_unit(c.proc) for c in targets.values()} - {None}
 

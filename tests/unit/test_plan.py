@@ -491,3 +491,33 @@ def test_fixtures_are_agent_documents() -> None:
             assert int(key) == proc["pid"]
         assert snap.facts.agent_pid in snap.processes
         assert snap.processes[snap.facts.agent_pid].relation == "self"
+
+
+# ------------------------------------------------------- family resolves an ambiguous holder
+
+
+def _unlisted_engine_cores() -> Snapshot:
+    """The lab's vLLM model: EngineCores hold every /dev/nvidiaN but nvidia-smi lists no
+    memory of theirs; only the Workers are listed."""
+    d = doc("train-node")
+    d["compute_apps"] = [a for a in d["compute_apps"] if a["pid"] not in (4340, 4341)]
+    return parse_snapshot(d)
+
+
+def test_unlisted_engine_core_joins_its_family_as_root() -> None:
+    plan = make_plan(_unlisted_engine_cores(), (0, 1, 2, 3))
+    assert {4340, 4341, 4360, 4361, 4362, 4363} == pids(plan)
+    for root in (4340, 4341):
+        assert plan.target(root).evidence == planmod.EVIDENCE_FAMILY
+        assert plan.target(root).wave == 0
+    assert plan.target(4340).gpus == (0, 1) and plan.target(4341).gpus == (2, 3)
+    assert plan.target(4360).wave == 1 and plan.target(4360).family_root == 4340
+    assert 4520 not in pids(plan)  # the trainer on 4-7 is never part of it
+
+
+def test_engine_core_stays_ambiguous_when_a_worker_is_outside_the_scope() -> None:
+    plan = make_plan(_unlisted_engine_cores(), (0, 1, 2))
+    assert 4340 in pids(plan)  # its workers are on 0 and 1
+    assert 4341 not in pids(plan)  # its worker 4363 is on GPU 3
+    assert refused(plan)[4341][0] == planmod.AMBIGUOUS
+    assert 4363 not in pids(plan)

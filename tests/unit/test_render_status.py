@@ -96,3 +96,14 @@ def test_broken_driver_is_a_host_error_row() -> None:
     doc = status_document([result("broken_driver")], {})
     assert doc["hosts"][0]["ok"] is False
     assert "couldn't communicate with the NVIDIA driver" in doc["hosts"][0]["error"]
+
+
+def test_truncated_comm_is_completed_from_the_rewritten_cmdline() -> None:
+    from gpufleet.model import ProcessInfo
+
+    def proc(comm: str, cmdline: str) -> ProcessInfo:
+        return ProcessInfo(pid=1, ppid=0, starttime=1, state="S", uid=0, user="root", comm=comm, cmdline=cmdline)
+
+    assert proc("VLLM::EngineCor", "VLLM::EngineCore_DP0").name == "VLLM::EngineCore_DP0"
+    assert proc("VLLM::Worker", "python3 /tmp/hold.py VLLM::Worker 20").name == "VLLM::Worker"
+    assert proc("python3.11-confi", "python3 x").name == "python3.11-confi"
