@@ -287,10 +287,18 @@ def parse_stat(text):
             "pgid": int(rest[2]),
             "session": int(rest[3]),
             "flags": int(rest[6]),
+            "num_threads": int(rest[17]),
             "starttime": int(rest[19]),
         }
     except ValueError as exc:
         raise ParseError("bad stat: %s" % exc)
+
+
+def has_exited(st):
+    """Z/X with no thread left. A zombie LEADER whose other threads still run (seen on a real
+    H200: a CUDA process shows "Z" right after SIGTERM while its threads tear the context
+    down) still holds the GPU; a real zombie holds nothing."""
+    return st["state"] in ("Z", "X", "x") and st.get("num_threads", 1) <= 1
 
 
 def is_kernel_thread(st):
@@ -403,8 +411,10 @@ def refusal(pid, self_pid, ancestors):
     return None
 
 
-def classify_survivor(state, wchan, ppid, parent_comm, outcomes):
+def classify_survivor(state, wchan, ppid, parent_comm, outcomes, threads=1):
     """Why a target is still there, in words an operator can act on."""
+    if state == "Z" and threads > 1:
+        return "exiting: main thread gone, %d thread(s) still tearing down" % (threads - 1)
     if state == "Z":
         return "zombie: exited, not reaped by parent %s (%s); holds no GPU memory" % (
             ppid, parent_comm or "?")
@@ -628,23 +638,58 @@ def scan_fds(want, exclude=(), proc=PROC):
             continue
         except OSError:
             continue
+        if not fds:
+            fd_dirs = leader_gone_fd_dirs(pid, proc)
+        else:
+            fd_dirs = [(fd_dir, fds)]
         hits = None
-        for fd in fds:
-            try:
-                target = os.readlink(fd_dir + "/" + fd)
-            except PermissionError:
+        for fd_dir, fds in fd_dirs:
+            hits = _readlinks(fd_dir, fds, want, hits)
+            if hits is False:
                 denied += 1
+                hits = None
                 break
-            except OSError:
-                continue
-            hit = want(target)
-            if hit:
-                if hits is None:
-                    hits = set()
-                hits.add(hit)
         if hits:
             found[pid] = hits
     return found, denied
+
+
+def _readlinks(fd_dir, fds, want, hits):
+    """want(target) of every fd link; False when reading them is not permitted."""
+    for fd in fds:
+        try:
+            target = os.readlink(fd_dir + "/" + fd)
+        except PermissionError:
+            return False
+        except OSError:
+            continue
+        hit = want(target)
+        if hit:
+            if hits is None:
+                hits = set()
+            hits.add(hit)
+    return hits
+
+
+def leader_gone_fd_dirs(pid, proc=PROC):
+    """A zombie leader has no fd table of its own, but threads that still run share one:
+    read it through /proc/PID/task/TID/fd (kernel threads and real zombies yield nothing)."""
+    st = read_stat(pid, proc)
+    if st is None or st["state"] not in ("Z", "X") or st["num_threads"] <= 1:
+        return []
+    try:
+        tids = [t for t in os.listdir("%s/%d/task" % (proc, pid)) if t != str(pid)]
+    except OSError:
+        return []
+    for tid in tids:
+        d = "%s/%d/task/%s/fd" % (proc, pid, tid)
+        try:
+            fds = os.listdir(d)
+        except OSError:
+            continue
+        if fds:
+            return [(d, fds)]
+    return []
 
 
 def read_stat(pid, proc=PROC):
@@ -1072,7 +1117,7 @@ def send_signal(pid, starttime, sig, proc=PROC):
             return "gone"
         if st["starttime"] != starttime:
             return "pid reused"
-        if st["state"] in ("Z", "X", "x"):
+        if has_exited(st):
             return "gone"
         if is_kernel_thread(st):
             return "refused: kernel thread"
@@ -1096,7 +1141,31 @@ def send_signal(pid, starttime, sig, proc=PROC):
 def exited(pid, starttime, proc=PROC):
     """Gone, reused, or a zombie (which holds no GPU memory) all count as exited."""
     st = read_stat(pid, proc)
-    return st is None or st["starttime"] != starttime or st["state"] in ("Z", "X", "x")
+    return st is None or st["starttime"] != starttime or has_exited(st)
+
+
+def stuck_thread(pid, st, proc=PROC):
+    """(state, wchan) of the process, or of its first thread in D state: after a signal the
+    leader may be a zombie while a worker thread is stuck in the driver."""
+    def wchan_of(path):
+        w = (read_text(path + "/wchan") or "").strip()
+        return w if w not in ("", "0") else None
+
+    base = "%s/%d" % (proc, pid)
+    if st["state"] != "D" and st["num_threads"] > 1:
+        try:
+            tids = sorted(os.listdir(base + "/task"), key=lambda x: (len(x), x))
+        except OSError:
+            tids = []
+        for tid in tids[:512]:
+            tst = read_text("%s/task/%s/stat" % (base, tid))
+            try:
+                tstate = parse_stat(tst)["state"] if tst else None
+            except ParseError:
+                tstate = None
+            if tstate == "D":
+                return "D", wchan_of("%s/task/%s" % (base, tid))
+    return st["state"], wchan_of(base)
 
 
 def wait_exit(targets, seconds, poll, deadline, proc=PROC):
@@ -1170,6 +1239,10 @@ def wait_memory(req, scope, end, deadline):
             out["error"] = error
             break
         out["used_mib"] = dict((str(i), used.get(i)) for i in scope)
+        absent = [i for i in scope if i not in used]
+        if absent:  # waiting cannot make a GPU appear
+            out["error"] = "no GPU with index %s" % ", ".join(str(i) for i in absent)
+            break
         pending = [i for i in scope
                    if used.get(i) is None or used[i] > thresholds.get(str(i), default)]
         if not pending:
@@ -1366,13 +1439,14 @@ def _clean_locked(req, deadline, res, t0, proc):
         st = read_stat(t["pid"], proc)
         if st is None or st["starttime"] != t["starttime"]:
             continue
-        wchan = (read_text("%s/%d/wchan" % (proc, t["pid"])) or "").strip() or None
+        state, wchan = stuck_thread(t["pid"], st, proc)
         parent = read_stat(st["ppid"], proc) if st["ppid"] > 0 else None
         res["survivors"].append({
-            "pid": t["pid"], "starttime": t["starttime"], "state": st["state"],
-            "wchan": wchan if wchan != "0" else None, "ppid": st["ppid"], "comm": st["comm"],
-            "reason": classify_survivor(st["state"], wchan, st["ppid"],
-                                        parent["comm"] if parent else None, t["outcomes"]),
+            "pid": t["pid"], "starttime": t["starttime"], "state": state, "wchan": wchan,
+            "ppid": st["ppid"], "comm": st["comm"], "threads": st["num_threads"],
+            "reason": classify_survivor(state, wchan, st["ppid"],
+                                        parent["comm"] if parent else None, t["outcomes"],
+                                        st["num_threads"]),
         })
 
     if req.get("shm"):

@@ -37,7 +37,8 @@ def test_fixtures_match_recorded_logs():
     sources = json.loads((FIXTURES / "SOURCES.json").read_text())
     assert len(sources) >= 10
     for name, src in sources.items():
-        lines = (RECORDED_LOGS / src["log"]).read_bytes().split(b"\n")
+        base = FIXTURES if src.get("in_repo") else RECORDED_LOGS
+        lines = (base / src["log"]).read_bytes().split(b"\n")
         expected = b"\n".join(lines[src["first_line"] - 1 : src["last_line"]]) + b"\n"
         assert (FIXTURES / name).read_bytes() == expected, name
 
@@ -162,6 +163,25 @@ def test_q_minor_numbers_recorded():
         "0000:00:06.0": 0, "0000:00:07.0": 1}
 
 
+def test_q_minor_numbers_recorded_with_headers():
+    assert agent.parse_q_minors(fixture("q_minor_headers.txt")) == {
+        "0000:00:06.0": 0, "0000:00:07.0": 1}
+
+
+def test_invalid_field_message_recorded():
+    m = agent.INVALID_FIELD_RE.search(fixture("invalid_field.txt"))
+    assert m and m.group(1) == "bogus.field"
+
+
+def test_query_gpu_agent_fields_recorded():
+    fields = list(agent.GPU_FIELDS) + list(agent.OPTIONAL_GPU_FIELDS)
+    gpus = agent.parse_gpu_csv(fixture("query_gpu_agent_fields.csv"), fields)
+    assert [(g["index"], g["pci_bus_id"], g["memory_reserved_mib"], g["driver_version"])
+            for g in gpus] == [(0, "00000000:00:06.0", 616, "580.159.04"),
+                               (1, "00000000:00:07.0", 616, "580.159.04")]
+    assert gpus[1]["memory_free_mib"] == 143156 and gpus[1]["utilization_pct"] == 0
+
+
 def test_q_minor_numbers_full_layout():
     # a full `nvidia-smi -q` keeps "Minor Number" under the "GPU 0000...:..." header
     # (header line recorded in q_pids.txt; the rest in the recorded indentation)
@@ -193,14 +213,12 @@ def test_normalize_bus_id():
     assert agent.normalize_bus_id(None) is None
 
 
-# Not recorded: the layout of /proc/driver/nvidia/gpus/<bus>/information as the NVIDIA
-# kernel module prints it ("Key: <tab> value").
-PROC_INFORMATION = (
-    "Model: \t\t NVIDIA H200\nIRQ:   \t\t 0\nGPU UUID: \t GPU-2f2c1bb6-8097-1b4c-7dca-7d0a9443fc53\n"
-    "Video BIOS: \t 96.00.af.00.01\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
-    "DMA Mask: \t 0xfffffffffffff\nBus Location: \t 0000:00:07.0\nDevice Minor: \t 1\n"
-    "GPU Excluded:\t No\n"
-)
+def uncat_a(text: str) -> str:
+    """Undo `cat -A` (^I = tab, $ = end of line) for the recorded information file."""
+    return "".join(line[:-1].replace("^I", "\t") + "\n" for line in text.splitlines())
+
+
+PROC_INFORMATION = uncat_a(fixture("proc_information_catA.txt"))  # recorded on a real H200
 
 
 def test_proc_information():
@@ -220,17 +238,18 @@ def test_gpu_minors_from_fake_proc(tmp_path):
 
 
 def stat_line(pid=425, comm="VLLM::Worker", state="S", ppid=412, pgid=412, session=300,
-              flags=4194560, starttime=1234567):
+              flags=4194560, starttime=1234567, threads=1):
     """A /proc/PID/stat line in proc(5) layout (52 fields); not recorded, values from the
     recorded ps/status output of PID 425 where there are any."""
-    rest = [state, ppid, pgid, session, 34816, pgid, flags] + [0] * 12 + [starttime] + [0] * 30
+    rest = ([state, ppid, pgid, session, 34816, pgid, flags] + [0] * 10 + [threads, 0] +
+            [starttime] + [0] * 30)
     return "%d (%s) %s\n" % (pid, comm, " ".join(str(x) for x in rest))
 
 
 def test_parse_stat_fields():
     st = agent.parse_stat(stat_line())
     assert st == {"pid": 425, "comm": "VLLM::Worker", "state": "S", "ppid": 412, "pgid": 412,
-                  "session": 300, "flags": 4194560, "starttime": 1234567}
+                  "session": 300, "flags": 4194560, "starttime": 1234567, "num_threads": 1}
     assert agent.is_kernel_thread(st) is False
 
 
@@ -245,6 +264,14 @@ def test_parse_stat_rejects_garbage():
     for bad in ["", "425 VLLM S 1", "425 (x) S 1 2 3", "abc (x) " + "1 " * 50]:
         with pytest.raises(agent.ParseError):
             agent.parse_stat(bad)
+
+
+def test_has_exited_zombie_leader_with_threads():
+    assert agent.has_exited(agent.parse_stat(stat_line(state="Z", threads=1)))
+    assert agent.has_exited(agent.parse_stat(stat_line(state="X", threads=1)))
+    # leader exited, threads still tearing down (a CUDA process right after SIGTERM)
+    assert not agent.has_exited(agent.parse_stat(stat_line(state="Z", threads=5)))
+    assert not agent.has_exited(agent.parse_stat(stat_line(state="D", threads=1)))
 
 
 def test_kernel_thread_flag():
@@ -358,6 +385,8 @@ def test_classify_survivor():
     assert agent.classify_survivor("S", None, 1, "x", ["refused: own session"]) == \
         "refused: own session"
     assert "still running" in agent.classify_survivor("R", None, 1, "x", ["sent", "sent"])
+    assert "2 thread(s) still tearing down" in agent.classify_survivor(
+        "Z", None, 1, "x", ["sent"], threads=3)
 
 
 def test_reset_refusal():
@@ -400,6 +429,30 @@ def test_scan_fds_fake_proc(tmp_path):
               "/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"},
         426: {"/dev/nvidia1", "/dev/nvidiactl"},
     }
+
+
+def test_scan_fds_zombie_leader_reads_thread_fds(tmp_path):
+    d = make_proc(tmp_path, 700, stat_line(700, "pt_main", state="Z", threads=2))
+    (d / "task" / "700").mkdir(parents=True)
+    (d / "task" / "701" / "fd").mkdir(parents=True)
+    os.symlink("/dev/nvidia0", str(d / "task" / "701" / "fd" / "3"))
+    make_proc(tmp_path, 800, stat_line(800, "zombie", state="Z", threads=1))
+    found, _ = agent.scan_fds(agent.device_target, proc=str(tmp_path))
+    assert found == {700: {"/dev/nvidia0"}}
+
+
+def test_stuck_thread_fake_proc(tmp_path):
+    d = make_proc(tmp_path, 700, stat_line(700, "pt_main", state="Z", threads=3))
+    for tid, state, wchan in [(700, "Z", "0"), (701, "S", "futex_wait"),
+                              (702, "D", "uvm_va_space_destroy")]:
+        (d / "task" / str(tid)).mkdir(parents=True)
+        (d / "task" / str(tid) / "stat").write_text(stat_line(tid, "pt_main", state=state))
+        (d / "task" / str(tid) / "wchan").write_text(wchan)
+    st = agent.read_stat(700, str(tmp_path))
+    assert agent.stuck_thread(700, st, str(tmp_path)) == ("D", "uvm_va_space_destroy")
+    make_proc(tmp_path, 900, stat_line(900, "busy", state="R"), wchan="0")
+    assert agent.stuck_thread(900, agent.read_stat(900, str(tmp_path)), str(tmp_path)) == \
+        ("R", None)
 
 
 def test_process_entry_fake_proc(tmp_path):

@@ -142,6 +142,24 @@ time.sleep(600)
 '''
 
 
+# The leader thread exits while another thread runs on: /proc/PID/stat says "Z" with 2
+# threads and /proc/PID/fd is empty, as for a CUDA process tearing down after SIGTERM.
+ZOMBIE_LEADER = r'''
+import ctypes, threading, time, sys
+files = [open(p, "rb") for p in sys.argv[1:] if p.startswith("/")]
+threading.Thread(target=time.sleep, args=(600,)).start()
+print("ready", flush=True)
+ctypes.CDLL(None).pthread_exit(None)
+'''
+
+
+def wait_state(pid: int, state: str) -> None:
+    end = time.monotonic() + 5
+    while proc_state(pid) != state and time.monotonic() < end:
+        time.sleep(0.02)
+    assert proc_state(pid) == state
+
+
 def starttime(pid: int) -> int:
     return int(Path("/proc/%d/stat" % pid).read_text().rsplit(")", 1)[1].split()[19])
 
@@ -275,10 +293,16 @@ def test_snapshot_holders_in_own_mount_namespace(tmp_path, children):
         pytest.skip("unshare -m not permitted here")
     h = children(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
                   sys.executable, HOLDER])
+    z = children(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                  script.replace("/dev/nvidia1 /dev/nvidiactl /dev/nvidia-uvm", "/dev/nvidia0"),
+                  sys.executable, ZOMBIE_LEADER])
+    wait_state(z.pid, "Z")
     stub = Stub(tmp_path / "stub")
     doc = run_agent(snap_request(stub))
     holders = {x["pid"]: x["devices"] for x in doc["holders"]}
     assert holders[h.pid] == ["/dev/nvidia-uvm", "/dev/nvidia1", "/dev/nvidiactl"]
+    assert holders[z.pid] == ["/dev/nvidia0"]  # found through its live thread's fd table
+    assert doc["processes"][str(z.pid)]["state"] == "Z"
     assert doc["processes"][str(h.pid)]["comm"] == "gfholder"
     snap = parse_snapshot(doc)
     (mine,) = [x for x in snap.holders if x.pid == h.pid]
@@ -557,6 +581,17 @@ def test_clean_zombie_target_names_parent(tmp_path, children):
     assert str(parent.pid) in surv["reason"] and "zombie" in surv["reason"]
 
 
+def test_clean_zombie_leader_with_live_threads_is_signalled(tmp_path, children):
+    p = children([sys.executable, "-c", ZOMBIE_LEADER])
+    wait_state(p.pid, "Z")
+    stub = Stub(tmp_path / "stub")
+    doc = run_agent(clean_request(tmp_path, stub, [
+        {"pid": p.pid, "starttime": starttime(p.pid), "wave": 0}], scope=[], grace_s=2.0),
+        env=agent_env(tmp_path))
+    assert [(s["signal"], s["outcome"]) for s in doc["signals"]] == [("TERM", "sent")]
+    assert p.wait(timeout=5) == -signal.SIGTERM
+
+
 def test_clean_memory_verdict_waits_for_memory(tmp_path, children):
     target = children.holder("target")
     other = children.holder("keeps-memory")  # not a target: its memory stays
@@ -632,6 +667,8 @@ def test_clean_reset_is_guarded(tmp_path):
     stub = Stub(tmp_path / "stub")
     doc = run_agent(clean_request(tmp_path, stub, [], scope=[0, 7], reset=True),
                     env=agent_env(tmp_path))
+    assert doc["memory_wait"]["ok"] is False and doc["memory_wait"]["polls"] == 1
+    assert doc["memory_wait"]["error"] == "no GPU with index 7"
     resets = {r["index"]: r for r in doc["reset"]}
     assert resets[7]["ok"] is False and "no GPU" in resets[7]["message"]
     facts = doc["after"]["facts"]
