@@ -9,6 +9,8 @@ must be allowed to report what it signalled); a second Ctrl-C stops waiting for 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import signal
+import threading
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from .model import HostResult
@@ -26,6 +28,16 @@ def host_name(host: Any) -> str:
 def error_result(host: Any, message: str) -> HostResult:
     """The default error value: a failed HostResult for that host."""
     return HostResult(host=host_name(host), ok=False, error=message)
+
+
+def _block_sigint() -> None:
+    """Workers (and the SSH threads they start) block SIGINT, so the kernel delivers Ctrl-C
+    to the main thread and interrupts its wait at once, instead of to a worker (then Python
+    would only notice at the main thread's next wake-up, after more hosts had started)."""
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    except (AttributeError, ValueError, OSError):
+        pass
 
 
 def _describe(exc: BaseException) -> str:
@@ -51,66 +63,78 @@ def run_hosts(
     timeouts). Returns the list; never raises for a host's failure.
     """
     hosts = list(hosts)
-    results: list = [None] * len(hosts)
-    done_flags = [False] * len(hosts)
-    if not hosts:
+    n = len(hosts)
+    results: list = [None] * n
+    if not n:
         return results
-    bound = max(1, min(int(forks), len(hosts)))
+    bound = max(1, min(int(forks), n))
+    # State is kept by the workers under one lock, so a Ctrl-C landing anywhere in the main
+    # thread (even inside submit) cannot lose track of a host that did start.
+    cond = threading.Condition()
+    started = [False] * n
+    done = [False] * n
+    state = {"stop": False, "finished": 0}
 
-    def call(i: int) -> Any:
+    def call(i: int) -> None:
+        with cond:
+            if state["stop"]:
+                return
+            started[i] = True
         try:
-            return fn(hosts[i])
+            value = fn(hosts[i])
         except Exception as exc:  # a failed host is a value
-            return make_error(hosts[i], _describe(exc))
-
-    pool = cf.ThreadPoolExecutor(max_workers=bound, thread_name_prefix="gpufleet-host")
-    running: dict[cf.Future, int] = {}
-    next_i = 0
-    interrupted = False
-
-    def finish(fut: cf.Future) -> None:
-        i = running.pop(fut)
-        try:
-            value = fut.result()
-        except BaseException as exc:  # only if make_error itself failed
-            value = HostResult(host=host_name(hosts[i]), ok=False, error=_describe(exc))
-        results[i] = value
-        done_flags[i] = True
+            value = make_error(hosts[i], _describe(exc))
+        with cond:
+            if not done[i]:  # else abandoned after a second Ctrl-C: that value stands
+                results[i] = value
+                done[i] = True
+            state["finished"] += 1
+            cond.notify_all()
         if on_result is not None:
             try:
                 on_result(hosts[i], value)
             except Exception:
                 pass
 
+    def wait_for(predicate: Callable[[], bool]) -> None:
+        with cond:
+            while not predicate():
+                cond.wait(0.2)
+
+    def in_flight() -> list[int]:
+        return [i for i in range(n) if started[i] and not done[i]]
+
+    pool = cf.ThreadPoolExecutor(max_workers=bound, thread_name_prefix="gpufleet-host",
+                                 initializer=_block_sigint)
+    abandoned: list[int] = []
     try:
         try:
-            while next_i < len(hosts) or running:
-                while next_i < len(hosts) and len(running) < bound:
-                    running[pool.submit(call, next_i)] = next_i
-                    next_i += 1
-                done, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
-                for fut in done:
-                    finish(fut)
+            for i in range(n):
+                pool.submit(call, i)
+            wait_for(lambda: state["finished"] == n)
         except KeyboardInterrupt:
-            interrupted = True
+            with cond:
+                state["stop"] = True
+                waiting = in_flight()
             if on_interrupt is not None:
                 try:
-                    on_interrupt([hosts[i] for i in sorted(running.values())])
+                    on_interrupt([hosts[i] for i in waiting])
                 except Exception:
                     pass
             try:
-                while running:
-                    done, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
-                    for fut in done:
-                        finish(fut)
+                wait_for(lambda: not in_flight())
             except KeyboardInterrupt:
-                for fut, i in list(running.items()):
-                    results[i] = make_error(hosts[i], ABANDONED)
-                    done_flags[i] = True
+                with cond:
+                    abandoned = in_flight()
+                    for i in abandoned:
+                        results[i] = make_error(hosts[i], ABANDONED)
+                        done[i] = True
     finally:
-        pool.shutdown(wait=not interrupted or not running, cancel_futures=True)
+        with cond:
+            state["stop"] = True
+        pool.shutdown(wait=not abandoned, cancel_futures=True)
 
-    for i, flag in enumerate(done_flags):
-        if not flag:
+    for i in range(n):
+        if not done[i]:
             results[i] = make_error(hosts[i], NOT_STARTED)
     return results
