@@ -43,6 +43,7 @@ DEFAULTS = {
     "fail": False,
     "hang": False,
     "garbage": False,
+    "touch_mib": 0,  # recorded 4 MiB on a GPU a CUDA process sees but allocates nothing on
     "temp_c": 37,
     "power_w": 126,
     "power_cap_w": 700,
@@ -165,7 +166,11 @@ def proc_state(pid):
 
 
 def process_name(pid):
-    """Basename of argv[0]: what nvidia-smi shows (recorded: a prctl rename does not change it)."""
+    """argv[0] of the cmdline, verbatim: what nvidia-smi shows.
+
+    Recorded: "python3" for a holder started as `python3 /tmp/hold.py` (a prctl rename does not
+    change it), "/opt/torch/.venv/bin/python3" for one started by that path
+    (tests/fixtures/recorded/probe); a setproctitle rename (vLLM) rewrites the cmdline itself."""
     try:
         with open("/proc/%d/cmdline" % pid, "rb") as f:
             argv0 = f.read().split(b"\0", 1)[0].decode("utf-8", "replace")
@@ -177,7 +182,7 @@ def process_name(pid):
                 argv0 = f.read().strip()
         except OSError:
             argv0 = "[Not Found]"
-    return argv0.rsplit("/", 1)[-1]
+    return argv0
 
 
 def _write_json(path, doc):
@@ -234,7 +239,8 @@ def snapshot(cfg):
     for g in gpus:
         g["used"] = g["ghost"]
     apps = []
-    for rec, live in holders(cfg):
+    holders_now = holders(cfg)
+    for rec, live in holders_now:
         for idx, mib in sorted((rec.get("alloc") or {}).items(), key=lambda kv: int(kv[0])):
             g = by_index.get(int(idx))
             if g is None or not mib:
@@ -242,6 +248,19 @@ def snapshot(cfg):
             g["used"] += int(mib)
             if live:
                 apps.append({"pid": int(rec["pid"]), "gpu": g, "mib": int(mib)})
+    touch = int(cfg.get("touch_mib") or 0)
+    if touch:
+        # Recorded (h200-two-gpus.log, probe): while a CUDA process with every GPU visible held
+        # memory on one GPU, the other showed 4 MiB used that no process was listed for.
+        allocated = {int(i) for rec, live in holders_now for i, m in (rec.get("alloc") or {}).items() if live and m}
+        for rec, live in holders_now:
+            if not live or not rec.get("alloc"):
+                continue
+            for idx in rec.get("visible") or ():
+                g = by_index.get(int(idx))
+                if g is not None and int(idx) not in allocated and not g.get("touched"):
+                    g["touched"] = True
+                    g["used"] += touch
     for g in gpus:
         g["used"] = min(g["used"], g["total"] - g["reserved"])
         g["free"] = g["total"] - g["reserved"] - g["used"]
@@ -346,7 +365,8 @@ def resolve(fields_text, table):
     for name in fields_text.split(","):
         name = name.strip()
         if name not in table:
-            raise Exit(2, 'Field "%s" is not a valid field to query.\n' % name)
+            # recorded (probe log): the message, then an empty line; exit 2
+            raise Exit(2, 'Field "%s" is not a valid field to query.\n\n' % name)
         out.append(table[name])
     return out
 

@@ -162,15 +162,15 @@ def check_free(alloc):
             sys.exit(1)
 
 
-def register(alloc):
+def register(alloc, visible=None):
     if not alloc:
         return
     pdir = os.path.join(ROOT, "procs")
     pid = os.getpid()
-    write_json(
-        os.path.join(pdir, "%d.json" % pid),
-        {"pid": pid, "starttime": starttime(), "alloc": alloc},
-    )
+    doc = {"pid": pid, "starttime": starttime(), "alloc": alloc}
+    if visible is not None:
+        doc["visible"] = visible
+    write_json(os.path.join(pdir, "%d.json" % pid), doc)
 
 
 def wait_file(path, timeout):
@@ -277,7 +277,12 @@ def main(argv=None):
         rename(args.title)
     fds = [] if args.no_devices else open_devices(phys, minors)
     check_free(alloc)
-    register(alloc)
+    ngpus = int(cfg.get("gpus", 1))
+    if visible:
+        seen = [int(v) for v in visible.split(",") if v.strip() != ""]
+    else:
+        seen = list(range(ngpus))
+    register(alloc, None if args.no_devices else seen)
     zombie = None
     if args.zombie_child is not None:
         zombie = zombie_child(phys[0] if phys else 0, args.zombie_child, minors)

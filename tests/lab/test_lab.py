@@ -159,10 +159,12 @@ def test_non_root_holder_is_renamed_too(lab, lab_host):
     assert uid == lab.user
 
 
-def test_untitled_holder_is_python3(lab_host):
+def test_untitled_holder_is_listed_by_argv0(lab, lab_host):
+    # Recorded: nvidia-smi's process_name is argv[0] as the process was started.
     pid = lab_host.spawn_holder(gpus=[0], mib=300)
-    name = lab_host.smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").stdout.strip()
-    assert name == "%d, python3" % pid
+    other = lab_host.spawn_holder(gpus=[1], mib=300, user=lab.user)
+    names = lab_host.smi("--query-compute-apps=pid,process_name", "--format=csv,noheader").stdout.splitlines()
+    assert names == ["%d, %s" % (pid, lab_host.cmdline(pid)[0]), "%d, python3" % other]
 
 
 def test_holder_opens_every_device_file(make_host):
