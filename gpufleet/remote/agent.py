@@ -1017,7 +1017,7 @@ def attach_minors(gpus, smi, req, deadline, smi_doc, warnings, proc=PROC):
     missing = [g for g in gpus if minors.get(normalize_bus_id(g.get("pci_bus_id"))) is None]
     has_dev_files = False
     try:
-        has_dev_files = any(GPU_DEVICE_RE.match(DEV + "/" + n) for n in os.listdir(DEV))
+        has_dev_files = any(GPU_DEVICE_RE.match("/dev/" + n) for n in os.listdir(DEV))
     except OSError:
         pass
     if missing and smi is not None and has_dev_files and deadline.remaining() > 1.0:

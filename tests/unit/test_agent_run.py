@@ -197,10 +197,10 @@ def children():
             p.stdout.close()
 
 
-def run_agent(request, python=sys.executable, env=None, argv=None, timeout=60.0):
+def run_agent(request, python=sys.executable, env=None, argv=None, timeout=60.0, **popen_kw):
     """The controller's way: constant argv, `<len>\\n<source><json>` on stdin, no shell."""
     p = subprocess.Popen(argv or bootstrap_command(python), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **popen_kw)
     out, err = p.communicate(encode_request(request), timeout=timeout)
     assert p.returncode == 0, err.decode()
     lines = out.decode().splitlines()
@@ -692,3 +692,107 @@ def test_clean_deadline_bounds_everything(tmp_path, children):
     assert [s["signal"] for s in doc["signals"]] == ["TERM", "KILL"]
     assert doc["memory_wait"]["ok"] is False
     assert h.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_clean_survives_sighup_and_a_dropped_session(tmp_path, children):
+    """A dropped SSH session (SIGHUP, stdout gone) must not cut the sequence half-way."""
+    h = children.holder("hup-target", "--ignore-term")
+    stub = Stub(tmp_path / "stub")
+    req = clean_request(tmp_path, stub, [
+        {"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}], scope=[], grace_s=1.0)
+    p = subprocess.Popen(bootstrap_command(sys.executable), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         env=agent_env(tmp_path))
+    p.stdin.write(encode_request(req))
+    p.stdin.close()
+    end = time.monotonic() + 10
+    while not audit_lines(tmp_path) and time.monotonic() < end:  # TERM sent: inside clean
+        time.sleep(0.02)
+    p.stdout.close()  # the reader is gone
+    p.send_signal(signal.SIGHUP)
+    assert p.wait(timeout=30) == 0
+    assert h.wait(timeout=5) == -signal.SIGKILL  # KILL after grace still happened
+    assert [(x["signal"], x["outcome"]) for x in audit_lines(tmp_path)] == \
+        [("TERM", "sent"), ("KILL", "sent")]
+
+
+AGENT_PATH = REPO / "gpufleet" / "remote" / "agent.py"
+STUCK = r"""
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("gfagent", sys.argv[1])
+agent = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(agent)
+def stuck(*args, **kw):
+    if sys.argv[2] == "stubborn":  # swallows the first alarm, like a blocked system call
+        while True:
+            try:
+                time.sleep(100)
+            except BaseException:
+                pass
+    time.sleep(100)
+agent.snapshot = stuck
+agent.main(b'{"mode": "snapshot", "deadline_s": 1}')
+"""
+
+
+@pytest.mark.parametrize("how", ["unwinds", "stubborn"])
+def test_alarm_is_the_last_resort_bound(how):
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", STUCK, str(AGENT_PATH), how],
+                         stdout=subprocess.PIPE, timeout=30).stdout
+    assert time.monotonic() - t0 < 10
+    doc = json.loads(out)
+    assert doc["error"].startswith("agent deadline exceeded")
+    assert doc["nvidia_smi"]["ok"] is False
+    parse_snapshot(doc)
+
+
+def test_clean_as_other_user_reports_permission_denied(tmp_path, children):
+    system_python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.access(system_python, os.X_OK):
+        pytest.skip("needs root (to run the agent as nobody) and /usr/bin/python3")
+    h = children.holder("roots-own")
+    lock = "/tmp/gpufleet-test-%d.lock" % os.getpid()
+    try:
+        req = {"mode": "clean", "deadline_s": 20, "scope": [], "grace_s": 0.3,
+               "timeout_s": 5, "poll_s": 0.05, "lock_path": lock, "operator": "t",
+               "nvidia_smi": "/nonexistent/nvidia-smi",
+               "targets": [{"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}]}
+        doc = run_agent(req, python=system_python, user=65534, group=65534, extra_groups=[],
+                        cwd="/tmp", env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+    finally:
+        if os.path.exists(lock):
+            os.unlink(lock)
+    assert [(s["signal"], s["outcome"]) for s in doc["signals"]] == \
+        [("TERM", "permission denied")]
+    assert h.poll() is None
+    (surv,) = doc["survivors"]
+    assert "EPERM" in surv["reason"]
+    assert doc["after"]["facts"]["can_read_all_fds"] is False
+    assert any("holders may be hidden" in w for w in doc["after"]["warnings"])
+    assert any("audit file" in w for w in doc["warnings"])  # best effort, and said so
+
+
+def test_minor_numbers_from_q_when_proc_lacks_them(tmp_path, monkeypatch):
+    from gpufleet.remote import agent
+    stub = Stub(tmp_path / "stub")  # -q prints the recorded Minor Number / Bus Id lines
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia0").touch()
+    monkeypatch.setattr(agent, "DEV", str(dev))
+    # index and minor differ on purpose: matched by bus id, never by position
+    gpus = [{"index": 0, "pci_bus_id": "00000000:00:07.0"},
+            {"index": 1, "pci_bus_id": "00000000:00:06.0"}]
+    smi_doc, warnings = {"seconds": 0.0}, []
+    agent.attach_minors(gpus, str(stub.path), {"smi_timeout_s": 5}, agent.Deadline(10),
+                        smi_doc, warnings, proc=str(tmp_path / "noproc"))
+    assert [g["minor"] for g in gpus] == [1, 0]
+    assert stub.calls() == [["-q"]] and warnings == []
+
+    info = tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:00:07.0"
+    info.mkdir(parents=True)
+    (info / "information").write_text("Bus Location: \t 0000:00:07.0\nDevice Minor: \t 5\n")
+    gpus = [{"index": 0, "pci_bus_id": "00000000:00:07.0"}]
+    agent.attach_minors(gpus, str(stub.path), {"smi_timeout_s": 5}, agent.Deadline(10),
+                        smi_doc, warnings, proc=str(tmp_path / "proc"))
+    assert gpus[0]["minor"] == 5 and len(stub.calls()) == 1  # /proc/driver first, no -q
