@@ -1,0 +1,4 @@
+"""`python -m gpufleet` is the `gpufleet` command."""
+from .cli import main
+
+main()
