@@ -14,6 +14,8 @@ Started by lab.py as ``unshare -m -p -f -u --mount-proc --kill-child python3 lab
   the lab's Python (spec "keep") stays visible at its path when it lives under /root or /tmp;
 * the fake nvidia-smi placed at the chosen path through an overlay of its nearest existing
   directory (so /usr/local/nvidia/bin/nvidia-smi works without touching the real disk);
+* /proc/driver/nvidia/gpus/<bus>/information files (tmpfs over /proc/driver) that give each
+  GPU's minor number, as the real driver does;
 * a host without python3 on PATH gets PATH = a directory of symlinks to /usr/bin and /usr/sbin
   minus python* (the real interpreter stays at its absolute path for the fake nvidia-smi).
 
@@ -145,6 +147,31 @@ def nopython_path():
     return farm
 
 
+def build_proc_driver(spec):
+    """/proc/driver/nvidia/gpus/<bus>/information, as recorded by the probe (cat -A):
+    where a real host tells the /dev/nvidiaN minor of each GPU. Not on WSL2 hosts."""
+    if spec["wsl2"] or not os.path.isdir("/proc/driver"):
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fake_nvidia_smi
+
+    cfg = dict(fake_nvidia_smi.DEFAULTS)
+    cfg.update(spec["config"])
+    mount("gflab-driver", "/proc/driver", "tmpfs", MS_NOSUID | MS_NODEV, "mode=555")
+    for g in fake_nvidia_smi.gpus_of(cfg):
+        bus = g["bus_id"][4:].lower()  # 00000000:00:06.0 -> 0000:00:06.0
+        d = "/proc/driver/nvidia/gpus/" + bus
+        os.makedirs(d)
+        text = (
+            "Model: \t\t %s\nIRQ:   \t\t 41\nGPU UUID: \t %s\nVideo BIOS: \t 96.00.a5.00.1a\n"
+            "Bus Type: \t PCIe\nDMA Size: \t 52 bits\nDMA Mask: \t 0xfffffffffffff\n"
+            "Bus Location: \t %s\nDevice Minor: \t %d\nGPU Firmware: \t %s\nGPU Excluded:\t No\n"
+            % (g["name"], g["uuid"], bus, g["minor"], cfg["driver"])
+        )
+        write(d + "/information", text, 0o444)
+    mount("", "/proc/driver", None, 32 | MS_RDONLY)  # MS_REMOUNT: read-only like procfs
+
+
 def wait_listening(port, proc, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -183,6 +210,7 @@ def setup(spec, files):
         os.makedirs("/run/gflab/stage/%d" % n)
         mount(k, "/run/gflab/stage/%d" % n, None, MS_BIND | MS_REC)
     build_dev(spec)
+    build_proc_driver(spec)
     mount("gflab-tmp", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
     mount("gflab-root", "/root", "tmpfs", MS_NOSUID | MS_NODEV, "mode=700")
     for name in os.listdir("/etc/skel"):

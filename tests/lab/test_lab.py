@@ -11,7 +11,9 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -406,3 +408,39 @@ def test_failed_start_is_reported_with_the_reason(lab):
     with pytest.raises(LabError, match="did not start"):
         lab.add_host("bad-sshd", sshd_extra="NoSuchOption yes")
     assert set(lab.hosts) == before
+
+
+def test_hosts_die_with_the_process_that_started_them(lab, tmp_path):
+    # A crashed test run must not leave sshds and holders behind: each host's init exits when the
+    # lifeline pipe from its Lab's process closes.
+    script = (
+        "import sys, time; sys.path.insert(0, %r)\n"
+        "from lab import Lab\n"
+        "lab = Lab(%r)\n"
+        "h = lab.add_host('orphan')\n"
+        "pid = h.spawn_holder(gpus=[0], mib=10, ignore_term=True)\n"
+        "print(h.root_pid, h.outer_pid(pid), flush=True)\n"
+        "time.sleep(300)\n"
+    ) % (os.path.dirname(os.path.abspath(__file__)), str(tmp_path / "lab"))
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        init, holder = (int(x) for x in owner.stdout.readline().split())
+    finally:
+        owner.kill()
+        owner.wait()
+    wait_for(lambda: not os.path.exists("/proc/%d" % init) and not os.path.exists("/proc/%d" % holder))
+
+
+def test_proc_driver_information_gives_minors(make_host):
+    host = make_host(gpus=2, minors=[1, 0], gpu_name="NVIDIA H200")
+    res = host.ssh("ls /proc/driver/nvidia/gpus; cat -A /proc/driver/nvidia/gpus/0000:00:06.0/information")
+    lines = res.stdout.splitlines()
+    assert lines[:2] == ["0000:00:06.0", "0000:00:07.0"]
+    uuid0 = host.smi("-i", "0", "--query-gpu=uuid", "--format=csv,noheader").stdout.strip()
+    probe = Path(__file__).resolve().parents[1] / "fixtures" / "recorded" / "proc_information_catA.txt"
+    ours = lines[2:]
+    assert "GPU UUID: ^I %s$" % uuid0 in ours and "Device Minor: ^I 1$" in ours
+    shape = [re.sub(r"(GPU-[0-9a-f-]+|\d+:\d+:\d+\.\d|Minor: \^I \d+)", "X", x) for x in ours]
+    if probe.exists():  # the probe's recording of a real H200 (cat -A), when present
+        assert shape == [re.sub(r"(GPU-[0-9a-f-]+|\d+:\d+:\d+\.\d|Minor: \^I \d+)", "X", x) for x in probe.read_text().splitlines()]
+    assert host.ssh("touch /proc/driver/nvidia/x").returncode != 0
