@@ -526,6 +526,26 @@ def test_error_quotes_odd_values_safely():
     assert "\x1b" not in message and "\x07" not in message
 
 
+def test_deep_nesting_is_a_usage_error():
+    for text in ("hosts: " + "[" * 5000 + "]" * 5000, "hosts: " + "{a: " * 3000 + "1" + "}" * 3000):
+        assert error_of(text) == "fleet.yaml: YAML nested too deeply"
+
+
+def test_alias_bomb_is_rejected_without_expanding():
+    # 9**9 leaves if expanded; aliases are shared references and refused at the first item.
+    lines = ["groups:", '  a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, cur in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"  {cur}: &{cur} [" + ",".join([f"*{prev}"] * 9) + "]")
+    lines.append("hosts:\n  h: {address: a, tags: *i}")
+    message = error_of("\n".join(lines) + "\n")
+    # an aliased item is reported where it is written out: the anchor `h` on line 9
+    assert message == "fleet.yaml:9: hosts.h.tags[0]: expected tag, got a list"
+    message = error_of("defaults: &d\n  protect: [" + ",".join(["*d"] * 9) + "]\n"
+                       "hosts: {h: {address: a}}\n")
+    assert message == ("fleet.yaml:2: defaults.protect[0]: expected a glob pattern string, "
+                       "got a mapping")
+
+
 def test_every_host_key_is_documented_and_has_a_field():
     doc = (REPO / "docs" / "inventory.md").read_text()
     fields = {f.name for f in dataclasses.fields(Host)}
