@@ -117,7 +117,20 @@ def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str
 
 def status_table(results: Sequence[HostResult], expected: dict[str, int]) -> str:
     table = tabulate(status_rows(results, expected), headers=STATUS_HEADERS, tablefmt="simple")
-    return table + "\n" + summary_line(results, expected)
+    return table + "\n" + summary_line(results, expected) + "".join(
+        f"\n{name}: {error}" for name, error in _long_errors(results))
+
+
+def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[str, str]]:
+    """Errors cut short in the table are printed whole below it: they say what to do."""
+    out = []
+    for res in results:
+        error = res.error if not res.ok or res.snapshot is None else (
+            None if res.snapshot.nvidia_smi_ok else res.snapshot.nvidia_smi_error)
+        text = " ".join(str(error or "").split())
+        if len(text) > width:
+            out.append((res.host, text))
+    return out
 
 
 def _process_doc(snapshot: Snapshot, pid: int, fallback: str, used_mib: Optional[int]) -> dict:
