@@ -542,7 +542,7 @@ def test_alias_bomb_is_rejected_without_expanding():
     assert message == "fleet.yaml:9: hosts.h.tags[0]: expected tag, got a list"
     message = error_of("defaults: &d\n  protect: [" + ",".join(["*d"] * 9) + "]\n"
                        "hosts: {h: {address: a}}\n")
-    assert message == ("fleet.yaml:2: defaults.protect[0]: expected a glob pattern string, "
+    assert message == ("fleet.yaml:1: defaults.protect[0]: expected a glob pattern string, "
                        "got a mapping")
 
 
