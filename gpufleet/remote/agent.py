@@ -773,6 +773,7 @@ def process_entry(pid, ctx, proc=PROC):
         "kernel_thread": is_kernel_thread(st),
         "wchan": wchan if wchan not in ("", "0") else None,
         "relation": relation,
+        "threads": st["num_threads"],  # > 1 with state Z: still tearing down, still holding
     }
 
 

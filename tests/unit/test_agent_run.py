@@ -303,6 +303,7 @@ def test_snapshot_holders_in_own_mount_namespace(tmp_path, children):
     assert holders[h.pid] == ["/dev/nvidia-uvm", "/dev/nvidia1", "/dev/nvidiactl"]
     assert holders[z.pid] == ["/dev/nvidia0"]  # found through its live thread's fd table
     assert doc["processes"][str(z.pid)]["state"] == "Z"
+    assert doc["processes"][str(z.pid)]["threads"] == 2
     assert doc["processes"][str(h.pid)]["comm"] == "gfholder"
     snap = parse_snapshot(doc)
     (mine,) = [x for x in snap.holders if x.pid == h.pid]
