@@ -772,13 +772,18 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
     go_on = False
     if "continue_on_failure" in raw:
         go_on = _v_bool(substitute(raw["continue_on_failure"], variables), key_fail("continue_on_failure"))
-    _check_step(kind, params, fail_at(line, where))
+    _check_step(kind, params, timeout, fail_at(line, where))
     return Step(index=index, name=name, kind=kind, timeout=timeout, line=line,
                 params=MappingProxyType(params), continue_on_failure=go_on)
 
 
-def _check_step(kind: str, params: dict[str, Any], fail: Fail) -> None:
+def _check_step(kind: str, params: dict[str, Any], timeout: float, fail: Fail) -> None:
     """Rules between fields of one step."""
+    if kind == "clean":
+        if params["grace"] > timeout:
+            fail(f"grace ({params['grace']:g}s) is longer than the timeout ({timeout:g}s)")
+        if params["disable_units"] and not params["stop_units"]:
+            fail("disable_units needs stop_units: true")
     if kind == "wait_free":
         given = [k for k in ("min_free_mib", "min_free_fraction") if params.get(k) is not None]
         if len(given) != 1:

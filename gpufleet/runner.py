@@ -24,7 +24,7 @@ from .selection import format_gpu_list
 
 OK, FAILED, SKIPPED, PLANNED = "ok", "failed", "skipped", "planned"
 MARGIN_S = 5.0  # the controller waits this much longer than a host-side bound
-DETAIL_MAX = 400
+DETAIL_MAX = 2000  # JSON; the table cuts details to its width
 
 # Kinds after which the host may have changed without a snapshot to show it.
 _STALE_AFTER = frozenset({"stop_units", "start_unit", "shell", "wait_http"})
@@ -261,7 +261,7 @@ def report_lines(snapshot: Snapshot, gpus: Optional[Sequence[int]], expected_una
             elif expected_unattributed_mib:
                 note = f" (expected {expected_unattributed_mib})"
         what = "reservation (unattributed)" if wsl2 else "unattributed"
-        lines.append(f"GPU {i} {g.name}: used {mib(g.memory_used_mib)} of {mib(g.memory_total_mib)}, "
+        lines.append(f"GPU {i}: used {mib(g.memory_used_mib)} of {mib(g.memory_total_mib)}, "
                      f"free {mib(m['free_mib'])}, reserved {mib(g.memory_reserved_mib)}, "
                      f"{what} {mib(unattr)}{note}")
     return lines
@@ -512,22 +512,26 @@ def _step_fit(ctx: _HostRun, step: Step, end: float) -> str:
         raise StepFailed(str(exc)) from None
     if hf.error is not None:
         raise StepFailed(hf.error)
-    parts = [f"GPU {r.index}: {r.verdict} (KV cache {r.kv_cache_gib:.2f} GiB at util {r.util:g})"
-             for r in hf.results]
+    by_verdict: dict[str, list[int]] = {}
+    for r in hf.results:
+        by_verdict.setdefault(r.verdict, []).append(r.index)
+    parts = [f"GPU {format_gpu_list(idx)}: {verdict}" for verdict, idx in by_verdict.items()]
     if not hf.ok:
         bad = [r for r in hf.results if not r.ok]
         extra = [s for r in bad[:1] for s in r.suggestions[:1]]
         raise StepFailed("does not fit: " + "; ".join(parts) + (f"; instead: {extra[0]}" if extra else ""))
-    return "fits: " + "; ".join(parts)
+    return "; ".join(parts)
 
 
 def _step_wait_http(ctx: _HostRun, step: Step, end: float) -> str:
     p = step.params
-    wait_s = max(1.0, _remaining(end) - MARGIN_S)
+    left = max(1.0, _remaining(end))
+    margin = min(MARGIN_S, max(0.5, left * 0.1))  # the probe ends itself before we stop waiting
+    wait_s = max(0.5, left - margin)
     request = {"url": p["url"], "status": p["status"], "interval": p["interval"],
                "attempt_s": max(1.0, min(10.0, p["interval"] * 2)), "wait_s": wait_s}
     started = time.monotonic()
-    code, out, err = ctx.argv([ctx.host.python, "-c", WAIT_HTTP_SOURCE], wait_s + MARGIN_S + 10.0,
+    code, out, err = ctx.argv([ctx.host.python, "-c", WAIT_HTTP_SOURCE], left,
                               stdin=json.dumps(request).encode())
     if code != 0:
         raise StepFailed(f"probe exited {code}: {_last_line(err, out) or 'no output'}")

@@ -153,6 +153,8 @@ def test_key_of_another_kind_says_which() -> None:
     ("{kind: clean, timeout: soon}", "seconds"),
     ("{kind: clean, timeout: 0}", "positive"),
     ("{kind: clean, grace: -1}", "seconds"),
+    ("{kind: clean, grace: 30, timeout: 20}", "grace (30s) is longer than the timeout (20s)"),
+    ("{kind: clean, disable_units: true}", "disable_units needs stop_units"),
     ("{kind: clean, shm: 'yes please'}", "true or false"),
     ("{kind: clean, gpus: true}", "GPU list"),
     ("{kind: clean, gpus: 3-1}", "reversed range"),
