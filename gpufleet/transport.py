@@ -188,6 +188,13 @@ class _BatchAuth(AuthStrategy):
         except paramiko.PasswordRequiredException:
             self.notes.append(f"{path} is passphrase-protected (load it into ssh-agent)")
             return None
+        except TypeError as exc:  # cryptography: "Password was not given but ... encrypted"
+            text = str(exc).lower()
+            if "password" in text or "encrypted" in text:
+                self.notes.append(f"{path} is passphrase-protected (load it into ssh-agent)")
+            else:
+                self.notes.append(f"{path} unreadable (TypeError)")
+            return None
         except Exception as exc:
             self.notes.append(f"{path} unreadable ({type(exc).__name__})")
             return None
@@ -230,15 +237,16 @@ class _BatchAuth(AuthStrategy):
         try:
             return super().authenticate(transport)
         except paramiko.AuthenticationException as exc:
-            if not self.tried:
-                detail = "no key to try (no identity_file, ssh-agent key or ~/.ssh/id_*)"
-            else:
+            if self.tried:
                 names = sorted(set(self.tried), key=self.tried.index)
-                detail = "tried " + ", ".join(names)
-            partial = "partial" in repr(getattr(exc, "result", "")).lower()
-            extra = "; server wants a second factor, gpufleet never prompts" if partial else ""
-            notes = ("; " + "; ".join(self.notes)) if self.notes else ""
-            raise _AuthFailed(f"{detail}{notes}{extra}") from None
+                parts = ["tried " + ", ".join(names)] + self.notes
+            elif self.notes:
+                parts = ["no usable key"] + self.notes
+            else:
+                parts = ["no key to try: no identity_file, ssh-agent key or ~/.ssh/id_*"]
+            if "partial" in repr(getattr(exc, "result", "")).lower():
+                parts.append("the server wants a second factor; gpufleet never prompts")
+            raise _AuthFailed("; ".join(parts)) from None
         finally:
             if self.agent is not None:
                 try:
@@ -329,7 +337,8 @@ class _Connection(Connection):
         gw = self.gateway
         try:
             gw.open()
-        except (TransportError, paramiko.SSHException, OSError) as exc:
+        except (TransportError, hostkeys.HostKeyError, paramiko.SSHException, OSError,
+                EOFError) as exc:
             raise TransportError(f"via jump host {gw.label}: {_reason(exc)}") from None
         try:
             return gw.transport.open_channel(
