@@ -32,6 +32,7 @@ shell) in a new session and kills that process group at the timeout.
 """
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import logging
@@ -160,6 +161,14 @@ def _dial(host: str, port: int, timeout: float) -> socket.socket:
 # --------------------------------------------------------------------------- auth
 
 
+def _pub_blob(path: str) -> Optional[bytes]:
+    try:
+        with open(path + ".pub", "r", encoding="ascii", errors="replace") as fh:
+            return base64.b64decode(fh.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class _AuthFailed(Exception):
     """No key was accepted; the connection adds user@host to ``detail``."""
 
@@ -213,6 +222,10 @@ class _BatchAuth(AuthStrategy):
             except Exception:
                 agent_keys = []
         agent_blobs = {k.asbytes() for k in agent_keys}
+        if str(self.ssh_config.get("identitiesonly", "no")).lower() == "yes":
+            # only agent keys whose public half is a configured identity (IdentityFile.pub)
+            wanted = {_pub_blob(os.path.expanduser(p)) for p, _w in files} - {None}
+            agent_keys = [k for k in agent_keys if k.asbytes() in wanted]
         for path, where in files:
             src = self._load(os.path.expanduser(path), where)
             if src is not None and src.pkey.asbytes() not in seen:
@@ -825,6 +838,8 @@ def fetch_host_key(host: Any) -> tuple[str, str, paramiko.PKey]:
     host key policy); only the key exchange is done, no authentication. Known key types for
     the name are asked for first. Raises TransportError / HostKeyError.
     """
+    if getattr(host, "connection", "ssh") == "local":
+        raise TransportError(f"{host.name} uses connection: local; it has no SSH host key")
     conn = connection_for(host)
     sock = None
     transport = None

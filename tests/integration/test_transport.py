@@ -245,6 +245,38 @@ def test_wrong_key_is_an_auth_failure(lab, shared, tmp_path):
     assert str(other) in reply.error
 
 
+def test_default_identity_in_home_ssh_is_found(lab, shared, home):
+    (home / ".ssh").mkdir()
+    shutil.copy(lab.client_key, home / ".ssh" / "id_ed25519")
+    os.chmod(home / ".ssh" / "id_ed25519", 0o600)
+    reply = agent(inv(lab, shared, identity_file=None))
+    assert reply.ok, reply.error
+
+
+def test_ssh_agent_key_is_used(lab, shared, tmp_path, monkeypatch):
+    sock = tmp_path / "agent.sock"
+    proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        env = dict(os.environ, SSH_AUTH_SOCK=str(sock))
+        subprocess.run(["ssh-add", str(lab.client_key)], env=env, capture_output=True, check=True)
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        reply = agent(inv(lab, shared, identity_file=None))
+        assert reply.ok, reply.error
+    finally:
+        proc.terminate()  # the agent this test started, by its pid
+        proc.wait(timeout=10)
+
+
+def test_no_key_at_all_is_an_auth_failure_not_a_prompt(lab, shared):
+    reply = agent(inv(lab, shared, identity_file=None))
+    assert not reply.ok
+    assert "no key to try" in reply.error
+
+
 def test_passphrase_key_is_skipped_never_prompted(lab, shared, tmp_path):
     locked = tmp_path / "locked_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret", "-f", str(locked)], check=True)
