@@ -257,7 +257,8 @@ def report_lines(snapshot: Snapshot, gpus: Optional[Sequence[int]], expected_una
         note = ""
         if unattr is not None:
             if m["unexpected_unattributed_mib"]:
-                note = f" ({m['unexpected_unattributed_mib']} MiB more than the expected {expected_unattributed_mib})"
+                note = (f" (expected {expected_unattributed_mib}; if this is normal here, set "
+                        f"unattributed_mib: {unattr} for this host)")
             elif expected_unattributed_mib:
                 note = f" (expected {expected_unattributed_mib})"
         what = "reservation (unattributed)" if wsl2 else "unattributed"
@@ -418,16 +419,16 @@ def _step_clean(ctx: _HostRun, step: Step, end: float) -> str:
     sent = {(s.get("pid"), s.get("signal")) for s in doc.get("signals") or () if s.get("outcome") == "sent"}
     terms = sum(1 for _, sig in sent if sig == "TERM")
     kills = sum(1 for _, sig in sent if sig == "KILL")
-    parts = [f"GPUs {format_gpu_list(plan.scope)}: {len(plan.targets)} target(s), TERM {terms}, KILL {kills}"]
+    counts = f"GPUs {format_gpu_list(plan.scope)}: {len(plan.targets)} target(s), TERM {terms}, KILL {kills}"
+    if not result.ok or result.verdict != "clean":
+        why = result.error or result.reason or result.verdict
+        raise StepFailed(f"{result.verdict}: {why}; {counts}")
+    parts = [counts]
     if plan.refused:
         parts.append("refused " + ", ".join(f"{r.pid} {r.name} ({r.reason})" for r in plan.refused))
     if doc.get("shm_removed"):
         parts.append(f"removed {len(doc['shm_removed'])} /dev/shm file(s)")
-    detail = f"{result.verdict}: " + "; ".join(parts)
-    if not result.ok or result.verdict != "clean":
-        why = result.error or result.reason or result.verdict
-        raise StepFailed(f"{result.verdict}: {why}; " + "; ".join(parts))
-    return detail
+    return f"{result.verdict}: " + "; ".join(parts)
 
 
 def _step_wait_free(ctx: _HostRun, step: Step, end: float) -> str:

@@ -389,7 +389,8 @@ def test_pre_train_refuses_a_process_spanning_the_line(lab: Any, make_host: Any)
     doc = json.loads(res.stdout)
     assert outcomes(doc, host.name) == ["ok", "failed", "skipped", "skipped", "skipped"]
     detail = step(doc, host.name, "free GPUs")["detail"]
-    assert f"refused {int(spanning)} eval_job" in detail and "spans" in detail
+    assert detail.startswith("dirty:")
+    assert f"{int(spanning)} eval_job" in detail and "spans GPUs 3,4" in detail
     assert host.alive(spanning) and host.alive(train)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import time
 import subprocess
 import textwrap
 from pathlib import Path
@@ -411,3 +412,205 @@ def test_describe_shows_what_would_happen() -> None:
     assert "systemctl status x" in texts[3] and "0,3" in texts[3]
     assert "free_mib >= 10 on GPUs 4-7" in texts[4] and "alive on GPUs 4-7" in texts[4]
     assert re.search(r"\bNone\b", " ".join(texts)) is None
+
+
+# ----------------------------------------------------------------- runner: conditions (pure)
+
+from gpufleet.inventory import Host  # noqa: E402
+from gpufleet.model import parse_snapshot  # noqa: E402
+from gpufleet import runner  # noqa: E402
+
+
+def _snap(gpus, apps=(), holders=(), procs=None, wsl2=False):
+    """A snapshot document as the agent prints it: gpus as (index, used, total, free)."""
+    doc = {
+        "agent_version": 1,
+        "facts": {"hostname": "h", "wsl2": wsl2},
+        "nvidia_smi": {"ok": True},
+        "gpus": [{"index": i, "uuid": f"GPU-{i}", "name": "Fake", "minor": i,
+                  "memory_used_mib": used, "memory_total_mib": total, "memory_free_mib": free,
+                  "memory_reserved_mib": None if wsl2 else 616}
+                 for i, used, total, free in gpus],
+        "compute_apps": [{"pid": pid, "process_name": "python3", "used_mib": mib, "gpu_uuid": f"GPU-{i}"}
+                         for pid, i, mib in apps],
+        "holders": [{"pid": pid, "devices": list(devs)} for pid, devs in holders],
+        "processes": {str(pid): dict({"pid": pid, "ppid": 1, "starttime": 100 + pid, "comm": f"p{pid}",
+                                      "cmdline": f"p{pid}"}, **extra)
+                      for pid, extra in (procs or {}).items()},
+    }
+    return parse_snapshot(doc)
+
+
+def _that(text: str):
+    return _parse(f"steps:\n  - {{kind: assert, that: {text}}}\n").steps[0].params["that"]
+
+
+ALL_DEVS = [f"/dev/nvidia{i}" for i in range(8)] + ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+EIGHT_FREE = [(i, 0, 49140, 48524) for i in range(8)]
+
+
+def _held(found):
+    return [ok for ok, _ in found]
+
+
+def test_free_and_fraction_bounds() -> None:
+    snap = _snap([(0, 1000, 49140, 47524), (1, 30000, 49140, 18524)])
+    assert _held(runner.check_conditions(_that("{free_mib_min: 40000, gpus: 0}"), snap, None)) == [True]
+    found = runner.check_conditions(_that("{free_mib_min: 40000}"), snap, None)
+    assert _held(found) == [False] and "GPU 1 18524 MiB" in found[0][1] and "GPU 0" not in found[0][1]
+    assert _held(runner.check_conditions(_that("{free_fraction: {min: 0.9}, gpus: 0}"), snap, None)) == [True]
+    assert _held(runner.check_conditions(_that("{used_mib_max: 1000, gpus: 0-1}"), snap, None)) == [False]
+
+
+def test_missing_gpu_and_missing_numbers_never_pass() -> None:
+    snap = _snap([(0, None, 49140, None)])
+    found = runner.check_conditions(_that("{free_mib_min: 1, gpus: 0-1}"), snap, None)
+    assert not all(_held(found))
+    assert any("no GPU 1" in line for _, line in found)
+    assert any("GPU 0 n/a" in line for _, line in found)
+
+
+def test_unexpected_unattributed_counts_the_hosts_expectation() -> None:
+    snap = _snap([(0, 1700, 32607, 30907)])
+    that = _that("{unexpected_unattributed_mib: {max: 0}}")
+    assert _held(runner.check_conditions(that, snap, None, expected_unattributed_mib=1680)) == [False]
+    assert _held(runner.check_conditions(that, snap, None, expected_unattributed_mib=1700)) == [True]
+    assert _held(runner.check_conditions(_that("{unexpected_unattributed_mib: {max: 20}}"), snap, None,
+                                         expected_unattributed_mib=1680)) == [True]
+
+
+def test_no_holders_ignores_fds_of_processes_listed_elsewhere() -> None:
+    # The trainer (pid 50) has memory on 4-7 and, like any CUDA process, fds on every GPU.
+    snap = _snap(EIGHT_FREE, apps=[(50, 4, 30000)], holders=[(50, ALL_DEVS)], procs={50: {}})
+    assert _held(runner.check_conditions(_that("{no_holders_on: 0-3}"), snap, None)) == [True]
+    assert _held(runner.check_conditions(_that("{no_holders_on: 4}"), snap, None)) == [False]
+
+
+def test_no_holders_counts_listed_memory_and_unlisted_device_holders() -> None:
+    listed = _snap(EIGHT_FREE, apps=[(7, 2, 500)], procs={7: {}})
+    found = runner.check_conditions(_that("{no_holders_on: 0-3}"), listed, None)
+    assert _held(found) == [False] and "GPU 2: p7 7" in found[0][1]
+    # Nobody lists pid 9 (another PID namespace), but it holds /dev/nvidia1.
+    unlisted = _snap(EIGHT_FREE, holders=[(9, ["/dev/nvidia1", "/dev/nvidiactl"])], procs={9: {}})
+    assert _held(runner.check_conditions(_that("{no_holders_on: 0-3}"), unlisted, None)) == [False]
+    assert _held(runner.check_conditions(_that("{no_holders_on: 4-7}"), unlisted, None)) == [True]
+    # The agent itself (and its ancestors) are never holders.
+    me = _snap(EIGHT_FREE, holders=[(3, ALL_DEVS)], procs={3: {"relation": "self"}})
+    assert _held(runner.check_conditions(_that("{no_holders_on: 0-7}"), me, None)) == [True]
+
+
+def test_holders_alive_needs_the_same_identity() -> None:
+    before = _snap(EIGHT_FREE, apps=[(50, 4, 30000), (51, 5, 30000)], procs={50: {}, 51: {}})
+    that = _that("{holders_alive_on: 4-7}")
+    found = runner.check_conditions(that, before, before)
+    assert _held(found) == [True] and "p50 50, p51 51" in found[0][1]
+    # pid 51 exited and the number was reused by another process: a different start time.
+    reused = _snap(EIGHT_FREE, apps=[(50, 4, 30000)], procs={50: {}, 51: {"starttime": 999}})
+    found = runner.check_conditions(that, reused, before)
+    assert _held(found) == [False] and "p51 51" in found[0][1] and "p50" not in found[0][1]
+    empty = _snap(EIGHT_FREE)
+    found = runner.check_conditions(that, empty, empty)
+    assert _held(found) == [False] and "nothing held" in found[0][1]
+    assert _held(runner.check_conditions(that, before, None)) == [False]
+
+
+def test_report_names_the_wsl2_reservation() -> None:
+    snap = _snap([(0, 1680, 32607, 30927)], wsl2=True)
+    (line,) = runner.report_lines(snap, None, 1680, wsl2=True)
+    assert line == ("GPU 0: used 1680 MiB of 32607 MiB, free 30927 MiB, reserved n/a, "
+                    "reservation (unattributed) 1680 MiB (expected 1680)")
+    (line,) = runner.report_lines(snap, [0], 0, wsl2=False)
+    assert line.endswith("unattributed 1680 MiB (expected 0; if this is normal here, set "
+                         "unattributed_mib: 1680 for this host)")
+    with pytest.raises(runner.StepFailed, match="no GPU 3"):
+        runner.report_lines(snap, [3], 0, wsl2=True)
+
+
+def test_dry_run_plan_connects_nowhere_and_says_sudo() -> None:
+    rb = load_runbook(PLAYBOOKS / "model-swap.yaml", {"OLD_UNIT": "a", "NEW_UNIT": "b"})
+    run = runner.plan_host(rb, Host(name="blackwell", address="203.0.113.1", sudo=True))
+    assert [s.outcome for s in run.steps] == ["planned"] * 7
+    assert run.steps[0].detail == "stop a.service (sudo -n)"
+    doc = runner.document(rb, [run], dry_run=True)
+    assert set(doc) >= {"runbook", "hosts"} and doc["runbook"] == "model-swap"
+    assert set(doc["hosts"][0]) >= {"host", "ok", "error", "steps"}
+    assert set(doc["hosts"][0]["steps"][0]) == {"name", "kind", "outcome", "seconds", "detail"}
+    assert "nothing was done" in runner.table([run])
+
+
+# ----------------------------------------------------------------- runner: steps, through a local session
+
+
+LOCAL = Host(name="here", connection="local", command_timeout=20)
+
+
+def _run_local(text: str, **extra: str):
+    return runner.run_host(_parse(text, **extra), LOCAL)
+
+
+def test_a_failed_step_skips_the_rest() -> None:
+    run = _run_local("""\
+        steps:
+          - {name: one, kind: shell, command: 'true'}
+          - {name: two, kind: shell, command: 'exit 3'}
+          - {name: three, kind: shell, command: 'true'}
+        """)
+    assert [s.outcome for s in run.steps] == ["ok", "failed", "skipped"]
+    assert run.steps[1].detail == "exit 3 (expected 0)"
+    assert not run.ok and "two" in run.error
+
+
+def test_continue_on_failure_and_expected_exit_codes() -> None:
+    run = _run_local("""\
+        steps:
+          - {name: one, kind: shell, command: 'exit 3', continue_on_failure: true}
+          - {name: two, kind: shell, argv: [sh, -c, 'echo out; exit 3'], expect_exit: [0, 3]}
+        """)
+    assert [s.outcome for s in run.steps] == ["failed", "ok"]
+    assert run.steps[1].detail == "exit 3: out"
+    assert not run.ok  # a failure is still a failure
+
+
+def test_a_step_is_bounded_by_its_timeout() -> None:
+    started = time.monotonic()
+    run = _run_local("steps:\n  - {kind: shell, command: 'sleep 30', timeout: 1}\n")
+    assert run.steps[0].outcome == "failed" and "timed out" in run.steps[0].detail
+    assert time.monotonic() - started < 10
+
+
+def test_shell_step_gets_values_as_data(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    run = _run_local("steps:\n  - kind: shell\n    command: printf %s {{ V }} > {{ F }}\n",
+                     V="$(touch pwned); `id`", F=str(target))
+    assert run.ok, run.steps[0].detail
+    assert target.read_text() == "$(touch pwned); `id`"
+    assert not (Path.cwd() / "pwned").exists()
+
+
+def test_wait_http_polls_until_the_status(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            hits.append(self.path)
+            self.send_response(200 if len(hits) >= 3 else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/health"
+        run = _run_local(f"steps:\n  - {{kind: wait_http, url: '{url}', interval: 0.2, timeout: 20}}\n")
+        assert run.ok, run.steps[0].detail
+        assert "answered HTTP 200" in run.steps[0].detail and "(3 attempt(s))" in run.steps[0].detail
+        assert hits == ["/health"] * 3
+        run = _run_local(f"steps:\n  - {{kind: wait_http, url: '{url}', status: 204, interval: 0.2, timeout: 2}}\n")
+        assert run.steps[0].outcome == "failed" and "last: HTTP 200" in run.steps[0].detail
+    finally:
+        server.shutdown()
