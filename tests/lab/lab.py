@@ -5,7 +5,7 @@ client would test nothing of that. A lab host costs ~0.1 s to start: ``unshare``
 PID and UTS namespaces, tests/lab/lab_init.py (its PID 1) builds its /dev, /run, /tmp and runs
 ``/usr/sbin/sshd -D -e`` on 127.0.0.1:<free port>. See tests/lab/README.md for the API.
 
-Needs root, /usr/sbin/sshd, ssh, ssh-keygen and unshare (util-linux); ``Lab.check()`` says
+Needs root, /usr/sbin/sshd, ssh, ssh-keygen and unshare (util-linux); ``check()`` says
 what is missing. Only processes the lab started are ever signalled (each host's namespace init,
 by recorded PID: killing it ends every process of that PID namespace).
 """
@@ -187,7 +187,7 @@ class LabHost:
     def __init__(self, lab: "Lab", name: str, port: int, hostdir: Path, options: dict):
         self.lab = lab
         self.name = name
-        self.address = "127.0.0.1"
+        self.address = options.get("listen") or "127.0.0.1"
         self.port = port
         self.dir = hostdir
         self.options = options
@@ -195,7 +195,7 @@ class LabHost:
         self.gpus: int = options["config"]["gpus"]
         self.wsl2: bool = options["wsl2"]
         pub = (hostdir / "ssh_host_ed25519_key.pub").read_text().split()
-        self.host_key_line = "[127.0.0.1]:%d %s %s" % (port, pub[0], pub[1])
+        self.host_key_line = "[%s]:%d %s %s" % (self.address, port, pub[0], pub[1])
         self.root_pid: Optional[int] = None  # the namespace's init, as seen from outside
         self._unshare: Optional[subprocess.Popen] = None
         self._lifeline: Optional[int] = None
@@ -210,6 +210,8 @@ class LabHost:
             "--kill-child", sys.executable, "-I", str(HERE / "lab_init.py"), str(spec_path),
             str(status_w), str(life_r),
         ]
+        if self.options.get("netns"):  # nsenter execs unshare: same pid, no fork
+            argv = ["nsenter", "--net=/run/netns/%s" % self.options["netns"]] + argv
         try:
             self._unshare = subprocess.Popen(
                 argv,
@@ -553,7 +555,7 @@ class LabHost:
         return out
 
     def __repr__(self) -> str:
-        return "<LabHost %s 127.0.0.1:%d gpus=%d>" % (self.name, self.port, self.gpus)
+        return "<LabHost %s %s:%d gpus=%d>" % (self.name, self.address, self.port, self.gpus)
 
 
 class Lab:
@@ -608,13 +610,18 @@ class Lab:
         python3: bool = True,
         minors: Optional[Sequence[int]] = None,
         sshd_extra: str = "",
+        netns: Optional[str] = None,
+        listen: Optional[str] = None,
         **config: Any,
     ) -> LabHost:
         """Start one host. ``driver``: ok | fail | hang | garbage. ``nvidia_smi``: a path inside
         the host, "default" (/usr/bin/nvidia-smi, or /usr/lib/wsl/lib/nvidia-smi on WSL2) or None
         (no nvidia-smi). ``python3=False``: python3 is not on the session PATH. Other keyword
         arguments go into the fake driver's config.json (see fake_nvidia_smi.DEFAULTS).
-        ``sshd_extra``: more sshd_config lines (e.g. "MaxStartups 1")."""
+        ``sshd_extra``: more sshd_config lines (e.g. "MaxStartups 1"). ``netns``: run the host
+        in this existing network namespace (/run/netns/NAME, e.g. made by `ip netns add`);
+        ``listen``: sshd also listens on this address of it, and the host's ``address`` is it
+        (bench/ reaches hosts through a delayed link this way)."""
         if driver not in ("ok", "fail", "hang", "garbage"):
             raise ValueError("driver must be ok, fail, hang or garbage")
         if nvidia_smi not in (None, "default") and not str(nvidia_smi).startswith("/"):
@@ -646,7 +653,7 @@ class Lab:
         self._keygen(hostdir / "ssh_host_ed25519_key", name)
         (hostdir / "authorized_keys").write_text(self.client_pub + "\n")
         options = dict(config=cfg, nvidia_smi=nvidia_smi, python3=python3, wsl2=wsl2,
-                       smi_python=self._smi_python)
+                       smi_python=self._smi_python, netns=netns, listen=listen)
         last: Optional[Exception] = None
         for _attempt in range(3):  # a free port can be taken between choosing and binding
             port = _free_port()
@@ -655,7 +662,8 @@ class Lab:
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
                 "nvidia_smi": nvidia_smi, "python3": python3, "smi_python": self._smi_python,
                 "path": DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs(),
-                "sshd_config": self._sshd_config(port) + sshd_extra.strip() + "\n",
+                "sshd_config": self._sshd_config(port)
+                + ("ListenAddress %s\n" % listen if listen else "") + sshd_extra.strip() + "\n",
                 "files": {
                     "fake_nvidia_smi.py": str(HERE / "fake_nvidia_smi.py"),
                     "fakecuda.py": str(HERE / "fakecuda.py"),
