@@ -45,9 +45,10 @@ def pytest_collection_modifyitems(config: Any, items: list) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    outcome = "FAILED (CI=true)" if in_ci() else "SKIPPED"
     for what, problem in _unavailable.items():
         terminalreporter.write_sep(
-            "!", "%s UNAVAILABLE, its tests were skipped: %s" % (what, problem), red=True, bold=True
+            "!", "%s UNAVAILABLE, its tests %s: %s" % (what, outcome, problem), red=True, bold=True
         )
 
 
