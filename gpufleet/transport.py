@@ -303,8 +303,12 @@ class _Connection(Connection):
         timeout = gf.connect_timeout
         self.connect_timeout = None  # fabric int()s it; paramiko gets the float below
         kw = self.connect_kwargs
-        for key in ("timeout", "banner_timeout", "auth_timeout", "channel_timeout"):
+        for key in ("banner_timeout", "auth_timeout", "channel_timeout"):
             kw[key] = timeout
+        # We always hand paramiko a connected socket, so its "timeout" only bounds the key
+        # exchange; it starts with the banner wait, so give it more than banner_timeout
+        # (were it equal, paramiko could give up silently first: "No existing session").
+        kw["timeout"] = 2 * timeout
         self._files = hostkeys.default_files(gf.known_hosts_file, dict(self.ssh_config))
         if self._hop:
             hint = (f"add it to ~/.ssh/known_hosts (jump host for {gf.target}) "
@@ -429,7 +433,9 @@ def _reason(exc: BaseException) -> str:
         text = str(exc)
         if "protocol banner" in text:
             return "no SSH banner (not an SSH server, or overloaded)"
-        if "No existing session" in text or "Channel closed" in text:
+        if "No existing session" in text:
+            return "SSH handshake did not complete"
+        if "Channel closed" in text:
             return "the server closed the connection"
         return text.splitlines()[0] if text else type(exc).__name__
     if isinstance(exc, socket.timeout):
