@@ -56,7 +56,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def recorded_dir() -> Path:
     """/work/shared/recorded: raw logs of real H200 hosts (see its README.md)."""
     if not (RECORDED_DIR / "h200-single-gpu.log").is_file():
-        require("recorded nvidia-smi output", "%s not found (shared/ must sit beside the repo)" % RECORDED_DIR)
+        problem = "%s not found (shared/ must sit beside the repo)" % RECORDED_DIR
+        require("recorded nvidia-smi output", problem)
     return RECORDED_DIR
 
 

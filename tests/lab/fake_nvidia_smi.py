@@ -252,7 +252,10 @@ def snapshot(cfg):
     if touch:
         # Recorded (h200-two-gpus.log, probe): while a CUDA process with every GPU visible held
         # memory on one GPU, the other showed 4 MiB used that no process was listed for.
-        allocated = {int(i) for rec, live in holders_now for i, m in (rec.get("alloc") or {}).items() if live and m}
+        allocated = set()
+        for rec, live in holders_now:
+            if live:
+                allocated |= {int(i) for i, m in (rec.get("alloc") or {}).items() if m}
         for rec, live in holders_now:
             if not live or not rec.get("alloc"):
                 continue
@@ -339,7 +342,8 @@ def select(gpus, ident):
 
 def fmt_csv(fields, rows, fmt, units):
     parts = [p.strip() for p in fmt.split(",")]
-    if not parts or parts[0] != "csv" or any(p not in ("csv", "noheader", "nounits") for p in parts):
+    known = ("csv", "noheader", "nounits")
+    if not parts or parts[0] != "csv" or any(p not in known for p in parts):
         raise Exit(2, BAD_ARGS)
     with_units = "nounits" not in parts
     lines = []

@@ -54,7 +54,8 @@ def check() -> Optional[str]:
             return "%s not found (install openssh-server, openssh-client, util-linux)" % tool
     probe = _run(["unshare", "-m", "-p", "-f", "-u", "--mount-proc", "true"], timeout=20)
     if probe.returncode != 0:
-        return "unshare -m -p -f -u --mount-proc failed: %s" % (probe.stderr.strip() or probe.returncode)
+        why = probe.stderr.strip() or probe.returncode
+        return "unshare -m -p -f -u --mount-proc failed: %s" % why
     return None
 
 
@@ -121,7 +122,8 @@ def _holder_args(spec: Mapping[str, Any]) -> list[str]:
         args += ["--term-delay", str(spec["term_delay"])]
     if spec.get("cuda_visible") is not None:
         cv = spec["cuda_visible"]
-        args += ["--cuda-visible", ",".join(str(c) for c in cv) if isinstance(cv, (list, tuple)) else str(cv)]
+        cv = ",".join(str(c) for c in cv) if isinstance(cv, (list, tuple)) else str(cv)
+        args += ["--cuda-visible", cv]
     if spec.get("no_devices"):
         args.append("--no-devices")
     if spec.get("zombie_child") is not None:
@@ -249,7 +251,9 @@ class LabHost:
                 except OSError:
                     pass
             self.stop()
-            raise LabError("lab host %s did not start: %s%s" % (self.name, text or "no status", log))
+            raise LabError(
+                "lab host %s did not start: %s%s" % (self.name, text or "no status", log)
+            )
 
     def _find_init(self) -> Optional[int]:
         assert self._unshare is not None
@@ -318,7 +322,9 @@ class LabHost:
             stdin=None if input is not None else subprocess.DEVNULL,
         )
         if check and res.returncode != 0:
-            raise LabError("ssh %s %r: exit %d: %s" % (self.name, text, res.returncode, res.stderr.strip()))
+            raise LabError(
+                "ssh %s %r: exit %d: %s" % (self.name, text, res.returncode, res.stderr.strip())
+            )
         return res
 
     def exec(
@@ -333,7 +339,8 @@ class LabHost:
         prefix = ["nsenter", "-t", str(self.root_pid), "-m", "-u", "-p", "-w"]
         if user != "root":
             pw = pwd.getpwnam(user)
-            prefix += ["setpriv", "--reuid=%d" % pw.pw_uid, "--regid=%d" % pw.pw_gid, "--init-groups"]
+            prefix += ["setpriv", "--reuid=%d" % pw.pw_uid, "--regid=%d" % pw.pw_gid]
+            prefix += ["--init-groups"]
             prefix = prefix + ["env", "HOME=%s" % pw.pw_dir, "USER=%s" % user, "LOGNAME=%s" % user]
         env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
         res = subprocess.run(
@@ -346,7 +353,9 @@ class LabHost:
             stdin=None if input is not None else subprocess.DEVNULL,
         )
         if check and res.returncode != 0:
-            raise LabError("exec on %s %r: exit %d: %s" % (self.name, argv, res.returncode, res.stderr.strip()))
+            raise LabError(
+                "exec on %s %r: exit %d: %s" % (self.name, argv, res.returncode, res.stderr.strip())
+            )
         return res
 
     def holder_python(self, user: str = "root") -> str:
@@ -387,18 +396,24 @@ class LabHost:
             zombie_child=zombie_child, exit_after=exit_after,
         )
         py = python or self.holder_python(user)
-        argv = [py, "/run/gflab/fakecuda.py", "--detach", "--log", "/tmp/fakecuda-%d.log" % time.time_ns()]
+        log = "/tmp/fakecuda-%d.log" % time.time_ns()
+        argv = [py, "/run/gflab/fakecuda.py", "--detach", "--log", log]
         argv += _holder_args(spec)
         if via == "ssh":
             res = self.ssh(argv, user=user, timeout=90)
         else:
             res = self.exec(argv, user=user, timeout=90)
         if res.returncode != 0:
-            raise LabError("spawn_holder on %s failed (exit %d): %s %s" % (self.name, res.returncode, res.stdout.strip(), res.stderr.strip()))
+            raise LabError(
+                "spawn_holder on %s failed (exit %d): %s %s"
+                % (self.name, res.returncode, res.stdout.strip(), res.stderr.strip())
+            )
         try:
             doc = json.loads(res.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
-            raise LabError("spawn_holder on %s: unreadable answer %r %r" % (self.name, res.stdout, res.stderr)) from None
+            raise LabError(
+                "spawn_holder on %s: unreadable answer %r %r" % (self.name, res.stdout, res.stderr)
+            ) from None
         return HolderPid.from_doc(doc)
 
     def spawn_vllm(
@@ -418,7 +433,8 @@ class LabHost:
         workers.
         """
         workers = [
-            dict(gpus=[g], mib=mib, title="VLLM::Worker_TP%d" % n, ignore_term=ignore_term, term_delay=term_delay)
+            dict(gpus=[g], mib=mib, title="VLLM::Worker_TP%d" % n, ignore_term=ignore_term,
+                 term_delay=term_delay)
             for n, g in enumerate(gpus)
         ]
         engine = dict(gpus=[], mib=0, title="VLLM::EngineCore_DP0", children=workers,
@@ -525,7 +541,9 @@ class LabHost:
         os.rename(tmp, path)
         return cfg
 
-    def smi(self, *args: str, user: str = "root", timeout: float = 20) -> subprocess.CompletedProcess:
+    def smi(
+        self, *args: str, user: str = "root", timeout: float = 20
+    ) -> subprocess.CompletedProcess:
         """Run the host's nvidia-smi (inside the host, without SSH)."""
         return self.exec(["/run/gflab/nvidia-smi", *args], user=user, timeout=timeout)
 
@@ -533,7 +551,9 @@ class LabHost:
         """memory.used per GPU index, through the fake nvidia-smi."""
         res = self.smi("--query-gpu=index,memory.used", "--format=csv,noheader,nounits")
         if res.returncode != 0:
-            raise LabError("nvidia-smi on %s: exit %d: %s" % (self.name, res.returncode, res.stdout.strip()))
+            raise LabError(
+                "nvidia-smi on %s: exit %d: %s" % (self.name, res.returncode, res.stdout.strip())
+            )
         return [int(line.split(",")[1]) for line in res.stdout.splitlines() if line.strip()]
 
     def resets(self) -> list[dict]:
@@ -580,7 +600,9 @@ class Lab:
         self.endpoints: list[Endpoint] = []
         self._lock = threading.Lock()
         self._version = _sshd_version()
-        self._smi_python = os.path.realpath(shutil.which("python3", path="/usr/bin:/bin") or sys.executable)
+        # The fake nvidia-smi's interpreter: one every user can run, by absolute path.
+        system_python = shutil.which("python3", path="/usr/bin:/bin")
+        self._smi_python = os.path.realpath(system_python or sys.executable)
         self._counter = 0
 
     @staticmethod
@@ -729,7 +751,9 @@ class Lab:
     def remove_host(self, host: Union[str, LabHost]) -> None:
         (self.hosts[host] if isinstance(host, str) else host).stop()
 
-    def known_hosts(self, hosts: Iterable[Union[LabHost, Endpoint]], path: Union[str, Path]) -> Path:
+    def known_hosts(
+        self, hosts: Iterable[Union[LabHost, Endpoint]], path: Union[str, Path]
+    ) -> Path:
         """Write a known_hosts file holding only these hosts' keys."""
         path = Path(path)
         path.write_text("".join(h.host_key_line + "\n" for h in hosts if h.host_key_line))
@@ -825,12 +849,19 @@ class Lab:
         unknown = set(per_host) - {h.name for h in hosts}
         if unknown:
             raise ValueError("overrides for hosts not in the inventory: %s" % sorted(unknown))
+        if defaults is None:
+            defaults = {"connect_timeout": 5, "command_timeout": 60}
         doc: dict[str, Any] = {
-            "defaults": dict(defaults) if defaults is not None else {"connect_timeout": 5, "command_timeout": 60},
-            "hosts": {h.name: self.host_entry(h, **{**common, **per_host.get(h.name, {})}) for h in hosts},
+            "defaults": dict(defaults),
+            "hosts": {
+                h.name: self.host_entry(h, **{**common, **per_host.get(h.name, {})}) for h in hosts
+            },
         }
         if groups:
-            doc["groups"] = {g: [m if isinstance(m, str) else m.name for m in members] for g, members in groups.items()}
+            doc["groups"] = {
+                g: [m if isinstance(m, str) else m.name for m in members]
+                for g, members in groups.items()
+            }
         if path is None:
             self._counter += 1
             path = self.dir / ("fleet-%d.yaml" % self._counter)
