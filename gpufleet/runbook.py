@@ -871,7 +871,7 @@ def describe(step: Step) -> str:
         return (f"vLLM fit check: {model}{extra} on {_gpus_text(p['gpus'])} at util "
                 f"{p['util']:g}{tp}")
     if k == "clear_shm":
-        return "remove /dev/shm files no live process holds open"
+        return "remove leftover /dev/shm files (nccl-, psm_, torch_, vllm) no live process holds"
     if k == "start_unit":
         via = "" if p["systemctl"] == "systemctl" else f" with {p['systemctl']}"
         return f"start {p['unit']}{' (--user)' if p['user'] else ''}{via}"

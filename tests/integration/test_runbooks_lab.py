@@ -222,7 +222,8 @@ def _swap_args(host: Any, systemctl: str, port: int, *extra: str) -> list[str]:
     return ["run", str(PLAYBOOKS / "model-swap.yaml"), "--host", host.name,
             "-e", "OLD_UNIT=vllm-minimax", "-e", "NEW_UNIT=vllm-kimi", "-e", f"SYSTEMCTL={systemctl}",
             "-e", f"HEALTH_URL=http://127.0.0.1:{port}/health",
-            "-e", "NEW_PARAMS=7B", "-e", "NEW_DTYPE=bf16", "-e", "NEW_TP=4", *extra]
+            "-e", "NEW_PARAMS=7B", "-e", "NEW_DTYPE=bf16", "-e", "NEW_TP=4",
+            "-e", "HEALTH_INTERVAL=0.25", *extra]
 
 
 def test_model_swap_end_to_end(lab: Any, make_host: Any) -> None:
