@@ -549,10 +549,15 @@ def in_use(gpu, apps):
         return True
     dev = "/dev/nvidia%d" % gpu["minor"]
     me = os.getpid()
+    my_mnt = os.readlink("/proc/self/ns/mnt")
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
         try:
+            # A path names the same device file only in the same mount namespace (this
+            # matters when /proc shows other lab hosts' processes too).
+            if os.readlink("/proc/%s/ns/mnt" % name) != my_mnt:
+                continue
             fds = os.listdir("/proc/%s/fd" % name)
         except OSError:
             continue
