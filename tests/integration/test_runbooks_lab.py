@@ -259,8 +259,10 @@ def test_model_swap_end_to_end(lab: Any, make_host: Any) -> None:
     # One SSH connection for the whole runbook (seven steps, many execs).
     assert ssh_logins(host) - logins == 1
     calls = host.path("/root/units/calls.log").read_text()
-    assert "--no-ask-password stop -- vllm-minimax.service" in calls
-    assert "--no-ask-password start -- vllm-kimi.service" in calls
+    # Each systemctl command ran exactly once, as an argv (no shell in between).
+    assert calls.count("--no-ask-password stop -- vllm-minimax.service\n") == 1
+    assert calls.count("--no-ask-password start -- vllm-kimi.service\n") == 1
+    assert calls.count("--no-ask-password is-active -- vllm-minimax.service\n") == 1
 
 
 def test_model_swap_failed_step_stops_the_host_and_skips_the_rest(lab: Any, make_host: Any) -> None:
