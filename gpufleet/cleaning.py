@@ -90,10 +90,29 @@ def _is_connect_error(error: Optional[str]) -> bool:
     return any(w in text for w in ("refused", "timed out", "unreachable", "no route", "resolve", "connect"))
 
 
-def clean_request(host: Host, plan: Plan, opts: CleanOptions) -> dict[str, Any]:
-    return to_request(plan, grace_s=opts.grace_s, timeout_s=opts.timeout_s, shm=opts.shm,
-                      reset=opts.reset, operator=opts.operator, lock_path=opts.lock_path,
-                      nvidia_smi=host.nvidia_smi)
+def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[Any] = None) -> dict[str, Any]:
+    request = to_request(plan, grace_s=opts.grace_s, timeout_s=opts.timeout_s, shm=opts.shm,
+                         reset=opts.reset, operator=opts.operator, lock_path=opts.lock_path,
+                         nvidia_smi=host.nvidia_smi)
+    if before is not None:
+        request["wait_floor_mib"] = wait_floors(plan, before)
+    return request
+
+
+def wait_floors(plan: Plan, before: Any) -> dict[str, int]:
+    """Per scope GPU, MiB that nvidia-smi lists for processes the plan will not signal.
+
+    That memory will not come back, so the agent stops waiting once only it is left. A GPU
+    with a listed process of unknown memory (WSL2 n/a) gets no floor: wait the full time.
+    """
+    floors: dict[str, int] = {}
+    targets = plan.target_pids
+    for index in plan.scope:
+        others = [a for a in before.apps_on(index) if a.pid not in targets]
+        if not others or any(a.used_mib is None for a in others):
+            continue
+        floors[str(index)] = sum(int(a.used_mib) for a in others)
+    return floors
 
 
 def execute_plan(host: Host, session: Any, planned: HostClean, opts: CleanOptions) -> HostClean:
@@ -103,7 +122,8 @@ def execute_plan(host: Host, session: Any, planned: HostClean, opts: CleanOption
     if planned.plan is None or not planned.ok:
         return planned
     started = time.monotonic()
-    request = clean_request(host, planned.plan, opts)
+    request = clean_request(host, planned.plan, opts,
+                            planned.before.snapshot if planned.before else None)
     reply = session.run_agent(request, timeout=float(request["deadline_s"]) + AGENT_MARGIN_S)
     planned.seconds += time.monotonic() - started
     if not reply.ok or reply.doc is None:

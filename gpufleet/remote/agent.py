@@ -15,7 +15,9 @@ unit tests can feed them recorded nvidia-smi output (tests/fixtures/recorded/).
 
 Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path),
 ``shm_dir`` (default /dev/shm), ``shm_min_age_s`` (default 10), ``lock_wait_s`` (default
-timeout_s), ``default_threshold_mib`` (default 64), ``cuda_version`` (default true).
+timeout_s), ``default_threshold_mib`` (default 64), ``cuda_version`` (default true),
+``wait_floor_mib`` ({"index": MiB} held by processes the plan does not signal: the memory
+wait ends once only that is left, instead of waiting out the timeout).
 """
 import errno
 import fcntl
@@ -1232,6 +1234,7 @@ def wait_memory(req, scope, end, deadline):
         return out
     thresholds = req.get("threshold_mib") or {}
     default = req.get("default_threshold_mib", 64)
+    floors = req.get("wait_floor_mib") or {}
     poll = max(0.05, req["poll_s"])
     while True:
         used, error = query_used(smi, req, deadline)
@@ -1248,6 +1251,14 @@ def wait_memory(req, scope, end, deadline):
                    if used.get(i) is None or used[i] > thresholds.get(str(i), default)]
         if not pending:
             out["ok"] = True
+            break
+        # Memory of processes the plan does not signal will not come back: once only that is
+        # left, waiting longer cannot change the verdict.
+        if floors and all(str(i) in floors and used[i] <= thresholds.get(str(i), default)
+                          + floors[str(i)] for i in pending):
+            out["error"] = "GPU %s still above threshold: held by processes not signalled" % (
+                ", ".join(str(i) for i in pending))
+            out["held_by_others"] = True
             break
         if time.monotonic() + poll > min(end, deadline.end):
             out["error"] = "GPU %s still above threshold" % ", ".join(str(i) for i in pending)

@@ -521,3 +521,16 @@ def test_engine_core_stays_ambiguous_when_a_worker_is_outside_the_scope() -> Non
     assert 4341 not in pids(plan)  # its worker 4363 is on GPU 3
     assert refused(plan)[4341][0] == planmod.AMBIGUOUS
     assert 4363 not in pids(plan)
+
+
+def test_wait_floors_count_only_memory_the_plan_leaves_alone() -> None:
+    from gpufleet.cleaning import wait_floors
+
+    snap = load("train-node")
+    plan = make_plan(snap, (0, 1, 2, 3))
+    assert wait_floors(plan, snap) == {}  # every listed process on 0-3 is a target
+    half = make_plan(snap, (0, 1, 2), include_spanning=False)
+    floors = wait_floors(half, snap)
+    # GPU 2's EngineCore_DP1 and its worker are refused (family reaches GPU 3): their memory stays
+    expected = sum(a.used_mib for a in snap.apps_on(2) if a.pid not in half.target_pids)
+    assert expected > 0 and floors == {"2": expected}
