@@ -11,7 +11,6 @@ The format is documented (and kept stable) in docs/inventory.md.
 """
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -19,10 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
-import yaml
-from yaml.nodes import MappingNode, ScalarNode, SequenceNode
-
 from gpufleet.errors import UsageError
+from gpufleet.yamlsource import (LineMap, LineSeq, describe, did_you_mean, load_yaml, one_line)
 
 ENV_VAR = "GPUFLEET_INVENTORY"
 LOCAL_FILENAME = "fleet.yaml"
@@ -219,219 +216,6 @@ def load_inventory(path: Optional[os.PathLike | str], display: Optional[str] = N
     return parse_inventory(text, source=source, base_dir=path.parent, path=path)
 
 
-# --------------------------------------------------------------------------- YAML loading
-
-
-class _LoadError(Exception):
-    def __init__(self, line: int, message: str):
-        super().__init__(message)
-        self.line = line
-        self.message = message
-
-
-class _Map(dict):
-    """A mapping that remembers the line of each key (and of itself)."""
-
-    line = 0
-    lines: dict
-
-    def key_line(self, key: str) -> int:
-        return getattr(self, "lines", {}).get(key, self.line)
-
-
-class _Seq(list):
-    """A sequence that remembers the line of each item."""
-
-    line = 0
-    lines: list
-
-    def item_line(self, i: int) -> int:
-        lines = getattr(self, "lines", [])
-        return lines[i] if i < len(lines) else self.line
-
-    def item_text(self, i: int) -> Any:
-        """A name as written: a plain ``yes`` or ``123`` item is the name "yes"/"123"."""
-        item = self[i]
-        texts = getattr(self, "texts", [])
-        if not isinstance(item, str) and i < len(texts) and texts[i]:
-            if item is None or isinstance(item, (bool, int, float)):
-                return texts[i]
-        return item
-
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that records line numbers, refuses duplicate keys and keeps keys as text.
-
-    Keys are taken as their source text (``yes:`` or ``123:`` is a host named "yes"/"123",
-    not True/123); merge keys (``<<: *anchor``) keep YAML's meaning: the mapping's own keys
-    win over merged ones.
-    """
-
-    def _pairs(self, node: MappingNode, active: frozenset) -> list:
-        if id(node) in active:
-            raise _LoadError(node.start_mark.line + 1, "recursive merge ('<<')")
-        active = active | {id(node)}
-        own: dict = {}
-        merged: dict = {}
-        for key_node, value_node in node.value:
-            line = key_node.start_mark.line + 1
-            if key_node.tag == _MERGE_TAG:
-                sources = value_node.value if isinstance(value_node, SequenceNode) else [value_node]
-                for src in sources:
-                    if not isinstance(src, MappingNode):
-                        raise _LoadError(line, "'<<' (merge) needs a mapping or a list of mappings")
-                    for key, pair in self._pairs(src, active):
-                        merged.setdefault(key, pair)
-                continue
-            if not isinstance(key_node, ScalarNode):
-                raise _LoadError(line, "a key must be a plain name, not a list or mapping")
-            key = key_node.value
-            if key in own:
-                first = own[key][0].start_mark.line + 1
-                raise _LoadError(line, f"duplicate key {key!r} (first on line {first})")
-            own[key] = (key_node, value_node)
-        out = [(k, p) for k, p in merged.items() if k not in own]
-        out.extend(own.items())
-        return out
-
-    def construct_mapping(self, node, deep=False):
-        if not isinstance(node, MappingNode):
-            raise _LoadError(node.start_mark.line + 1, "expected a mapping")
-        result = _Map()
-        result.line = node.start_mark.line + 1
-        result.lines = {}
-        for key, (key_node, value_node) in self._pairs(node, frozenset()):
-            result[key] = self.construct_object(value_node, deep=deep)
-            result.lines[key] = key_node.start_mark.line + 1
-        return result
-
-    def construct_yaml_map(self, node):
-        data = _Map()
-        data.line = node.start_mark.line + 1
-        data.lines = {}
-        yield data
-        value = self.construct_mapping(node)
-        data.update(value)
-        data.lines = value.lines
-
-    def construct_yaml_seq(self, node):
-        data = _Seq()
-        data.line = node.start_mark.line + 1
-        data.lines = [n.start_mark.line + 1 for n in node.value]
-        data.texts = [
-            n.value if isinstance(n, ScalarNode) and n.style is None else None for n in node.value
-        ]
-        yield data
-        data.extend(self.construct_sequence(node))
-
-
-_Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_yaml_map)
-_Loader.add_constructor("tag:yaml.org,2002:seq", _Loader.construct_yaml_seq)
-
-
-def _yaml_error_line(exc: yaml.YAMLError, text: str) -> int:
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    if mark is not None:
-        return mark.line + 1
-    position = getattr(exc, "position", None)  # ReaderError (a non-printable character)
-    if isinstance(position, int):
-        return text[:position].count("\n") + 1
-    return 0
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _check_duplicates(node: Any, where: str, seen: set) -> None:
-    """Refuse duplicate keys (PyYAML silently keeps the last), naming where they are."""
-    if id(node) in seen:  # aliases: visit each node once
-        return
-    seen.add(id(node))
-    if isinstance(node, MappingNode):
-        first: dict = {}
-        for key_node, value_node in node.value:
-            if isinstance(key_node, ScalarNode) and key_node.tag != _MERGE_TAG:
-                key = key_node.value
-                line = key_node.start_mark.line + 1
-                if key in first:
-                    prefix = f"{where}: " if where else ""
-                    raise _LoadError(line, f"{prefix}duplicate key {key!r} "
-                                           f"(first on line {first[key]})")
-                first[key] = line
-                child = f"{where}.{key}" if where else key
-            else:
-                child = where
-            _check_duplicates(value_node, child, seen)
-    elif isinstance(node, SequenceNode):
-        for i, item in enumerate(node.value):
-            _check_duplicates(item, f"{where}[{i}]", seen)
-
-
-def _load_yaml(text: str, source: str) -> Any:
-    loader = None
-    try:
-        loader = _Loader(text)  # the reader already refuses non-printable characters
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_duplicates(node, "", set())
-        return loader.construct_document(node)
-    except _LoadError as exc:
-        raise UsageError(f"{source}:{exc.line}: {exc.message}") from None
-    except yaml.YAMLError as exc:
-        line = _yaml_error_line(exc, text)
-        problem = getattr(exc, "problem", None)
-        context = getattr(exc, "context", None)
-        if problem and context:
-            detail = f"{context}, {problem}"
-        else:
-            detail = problem or context or str(exc)
-        if isinstance(exc, yaml.reader.ReaderError):
-            detail = f"character U+{int(exc.character):04X} is not allowed in YAML"
-        loc = f"{source}:{line}" if line else source
-        raise UsageError(_one_line(f"{loc}: YAML syntax error: {detail}")) from None
-    except RecursionError:
-        raise UsageError(f"{source}: YAML nested too deeply") from None
-    except (ValueError, TypeError, OverflowError) as exc:
-        # PyYAML's own constructors raise these for e.g. `2020-13-45` (read as a date).
-        raise UsageError(_one_line(f"{source}: invalid YAML value: {exc}")) from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "nothing (null)"
-    if isinstance(value, bool):
-        return f"the boolean {'true' if value else 'false'}"
-    if isinstance(value, int):
-        return f"the integer {value}"
-    if isinstance(value, float):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        if len(value) > 80:
-            return f"a string of {len(value)} characters"
-        return f"the string {value!r}"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    return f"a {type(value).__name__} value"
-
-
-def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 Fail = Callable[[str], NoReturn]
 
 
@@ -441,7 +225,7 @@ def _has_control(text: str) -> bool:
 
 def _string(value: Any, fail: Fail, what: str = "a string") -> str:
     if not isinstance(value, str):
-        fail(f"expected {what}, got {_describe(value)}")
+        fail(f"expected {what}, got {describe(value)}")
     if value == "":
         fail(f"expected {what}, got an empty string")
     if _has_control(value):
@@ -473,7 +257,7 @@ def _v_port(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        fail(f"expected an integer port 1-65535, got {_describe(value)}")
+        fail(f"expected an integer port 1-65535, got {describe(value)}")
     return value
 
 
@@ -511,9 +295,9 @@ def _v_enum(choices: Sequence[str]) -> Callable[..., str]:
     def check(value: Any, fail: Fail, ctx: "_Ctx") -> str:
         expected = " or ".join(repr(c) for c in choices)
         if not isinstance(value, str):
-            fail(f"expected {expected}, got {_describe(value)}")
+            fail(f"expected {expected}, got {describe(value)}")
         if value not in choices:
-            fail(f"invalid value {value!r}: expected {expected}{_did_you_mean(value, choices)}")
+            fail(f"invalid value {value!r}: expected {expected}{did_you_mean(value, choices)}")
         return value
 
     return check
@@ -527,13 +311,13 @@ def _v_timeout(value: Any, fail: Fail, ctx: "_Ctx") -> float:
         or not 0 < value <= _MAX_TIMEOUT
     ):
         fail(f"expected a positive number of seconds (at most {int(_MAX_TIMEOUT)}), "
-             f"got {_describe(value)}")
+             f"got {describe(value)}")
     return float(value)
 
 
 def _v_bool(value: Any, fail: Fail, ctx: "_Ctx") -> bool:
     if not isinstance(value, bool):
-        fail(f"expected true or false, got {_describe(value)}")
+        fail(f"expected true or false, got {describe(value)}")
     return value
 
 
@@ -547,7 +331,7 @@ def _v_python(value: Any, fail: Fail, ctx: "_Ctx") -> str:
 
 def _v_mib(value: Any, fail: Fail, ctx: "_Ctx") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_MIB:
-        fail(f"expected a whole number of MiB >= 0, got {_describe(value)}")
+        fail(f"expected a whole number of MiB >= 0, got {describe(value)}")
     return value
 
 
@@ -556,11 +340,11 @@ def _list_of(
 ) -> Callable[..., tuple]:
     def check(value: Any, fail: Fail, ctx: "_Ctx") -> tuple:
         if not isinstance(value, list):
-            fail(f"expected a list of {what} (e.g. [a, b]), got {_describe(value)}")
+            fail(f"expected a list of {what} (e.g. [a, b]), got {describe(value)}")
         out: dict[str, None] = {}
         for i, item in enumerate(value):
-            line = value.item_line(i) if isinstance(value, _Seq) else 0
-            if names and isinstance(value, _Seq):
+            line = value.item_line(i) if isinstance(value, LineSeq) else 0
+            if names and isinstance(value, LineSeq):
                 item = value.item_text(i)
             item_fail = ctx.failer(line, f"{ctx.where}[{i}]")
             out.setdefault(item_check(item, item_fail), None)
@@ -620,22 +404,22 @@ class _Ctx:
         def fail(message: str) -> NoReturn:
             loc = f"{self.source}:{line}" if line else self.source
             text = f"{loc}: {where}: {message}" if where else f"{loc}: {message}"
-            raise UsageError(_one_line(text))
+            raise UsageError(one_line(text))
 
         return fail
 
 
 def _line_of(container: Any, key: str) -> int:
-    return container.key_line(key) if isinstance(container, _Map) else 0
+    return container.key_line(key) if isinstance(container, LineMap) else 0
 
 
 def _section(doc: Any, key: str, ctx: _Ctx, what: str) -> dict:
     """A mapping-valued section; missing or null is empty."""
     value = doc.get(key)
     if value is None:
-        return _Map()
+        return LineMap()
     if not isinstance(value, dict):
-        ctx.failer(_line_of(doc, key), key)(f"expected {what}, got {_describe(value)}")
+        ctx.failer(_line_of(doc, key), key)(f"expected {what}, got {describe(value)}")
     return value
 
 
@@ -650,7 +434,7 @@ def _settings(raw: dict, allowed: Sequence[str], ctx: _Ctx) -> dict[str, Any]:
                 fail("'address' cannot be set in defaults (each host has its own)")
             if _has_control(key):
                 fail(f"invalid key {key!r}")
-            fail(f"unknown key {key!r}{_did_you_mean(key, allowed)}")
+            fail(f"unknown key {key!r}{did_you_mean(key, allowed)}")
         if value is None and key in _NULLABLE:
             out[key] = None
             continue
@@ -677,18 +461,18 @@ def parse_inventory(
         raise UsageError(f"{source}:{text[: text.index(chr(0))].count(chr(10)) + 1}: "
                          "NUL character in file")
     ctx = _Ctx(source, base_dir)
-    doc = _load_yaml(text, source)
+    doc = load_yaml(text, source)
     if doc is None:
         raise UsageError(f"{source}: empty inventory: it needs a 'hosts:' mapping "
                          "(see fleet.yaml.example)")
     if not isinstance(doc, dict):
         line = getattr(doc, "line", 1)
         raise UsageError(f"{source}:{line}: the inventory must be a mapping with 'hosts:', "
-                         f"got {_describe(doc)}")
+                         f"got {describe(doc)}")
     for key in doc:
         if key not in TOP_LEVEL_KEYS:
             ctx.failer(_line_of(doc, key))(
-                f"unknown top-level key {key!r}{_did_you_mean(key, TOP_LEVEL_KEYS)}")
+                f"unknown top-level key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
 
     defaults_raw = _section(doc, "defaults", ctx, "a mapping of settings")
     defaults = _settings(defaults_raw, DEFAULT_KEYS, ctx.at("defaults"))
@@ -705,9 +489,9 @@ def parse_inventory(
         _check_name(name, ctx.failer(line, "hosts"), "host name")
         hctx = ctx.at(f"hosts.{name}")
         if body is None:
-            body = _Map()
+            body = LineMap()
         if not isinstance(body, dict):
-            hctx.failer(line)(f"expected a mapping of settings, got {_describe(body)}")
+            hctx.failer(line)(f"expected a mapping of settings, got {describe(body)}")
         own = _settings(body, HOST_KEYS, hctx)
         merged = dict(_BUILTIN)
         merged.update(defaults)
@@ -732,18 +516,18 @@ def parse_inventory(
         if gname in hosts_raw:
             gctx.failer(line)(f"group {gname!r} has the same name as a host; rename one")
         if members is None:
-            members = _Seq()
+            members = LineSeq()
         if not isinstance(members, list):
-            gctx.failer(line)(f"expected a list of host names, got {_describe(members)}")
+            gctx.failer(line)(f"expected a list of host names, got {describe(members)}")
         out: dict[str, None] = {}
         for i, member in enumerate(members):
             mline = line
-            if isinstance(members, _Seq):
+            if isinstance(members, LineSeq):
                 mline, member = members.item_line(i), members.item_text(i)
             mfail = gctx.failer(mline, f"groups.{gname}[{i}]")
             _string(member, mfail, "a host name")
             if member not in hosts_raw:
-                mfail(f"unknown host {member!r}{_did_you_mean(member, host_names)}")
+                mfail(f"unknown host {member!r}{did_you_mean(member, host_names)}")
             out.setdefault(member, None)
         groups[gname] = tuple(out)
 

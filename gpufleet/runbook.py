@@ -24,7 +24,8 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
 
 from .errors import UsageError
-from .inventory import _describe, _did_you_mean, _load_yaml, _Map, _Seq
+from .yamlsource import LineMap, LineSeq, did_you_mean, load_yaml
+from .yamlsource import describe as describe_value
 from .selection import format_gpu_list, parse_gpu_list
 
 MAX_FILE_BYTES = 1 << 20
@@ -96,12 +97,12 @@ class _Templated(str):
     """A string that came (wholly) from a variable: numbers may then be written as text."""
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
 def _line(container: Any, key: Any = None) -> int:
-    if key is not None and isinstance(container, _Map):
+    if key is not None and isinstance(container, LineMap):
         return container.key_line(key)
     return getattr(container, "line", 0)
 
@@ -112,7 +113,7 @@ def _has_control(text: str) -> bool:
 
 def _plain_string(value: Any, fail: Fail, what: str = "a string") -> str:
     if not isinstance(value, str):
-        fail(f"expected {what}, got {_describe(value)}")
+        fail(f"expected {what}, got {describe_value(value)}")
     if value == "":
         fail(f"expected {what}, got an empty string")
     if _has_control(value):
@@ -125,13 +126,13 @@ def _number(value: Any, fail: Fail, what: str, integer: bool = False) -> float:
         try:
             value = int(value) if integer else float(value)
         except ValueError:
-            fail(f"expected {what}, got {_describe(str(value))}")
+            fail(f"expected {what}, got {describe_value(str(value))}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
         integer and not isinstance(value, int)
     ):
-        fail(f"expected {what}, got {_describe(value)}")
+        fail(f"expected {what}, got {describe_value(value)}")
     if not math.isfinite(value):
-        fail(f"expected {what}, got {_describe(value)}")
+        fail(f"expected {what}, got {describe_value(value)}")
     return value
 
 
@@ -167,14 +168,14 @@ def _v_bool(value: Any, fail: Fail) -> bool:
     if isinstance(value, _Templated) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if not isinstance(value, bool):
-        fail(f"expected true or false, got {_describe(value)}")
+        fail(f"expected true or false, got {describe_value(value)}")
     return value
 
 
 def _v_gpus(value: Any, fail: Fail) -> Optional[tuple[int, ...]]:
     """``all`` (None), ``0-3``, ``0,2,5``, an index, or a list of indices."""
     if isinstance(value, bool):
-        fail(f"expected a GPU list like 0-3, 0,2,5 or all, got {_describe(value)}")
+        fail(f"expected a GPU list like 0-3, 0,2,5 or all, got {describe_value(value)}")
     if isinstance(value, int):
         value = str(value)
     if isinstance(value, list):
@@ -182,7 +183,7 @@ def _v_gpus(value: Any, fail: Fail) -> Optional[tuple[int, ...]]:
             fail("expected a GPU list like 0-3, 0,2,5, all, or a list of indices like [0, 1]")
         value = ",".join(str(v) for v in value)
     if not isinstance(value, str):
-        fail(f"expected a GPU list like 0-3, 0,2,5 or all, got {_describe(value)}")
+        fail(f"expected a GPU list like 0-3, 0,2,5 or all, got {describe_value(value)}")
     try:
         return parse_gpu_list(value)
     except UsageError as exc:
@@ -216,7 +217,7 @@ def _v_units(value: Any, fail: Fail, allow_empty: bool = False) -> tuple[str, ..
     if isinstance(value, str):
         value = [v for v in re.split(r"[,\s]+", value) if v]
     if not isinstance(value, list) or (not value and not allow_empty):
-        fail(f"expected a list of unit names (e.g. [vllm-minimax]), got {_describe(value)}")
+        fail(f"expected a list of unit names (e.g. [vllm-minimax]), got {describe_value(value)}")
     out: dict[str, None] = {}
     for i, item in enumerate(value):
         out.setdefault(_v_unit(item, _sub_fail(fail, f"[{i}]")), None)
@@ -228,7 +229,7 @@ def _v_globs(value: Any, fail: Fail) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
-        fail(f"expected a list of glob strings, got {_describe(value)}")
+        fail(f"expected a list of glob strings, got {describe_value(value)}")
     return tuple(dict.fromkeys(_plain_string(v, _sub_fail(fail, f"[{i}]"), "a glob string")
                                for i, v in enumerate(value)))
 
@@ -281,13 +282,13 @@ def _v_exit_codes(value: Any, fail: Fail) -> tuple[int, ...]:
 
 def _v_argv(value: Any, fail: Fail) -> tuple[str, ...]:
     if not isinstance(value, list) or not value:
-        fail(f"expected a non-empty list of arguments, got {_describe(value)}")
+        fail(f"expected a non-empty list of arguments, got {describe_value(value)}")
     out = []
     for i, item in enumerate(value):
         if isinstance(item, (int, float)) and not isinstance(item, bool):
             item = str(item)
         if not isinstance(item, str):
-            fail(f"[{i}]: expected a string argument, got {_describe(item)}")
+            fail(f"[{i}]: expected a string argument, got {describe_value(item)}")
         if "\0" in item:
             fail(f"[{i}]: NUL character in argument")
         out.append(str(item))
@@ -298,7 +299,7 @@ def _v_argv(value: Any, fail: Fail) -> tuple[str, ...]:
 
 def _v_command(value: Any, fail: Fail) -> str:
     if not isinstance(value, str) or not value.strip():
-        fail(f"expected a shell command string, got {_describe(value)}")
+        fail(f"expected a shell command string, got {describe_value(value)}")
     if "\0" in value:
         fail("NUL character in command")
     return value
@@ -309,7 +310,7 @@ def _v_dtype(value: Any, fail: Fail) -> str:
 
     text = _plain_string(value, fail, "a dtype").strip().lower()
     if text not in DTYPE_BYTES:
-        fail(f"unknown dtype {value!r}{_did_you_mean(text, sorted(DTYPE_BYTES))} "
+        fail(f"unknown dtype {value!r}{did_you_mean(text, sorted(DTYPE_BYTES))} "
              f"(known: {', '.join(sorted(DTYPE_BYTES))})")
     return text
 
@@ -319,7 +320,7 @@ def _v_params(value: Any, fail: Fail) -> float:
     from .fit import parse_params
 
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        fail(f"expected a parameter count like 14B, 7b or 14e9, got {_describe(value)}")
+        fail(f"expected a parameter count like 14B, 7b or 14e9, got {describe_value(value)}")
     try:
         return parse_params(str(value))
     except UsageError as exc:
@@ -371,14 +372,14 @@ def _v_conditions(raw: Any, fail: Fail, line_of: Callable[[Any], int],
                   fail_at: Callable[[int], Fail]) -> dict[str, Any]:
     """The `that:` mapping of an assert step -> {gpus, bounds: {metric: (min, max)}, sets}."""
     if not isinstance(raw, dict) or not raw:
-        fail(f"expected a mapping of conditions (e.g. {{no_holders_on: 0-3}}), got {_describe(raw)}")
+        fail(f"expected a mapping of conditions (e.g. {{no_holders_on: 0-3}}), got {describe_value(raw)}")
     gpus = None
     bounds: dict[str, list] = {}
     sets: dict[str, tuple[int, ...]] = {}
     for key, value in raw.items():
         kfail = _sub_fail(fail_at(line_of(key)), f"that.{key}")
         if key not in ASSERT_KEYS:
-            fail_at(line_of(key))(f"unknown condition {key!r}{_did_you_mean(str(key), ASSERT_KEYS)}"
+            fail_at(line_of(key))(f"unknown condition {key!r}{did_you_mean(str(key), ASSERT_KEYS)}"
                                   f" (conditions: {', '.join(METRICS + GPU_SETS)}, "
                                   "with {min: X, max: Y} or the _min/_max shorthands)")
         if key == "gpus":
@@ -396,11 +397,11 @@ def _v_conditions(raw: Any, fail: Fail, line_of: Callable[[Any], int],
             pair[0 if which == "min" else 1] = _v_bound(metric, value, kfail)
         else:
             if not isinstance(value, dict) or not value:
-                kfail(f"expected {{min: X}} and/or {{max: Y}}, got {_describe(value)}")
+                kfail(f"expected {{min: X}} and/or {{max: Y}}, got {describe_value(value)}")
             pair = bounds.setdefault(key, [None, None])
             for bkey, bval in value.items():
                 if bkey not in ("min", "max"):
-                    kfail(f"unknown bound {bkey!r}{_did_you_mean(str(bkey), ('min', 'max'))} "
+                    kfail(f"unknown bound {bkey!r}{did_you_mean(str(bkey), ('min', 'max'))} "
                           "(use min or max)")
                 idx = 0 if bkey == "min" else 1
                 if pair[idx] is not None:
@@ -514,12 +515,12 @@ def substitute(value: Any, variables: Mapping[str, str]) -> Any:
             return _Templated(variables[whole.group(1)])
         return _REF.sub(lambda m: variables[m.group(1)], value)
     if isinstance(value, dict):
-        out = _Map({k: substitute(v, variables) for k, v in value.items()})
+        out = LineMap({k: substitute(v, variables) for k, v in value.items()})
         out.line = getattr(value, "line", 0)
         out.lines = getattr(value, "lines", {})
         return out
     if isinstance(value, list):
-        seq = _Seq(substitute(v, variables) for v in value)
+        seq = LineSeq(substitute(v, variables) for v in value)
         seq.line = getattr(value, "line", 0)
         seq.lines = getattr(value, "lines", [])
         return seq
@@ -564,7 +565,7 @@ def substitute_shell(command: str, variables: Mapping[str, str], fail: Fail) -> 
             fail(f"command: {{{{ {name} }}}} is inside {quoting}quotes{quoting}: write it bare, "
                  "it is quoted for you (a quoted value would be unquoted)")
         if name not in variables:
-            fail(f"command: undefined variable {name!r}{_did_you_mean(name, list(variables))}")
+            fail(f"command: undefined variable {name!r}{did_you_mean(name, list(variables))}")
     return _REF.sub(lambda m: shlex.quote(variables[m.group(1)]), command)
 
 
@@ -628,41 +629,41 @@ def parse_runbook(text: str, source: str = "<string>",
     def fail_at(line: int, where: str = "") -> Fail:
         def fail(message: str) -> NoReturn:
             loc = f"{source}:{line}" if line else source
-            raise UsageError(_one_line(f"{loc}: {where}: {message}" if where else f"{loc}: {message}"))
+            raise UsageError(one_line(f"{loc}: {where}: {message}" if where else f"{loc}: {message}"))
 
         return fail
 
     if "\0" in text:
         fail_at(text[: text.index("\0")].count("\n") + 1)("NUL character in file")
-    doc = _load_yaml(text, source)
+    doc = load_yaml(text, source)
     if doc is None:
         fail_at(0)("empty runbook: it needs a 'steps:' list (see docs/runbooks.md)")
     if isinstance(doc, list):
-        steps_raw, doc = doc, _Map()
+        steps_raw, doc = doc, LineMap()
         doc.line, doc.lines = 1, {}
     elif isinstance(doc, dict):
         for key in doc:
             if key not in TOP_LEVEL_KEYS:
                 fail_at(_line(doc, key))(f"unknown top-level key {key!r}"
-                                         f"{_did_you_mean(str(key), TOP_LEVEL_KEYS)}")
+                                         f"{did_you_mean(str(key), TOP_LEVEL_KEYS)}")
         if "steps" not in doc:
             fail_at(_line(doc))("no 'steps:' list (see docs/runbooks.md)")
         steps_raw = doc["steps"]
     else:
-        fail_at(_line(doc) or 1)(f"a runbook is a mapping with 'steps:', got {_describe(doc)}")
+        fail_at(_line(doc) or 1)(f"a runbook is a mapping with 'steps:', got {describe_value(doc)}")
 
     name = doc.get("name", default_name)
     _plain_string(name, fail_at(_line(doc, "name"), "name"), "a runbook name")
     description = doc.get("description") or ""
     if not isinstance(description, str):
-        fail_at(_line(doc, "description"), "description")(f"expected text, got {_describe(description)}")
+        fail_at(_line(doc, "description"), "description")(f"expected text, got {describe_value(description)}")
 
     # Variables: vars: block (null = must be given with -e), then -e on top.
     declared: dict[str, Optional[str]] = {}
     vars_raw = doc.get("vars")
     if vars_raw is not None:
         if not isinstance(vars_raw, dict):
-            fail_at(_line(doc, "vars"), "vars")(f"expected a mapping NAME: value, got {_describe(vars_raw)}")
+            fail_at(_line(doc, "vars"), "vars")(f"expected a mapping NAME: value, got {describe_value(vars_raw)}")
         for key, value in vars_raw.items():
             vfail = fail_at(_line(vars_raw, key), f"vars.{key}")
             if not isinstance(key, str) or not VAR_NAME.match(key):
@@ -672,20 +673,20 @@ def parse_runbook(text: str, source: str = "<string>",
                 continue
             text_value = _scalar_text(value)
             if text_value is None:
-                vfail(f"expected a plain value (text or number), got {_describe(value)}")
+                vfail(f"expected a plain value (text or number), got {describe_value(value)}")
             if _REF.search(text_value):
                 vfail("a variable's value cannot refer to other variables")
             declared[key] = text_value
     extra = dict(extra_vars or {})
     if not isinstance(steps_raw, list) or not steps_raw:
-        fail_at(_line(doc, "steps"), "steps")(f"expected a non-empty list of steps, got {_describe(steps_raw)}")
+        fail_at(_line(doc, "steps"), "steps")(f"expected a non-empty list of steps, got {describe_value(steps_raw)}")
     if len(steps_raw) > MAX_STEPS:
         fail_at(_line(doc, "steps"), "steps")(f"more than {MAX_STEPS} steps")
     used = set(references(steps_raw))
     for key in extra:
         if key not in declared and key not in used:
             known = sorted(set(declared) | used)
-            raise UsageError(f"-e {key}: {source} has no variable {key!r}{_did_you_mean(key, known)}"
+            raise UsageError(f"-e {key}: {source} has no variable {key!r}{did_you_mean(key, known)}"
                              + (f" (its variables: {', '.join(known)})" if known else " (it has none)"))
     variables: dict[str, str] = {k: v for k, v in declared.items() if v is not None}
     variables.update(extra)
@@ -697,7 +698,7 @@ def parse_runbook(text: str, source: str = "<string>",
     steps: list[Step] = []
     seen_names: dict[str, int] = {}
     for i, raw in enumerate(steps_raw):
-        line = steps_raw.item_line(i) if isinstance(steps_raw, _Seq) else 0
+        line = steps_raw.item_line(i) if isinstance(steps_raw, LineSeq) else 0
         step = _parse_step(i + 1, raw, line, variables, fail_at)
         if step.name in seen_names and isinstance(raw, dict) and "name" not in raw:
             step = replace(step, name=f"{step.kind}-{step.index}")
@@ -713,13 +714,13 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
                 fail_at: Callable[..., Fail]) -> Step:
     where = f"step {index}"
     if not isinstance(raw, dict):
-        fail_at(line, where)(f"expected a mapping with 'kind:', got {_describe(raw)}")
+        fail_at(line, where)(f"expected a mapping with 'kind:', got {describe_value(raw)}")
     kind = raw.get("kind")
     if kind is None:
         fail_at(line, where)(f"missing 'kind:' (one of {', '.join(KINDS)})")
     if not isinstance(kind, str) or kind not in KINDS:
         fail_at(_line(raw, "kind"), where)(
-            f"unknown step kind {kind!r}{_did_you_mean(str(kind), KINDS)} (kinds: {', '.join(KINDS)})")
+            f"unknown step kind {kind!r}{did_you_mean(str(kind), KINDS)} (kinds: {', '.join(KINDS)})")
     if "name" in raw:
         name = _plain_string(str(substitute(raw["name"], variables)) if isinstance(raw["name"], str)
                              else raw["name"], fail_at(_line(raw, "name"), where), "a step name")
@@ -734,7 +735,7 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
 
     for key in raw:
         if key not in allowed:
-            hint = _did_you_mean(str(key), allowed)
+            hint = did_you_mean(str(key), allowed)
             if not hint:
                 other = [k for k, f in KIND_FIELDS.items() if key in f]
                 hint = f" ({key!r} belongs to {' / '.join(other)})" if other else ""
@@ -744,7 +745,7 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
     for key, value in raw.items():
         for ref in references(value):
             if ref not in variables:
-                key_fail(key)(f"undefined variable {ref!r}{_did_you_mean(ref, list(variables))} "
+                key_fail(key)(f"undefined variable {ref!r}{did_you_mean(ref, list(variables))} "
                               "(define it under vars: or pass -e " + ref + "=...)")
     params: dict[str, Any] = {}
     for key, spec in fields.items():
