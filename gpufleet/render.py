@@ -28,25 +28,34 @@ def _process_name(snapshot: Snapshot, pid: int, fallback: str) -> str:
     return proc.name if proc is not None else (fallback or "?")
 
 
-def _unlisted_holders_on(snapshot: Snapshot, gpu: GpuInfo) -> list[int]:
-    listed = snapshot.listed_pids()
-    return [
-        h.pid
-        for h in snapshot.holders
-        if h.pid not in listed and gpu.index in snapshot.holder_gpu_indices(h)
-    ]
-
-
 def holders_text(snapshot: Snapshot, gpu: GpuInfo) -> str:
-    """`VLLM::Worker 1234 700MiB`, one per line; unlisted device-file holders marked `(fd)`."""
+    """`VLLM::Worker 1234 700MiB`, one per line: what nvidia-smi attributes to this GPU."""
     parts = []
     for app in snapshot.apps_on(gpu.index):
         name = _process_name(snapshot, app.pid, app.process_name)
         mark = "" if app.pid in snapshot.processes else " (not in /proc)"
         parts.append(f"{name} {app.pid} {fmt_mib(app.used_mib)}{mark}")
-    for pid in _unlisted_holders_on(snapshot, gpu):
-        parts.append(f"{_process_name(snapshot, pid, '?')} {pid} (fd)")
     return "\n".join(parts) if parts else "-"
+
+
+def unlisted_holders_text(snapshot: Snapshot) -> str:
+    """Device-file holders nvidia-smi does not list, once per host: a CUDA process opens
+    every /dev/nvidiaN, so repeating them on each GPU row would claim memory they may not hold."""
+    from .selection import format_gpu_list
+
+    listed = snapshot.listed_pids()
+    parts = []
+    for holder in snapshot.holders:
+        if holder.pid in listed:
+            continue
+        proc = snapshot.processes.get(holder.pid)
+        if proc is not None and proc.relation in ("self", "ancestor"):
+            continue
+        gpus = snapshot.holder_gpu_indices(holder)
+        where = f"GPUs {format_gpu_list(gpus)}" if gpus else ", ".join(
+            d.rsplit("/", 1)[-1] for d in holder.devices)
+        parts.append(f"{_process_name(snapshot, holder.pid, '?')} {holder.pid} (fd: {where})")
+    return "\n".join(parts)
 
 
 def gpu_is_busy(snapshot: Snapshot, gpu: GpuInfo, expected_mib: int) -> bool:
@@ -95,6 +104,9 @@ def status_rows(results: Sequence[HostResult], expected: dict[str, int]) -> list
                     holders_text(snap, gpu),
                 ]
             )
+        unlisted = unlisted_holders_text(snap)
+        if unlisted:
+            rows.append([res.host, "fd", "open device files, not listed by nvidia-smi", "", "", "", unlisted])
     return rows
 
 

@@ -86,7 +86,7 @@ def test_wsl2_per_process_memory_not_available_is_a_value() -> None:
 
 def test_hidden_pid_holder_shown_as_fd_holder() -> None:
     text = status_table([result("hidden_pids")], {})
-    assert "VLLM::Worker 77 (fd)" in text
+    assert "VLLM::Worker 77 (fd: GPUs 0)" in text
     doc = status_document([result("hidden_pids")], {})
     assert doc["hosts"][0]["holders"][0]["listed_by_nvidia_smi"] is False
     assert doc["hosts"][0]["gpus"][0]["unattributed_mib"] == 20998

@@ -1,0 +1,92 @@
+"""Show gpufleet against the lab, as an operator would see it (the README's and notes' output).
+
+    sudo python3 tests/lab/demo.py            # status --all, clean dry run, clean, status
+    sudo python3 tests/lab/demo.py --swap     # the model-swap runbook: dry run, then for real
+
+Starts the three fleets of the product (a WSL2 workstation with its 1680 MiB reservation, an
+8-GPU training node with a vLLM family on GPUs 0-3 and a trainer on 4-7, a 2-GPU inference
+node whose nvidia-smi is off PATH) plus a dead host, and prints each command with its exit
+code and wall time. Needs what the lab needs (root, sshd, unshare).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from lab import Lab  # noqa: E402
+
+REPO = HERE.parent.parent
+FAKE_SYSTEMCTL = """#!/bin/sh
+# lab stand-in for systemctl: records calls, starts/stops nothing real
+echo "$@" >> /root/systemctl.log
+exit 0
+"""
+
+
+def gpufleet(args: list[str], env: dict) -> int:
+    shown = "gpufleet " + " ".join(shlex.quote(a) for a in args)
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "gpufleet", *args], capture_output=True, text=True, env=env)
+    took = time.monotonic() - started
+    print(f"$ {shown}")
+    sys.stdout.write(res.stdout)
+    sys.stdout.write(res.stderr)
+    print(f"# exit {res.returncode}, {took:.2f} s wall\n")
+    return res.returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--swap", action="store_true", help="run the model-swap runbook instead")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, Lab(Path(tmp) / "lab") as lab:
+        home = Path(tmp) / "home"
+        home.mkdir()
+        env = dict(os.environ, HOME=str(home), PYTHONPATH=str(REPO))
+        wsl = lab.add_host("bigmama", gpus=1, wsl2=True, gpu_name="NVIDIA GeForce RTX 5090",
+                           total_mib=32607, reserved_mib=0, ghost_mib=1680)
+        train = lab.add_host("train-node", gpus=8, release_delay_s=0.2)
+        infer = lab.add_host("blackwell", gpus=2, gpu_name="NVIDIA RTX PRO 6000 Blackwell Server Edition",
+                             total_mib=97887, nvidia_smi="/usr/local/nvidia/bin/nvidia-smi")
+        dead = lab.dead_host("old-node")
+        train.spawn_vllm(gpus=[0, 1, 2, 3], mib=716)
+        train.spawn_holder(gpus=[4, 5, 6, 7], mib=[30000] * 4, title="train_dflash.py")
+        infer.spawn_vllm(gpus=[0, 1], mib=88000)
+        fleet = lab.inventory_yaml(
+            [wsl, train, infer, dead], path=Path(tmp) / "fleet.yaml",
+            defaults={"connect_timeout": 3, "command_timeout": 60},
+            groups={"training": ["train-node"], "inference": ["blackwell"]},
+            bigmama={"unattributed_mib": 1680, "tags": ["wsl2", "workstation"]},
+            **{"train-node": {"protect": ["*train_dflash*"]}})
+        inv = ["-i", str(fleet)]
+        audit = ["--audit-log", str(Path(tmp) / "audit.jsonl")]
+        if args.swap:
+            bin_dir = infer.path("/root/bin")
+            bin_dir.mkdir(parents=True, exist_ok=True)
+            (bin_dir / "systemctl").write_text(FAKE_SYSTEMCTL)
+            (bin_dir / "systemctl").chmod(0o755)
+            swap = [*inv, "run", str(REPO / "playbooks" / "model-swap.yaml"), "--host", "blackwell",
+                    "-e", "OLD_UNIT=vllm-minimax", "-e", "NEW_UNIT=vllm-kimi",
+                    "-e", "SYSTEMCTL=/root/bin/systemctl"]
+            gpufleet([*swap, "--dry-run"], env)
+            return gpufleet([*swap, "--yes"], env)
+        gpufleet([*inv, "status", "--all"], env)
+        gpufleet([*inv, "clean", "--host", "train-node", "--gpus", "0-3", "--dry-run"], env)
+        gpufleet([*inv, "clean", "--host", "train-node", "--gpus", "0-3", "--yes", *audit], env)
+        gpufleet([*inv, "status", "--host", "train-node"], env)
+        gpufleet([*inv, "fit", "--host", "bigmama", "--weights-gib", "27.57",
+                  "--activations-gib", "2.7", "--util", "0.945", "--context-mib", "0"], env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
