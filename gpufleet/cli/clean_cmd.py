@@ -71,6 +71,11 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
         try:
             results = run_hosts(selected, _as_value(plan_only), forks=app.forks)
             _show_plans(results, as_json)
+            bad_input = [r for r in results if r.usage_error]
+            if bad_input:  # e.g. --gpus 9 on an 8-GPU host: say so, ask nothing, signal nothing
+                for r in bad_input:
+                    click.echo(f"gpufleet: error: {r.error}", err=True)
+                return EXIT_USAGE
             if not interactive:
                 click.echo("gpufleet: error: not a terminal and no --yes: plan shown, nothing signalled", err=True)
                 return EXIT_USAGE
