@@ -22,14 +22,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from fake_systemctl import install_systemctl  # noqa: E402
 from lab import Lab  # noqa: E402
 
 REPO = HERE.parent.parent
-FAKE_SYSTEMCTL = """#!/bin/sh
-# lab stand-in for systemctl: records calls, starts/stops nothing real
-echo "$@" >> /root/systemctl.log
-exit 0
-"""
 
 
 def gpufleet(args: list[str], env: dict) -> int:
@@ -55,12 +51,20 @@ def main() -> int:
         wsl = lab.add_host("bigmama", gpus=1, wsl2=True, gpu_name="NVIDIA GeForce RTX 5090",
                            total_mib=32607, reserved_mib=0, ghost_mib=1680)
         train = lab.add_host("train-node", gpus=8, release_delay_s=0.2)
-        infer = lab.add_host("blackwell", gpus=2, gpu_name="NVIDIA RTX PRO 6000 Blackwell Server Edition",
+        infer = lab.add_host("blackwell", gpus=8, gpu_name="NVIDIA RTX PRO 6000 Blackwell Server Edition",
                              total_mib=97887, nvidia_smi="/usr/local/nvidia/bin/nvidia-smi")
         dead = lab.dead_host("old-node")
         train.spawn_vllm(gpus=[0, 1, 2, 3], mib=716)
         train.spawn_holder(gpus=[4, 5, 6, 7], mib=[30000] * 4, title="train_dflash.py")
-        infer.spawn_vllm(gpus=[0, 1], mib=88000)
+        health_port = 18000 + os.getpid() % 1000
+        systemctl = install_systemctl(infer, {
+            "vllm-minimax": {"gpus": list(range(8)), "mib": 60000, "title": "VLLM::Worker"},
+            "vllm-kimi": {"gpus": list(range(8)), "mib": 70000, "title": "VLLM::Worker",
+                          "health_port": health_port, "health_delay": 1.0}})
+        infer.exec([systemctl, "start", "vllm-minimax.service"])
+        # vLLM workers that escaped the unit's cgroup (the seed's "96 GB stayed used after
+        # systemctl stop"): `systemctl stop` does not end them; the clean step must.
+        infer.spawn_vllm(gpus=list(range(8)), mib=30000)
         fleet = lab.inventory_yaml(
             [wsl, train, infer, dead], path=Path(tmp) / "fleet.yaml",
             defaults={"connect_timeout": 3, "command_timeout": 60},
@@ -70,13 +74,10 @@ def main() -> int:
         inv = ["-i", str(fleet)]
         audit = ["--audit-log", str(Path(tmp) / "audit.jsonl")]
         if args.swap:
-            bin_dir = infer.path("/root/bin")
-            bin_dir.mkdir(parents=True, exist_ok=True)
-            (bin_dir / "systemctl").write_text(FAKE_SYSTEMCTL)
-            (bin_dir / "systemctl").chmod(0o755)
             swap = [*inv, "run", str(REPO / "playbooks" / "model-swap.yaml"), "--host", "blackwell",
                     "-e", "OLD_UNIT=vllm-minimax", "-e", "NEW_UNIT=vllm-kimi",
-                    "-e", "SYSTEMCTL=/root/bin/systemctl"]
+                    "-e", f"SYSTEMCTL={systemctl}",
+                    "-e", f"HEALTH_URL=http://127.0.0.1:{health_port}/health", "-e", "START_TIMEOUT=60"]
             gpufleet([*swap, "--dry-run"], env)
             return gpufleet([*swap, "--yes"], env)
         gpufleet([*inv, "status", "--all"], env)
