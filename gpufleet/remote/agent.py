@@ -1372,6 +1372,7 @@ def reset_gpus(req, scope, snap, deadline, res):
 def clean(req, deadline, res, proc=PROC):
     """Lock; stop units; TERM/KILL by wave with identity checks; wait for memory; report."""
     t0 = time.monotonic()
+    res["started_at"] = round(time.time(), 3)  # signals' "t" count from here (audit times)
     for name in ("SIGHUP", "SIGPIPE"):  # a dropped SSH session must not cut the sequence
         try:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
