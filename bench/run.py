@@ -1,0 +1,615 @@
+#!/usr/bin/env python3
+"""gpufleet against parallel-ssh, Ansible and a sequential ssh loop, on the same lab hosts.
+
+    sudo python3 bench/run.py            # the full run (~10 min on 2 cores) -> bench/RESULTS.md
+    sudo python3 bench/run.py --quick    # a short smoke run (~1 min) -> RESULTS.md too
+
+What and how: bench/README.md. Needs root (namespaces, TUN, cgroups), the test lab's
+prerequisites and `pip install -e '.[bench]'`. Not a test: pytest never collects bench/.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import benchlab as B  # noqa: E402
+import remote_work  # noqa: E402
+
+TOOLS = ("gpufleet", "pssh", "ansible", "ssh")
+LABEL = {"gpufleet": "gpufleet status", "pssh": "parallel-ssh", "ansible": "ansible -m shell",
+         "ssh": "ssh loop (sequential)"}
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small N, one RTT, two runs: a smoke run")
+    ap.add_argument("--ns", type=ints, default=[1, 8, 32, 128], help="host counts at the first RTT")
+    ap.add_argument("--rtts", type=floats, default=[20.0, 100.0], help="round-trip times, ms")
+    ap.add_argument("--ns-far", type=ints, default=[1, 32],
+                    help="host counts at the other RTTs (time budget)")
+    ap.add_argument("--runs", type=int, default=3, help="runs of each tool per cell, alternating")
+    ap.add_argument("--slow-runs", type=int, default=1,
+                    help="runs of ansible and the ssh loop in cells where they take > 30 s")
+    ap.add_argument("--seq-max-n", type=int, default=128,
+                    help="largest N for the sequential ssh loop at RTTs above the first")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--forks", type=int, default=32, help="parallelism of every tool (gpufleet's default)")
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs per host")
+    ap.add_argument("--connect-timeout", type=float, default=5.0)
+    ap.add_argument("--fail-n", type=int, default=32, help="healthy hosts in the dead/blackholed runs")
+    ap.add_argument("--fail-k", type=ints, default=[0, 1, 4, 16], help="k dead and k blackholed")
+    ap.add_argument("--fail-timeout", type=float, default=3.0, help="connect_timeout there")
+    ap.add_argument("--clean-ns", type=ints, default=[1, 32])
+    ap.add_argument("--clean-runs", type=int, default=3)
+    ap.add_argument("--release-delay", type=float, default=2.0,
+                    help="simulated driver release delay (s) in the clean runs")
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile one gpufleet status at the largest N (text in the work dir)")
+    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    ap.add_argument("--plot", type=Path, default=HERE / "wall_vs_n.png")
+    ap.add_argument("--raw", type=Path, default=HERE / "results.json")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.ns, a.rtts, a.ns_far, a.runs = [1, 8], [20.0], [], 2
+        a.fail_n, a.fail_k, a.clean_ns, a.clean_runs = 4, [0, 1], [1], 1
+    a.tools = [t for t in a.tools.split(",") if t]
+    return a
+
+
+# ------------------------------------------------------------------------------- tools
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, work: Path):
+        self.a = args
+        self.work = work
+        tag = os.getpid()
+        self.cg_tool = B.Cgroup("gfbench%d-tool" % tag)
+        self.cg_hosts = B.Cgroup("gfbench%d-hosts" % tag)
+        self.cg_wire = B.Cgroup("gfbench%d-wire" % tag)
+        rtt0 = args.rtts[0]
+        self.net: Optional[B.Net] = None
+        self.lab: Optional[B.BenchLab] = None
+        self.rtt = rtt0
+        try:
+            self.net = B.Net(rtt0 / 2.0, cgroup=self.cg_wire)
+            self.lab = B.BenchLab(work, self.net)
+        except BaseException:
+            self.close()
+            raise
+        self.runs: list[dict] = []
+        self.sessions: dict[str, dict] = {}  # tool -> {"N": (conns/host, execs/host)}
+        self.fail_rows: list[dict] = []
+        self.clean_rows: list[dict] = []
+        self.measured_rtt: dict[float, float] = {}
+        self.seq = 0
+        self.log = open(work / "bench.log", "a")
+
+    def say(self, text: str) -> None:
+        line = "[%6.1fs] %s" % (time.monotonic() - T0, text)
+        print(line, flush=True)
+        self.log.write(line + "\n")
+        self.log.flush()
+
+    def close(self) -> None:
+        closers = [x.close for x in (self.lab, self.net) if x is not None]
+        for closer in closers + [self.cg_tool.remove, self.cg_hosts.remove, self.cg_wire.remove]:
+            try:
+                closer()
+            except Exception as exc:  # keep cleaning up the rest
+                print("cleanup: %s" % exc, file=sys.stderr)
+
+    def start_hosts(self, n: int) -> None:
+        t = time.monotonic()
+        self.cg_hosts.enter_self()  # every host process (sshd, agent, nvidia-smi) is counted there
+        try:
+            self.lab.start_hosts(n, gpus=self.a.gpus)
+        finally:
+            B.Cgroup.leave_self()
+        self.say("%d hosts up (%.1fs)" % (len(self.lab.hosts), time.monotonic() - t))
+
+    def set_rtt(self, rtt: float) -> None:
+        self.net.set_rtt(rtt)
+        self.rtt = rtt
+        self.measured_rtt[rtt] = B.measured_rtt_ms(self.lab.hosts[0].port)
+        self.say("RTT %g ms (TCP connect: %.1f ms)" % (rtt, self.measured_rtt[rtt]))
+
+    # one tool, one run ------------------------------------------------------------------------
+
+    def argv_env(self, tool: str, hosts: list) -> tuple[list[str], dict]:
+        n = len(hosts)
+        forks = str(max(1, min(self.a.forks, n)))
+        self.seq += 1
+        d = self.work / ("run%04d" % self.seq)
+        d.mkdir()
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        ct = "%g" % self.a.connect_timeout
+        if tool == "gpufleet":
+            inv = self.lab.gpufleet_inventory(hosts, d / "fleet.yaml", self.a.connect_timeout)
+            return [B.tool_path("gpufleet"), "-i", str(inv), "--forks", forks, "status", "--all",
+                    "--json"], env
+        if tool == "pssh":
+            hj = self.lab.hosts_json(hosts, d / "hosts.json")
+            return [sys.executable, str(HERE / "pssh_status.py"), str(hj), forks, ct], env
+        if tool == "ansible":
+            inv = self.lab.ansible_inventory(hosts, d / "hosts.ini")
+            env.update(ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_SSH_CONTROL_PATH_DIR=str(d / "cp"),
+                       ANSIBLE_LOCAL_TEMP=str(d / "tmp"), ANSIBLE_HOME=str(d / "home"),
+                       ANSIBLE_NOCOLOR="1", ANSIBLE_TIMEOUT=str(int(self.a.connect_timeout)),
+                       ANSIBLE_DEPRECATION_WARNINGS="False")
+            return [B.tool_path("ansible"), "all", "-i", str(inv), "-m", "shell", "-a",
+                    remote_work.SCRIPT, "-f", forks], env
+        if tool == "ssh":
+            tsv = d / "hosts.tsv"
+            tsv.write_text("".join("%s %s %d\n" % (h.name, h.address, h.port) for h in hosts))
+            script = d / "script.sh"
+            script.write_text(remote_work.SCRIPT)
+            return [str(HERE / "ssh_loop.sh"), str(tsv), str(self.lab.lab.client_key),
+                    str(self.lab.lab.known_hosts_path), ct, str(script)], env
+        raise ValueError(tool)
+
+    def check(self, tool: str, m: B.Measured, n: int) -> tuple[bool, str]:
+        out = m.stdout.decode(errors="replace")
+        if m.rc != 0:
+            return False, "exit %d: %s" % (m.rc, (m.stderr.decode(errors="replace") or out)[-200:])
+        if tool == "gpufleet":
+            doc = json.loads(out)
+            ok = sum(1 for h in doc["hosts"] if h["ok"] and h["gpus"])
+            return ok == n, "%d/%d hosts ok" % (ok, n)
+        if tool == "pssh":
+            doc = json.loads(out.strip().splitlines()[-1])
+            return doc["ok"] == n, "%d/%d hosts ok" % (doc["ok"], n)
+        if tool == "ansible":
+            ok = out.count("| CHANGED | rc=0 >>")
+            return ok == n, "%d/%d hosts ok" % (ok, n)
+        ok = out.count("@@procs")
+        return ok == n, "%d/%d hosts ok" % (ok, n)
+
+    def run_tool(self, tool: str, n: int, count_sessions: bool) -> dict:
+        hosts = self.lab.hosts[:n]
+        argv, env = self.argv_env(tool, hosts)
+        marks = self.lab.log_marks(hosts) if count_sessions else None
+        m = B.measure(argv, self.cg_tool, self.cg_hosts, self.cg_wire, env=env, timeout=900)
+        ok, note = self.check(tool, m, n)
+        row = dict(tool=tool, n=n, rtt_ms=self.rtt, wall_s=round(m.wall_s, 4),
+                   cpu_s=_r(m.cpu_s), remote_cpu_s=_r(m.remote_cpu_s), wire_cpu_s=_r(m.wire_cpu_s),
+                   ok=ok, note=note)
+        if marks is not None:
+            per = self.lab.sessions_since(hosts, marks)
+            conns = sorted(c for c, _ in per.values())
+            execs = sorted(e for _, e in per.values())
+            row["conns_per_host"] = [conns[0], conns[-1]]
+            row["execs_per_host"] = [execs[0], execs[-1]]
+            self.sessions.setdefault(tool, {})[n] = row
+        self.runs.append(row)
+        self.say("%-8s N=%-3d RTT=%-3g wall %6.2fs cpu %5.2fs remote %5.2fs %s%s" % (
+            tool, n, self.rtt, m.wall_s, m.cpu_s or -1, m.remote_cpu_s or -1,
+            "ok" if ok else "FAILED ", "" if ok else note))
+        return row
+
+    # the sweep --------------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        for i, rtt in enumerate(self.a.rtts):
+            self.set_rtt(rtt)
+            ns = self.a.ns if i == 0 else self.a.ns_far
+            for n in ns:
+                tools = [t for t in self.a.tools
+                         if not (t == "ssh" and i > 0 and n > self.a.seq_max_n)]
+                slow: dict[str, float] = {}
+                for r in range(self.a.runs):
+                    order = tools[r % len(tools):] + tools[:r % len(tools)]  # alternate
+                    for tool in order:
+                        if r >= self.a.slow_runs and slow.get(tool, 0) > 30.0:
+                            continue
+                        row = self.run_tool(tool, n, count_sessions=(r == 0))
+                        slow[tool] = max(slow.get(tool, 0), row["wall_s"])
+                        time.sleep(0.3)
+
+    def profile(self) -> None:
+        """cProfile of one `gpufleet status` at the largest N (controller side only)."""
+        n = max(self.a.ns)
+        self.set_rtt(self.a.rtts[0])
+        inv = self.lab.gpufleet_inventory(self.lab.hosts[:n], self.work / "prof.yaml", self.a.connect_timeout)
+        out = self.work / "gpufleet-status.prof"
+        argv = [sys.executable, "-m", "cProfile", "-o", str(out), B.tool_path("gpufleet"), "-i", str(inv),
+                "--forks", str(min(self.a.forks, n)), "status", "--all", "--json"]
+        m = B.measure(argv, self.cg_tool, self.cg_hosts, self.cg_wire)
+        self.say("profiled N=%d: wall %.2fs cpu %.2fs -> %s" % (n, m.wall_s, m.cpu_s or -1, out))
+
+    def failures(self) -> None:
+        """k dead (refused) + k blackholed (dropped) hosts among healthy ones: status time."""
+        self.set_rtt(self.a.rtts[0])
+        good = self.lab.hosts[:self.a.fail_n]
+        t = self.a.fail_timeout
+        for k in self.a.fail_k:
+            dead, holes = self.lab.dead(k), self.lab.blackholed(k)
+            mixed: list = []
+            bad = [x for pair in zip(dead, holes) for x in pair]
+            step = max(1, len(good) // max(1, len(bad))) if bad else 1
+            gi = iter(good)
+            for b in bad:  # interleave: failures spread through the inventory order
+                for _ in range(step):
+                    g = next(gi, None)
+                    if g is not None:
+                        mixed.append(g)
+                mixed.append(b)
+            mixed += list(gi)
+            walls = []
+            for r in range(2):
+                self.seq += 1
+                inv = self.lab.gpufleet_inventory(mixed, self.work / ("fail%04d.yaml" % self.seq), t)
+                argv = [B.tool_path("gpufleet"), "-i", str(inv), "--forks", str(self.a.forks),
+                        "status", "--all", "--json"]
+                m = B.measure(argv, self.cg_tool, self.cg_hosts, self.cg_wire)
+                doc = json.loads(m.stdout.decode())
+                hosts = {h["host"]: h for h in doc["hosts"]}
+                good_ok = sum(1 for g in good if hosts[g.name]["ok"])
+                errors = sorted({(hosts[b.name]["error"] or "")[:60] for b in bad})
+                walls.append(m.wall_s)
+                self.say("fail k=%d run %d: wall %.2fs (connect_timeout %gs) good ok %d/%d %s" % (
+                    k, r, m.wall_s, t, good_ok, len(good), errors[:2]))
+            expected_rc = 1 if k else 0
+            self.fail_rows.append(dict(k=k, n_good=len(good), connect_timeout_s=t,
+                                       walls=[round(w, 3) for w in walls],
+                                       good_ok=good_ok, rc_ok=(m.rc == expected_rc),
+                                       errors=errors))
+
+    def clean(self) -> None:
+        """Time from `gpufleet clean` start to verified free, minus the simulated release delay."""
+        self.set_rtt(self.a.rtts[0])
+        delay = self.a.release_delay
+        for n in self.a.clean_ns:
+            hosts = self.lab.hosts[:n]
+            for h in hosts:
+                h.set_config(release_delay_s=delay)
+            for r in range(self.a.clean_runs):
+                for h in hosts:  # the start-up holder is gone after the first clean
+                    if not h.records():
+                        self.cg_hosts.enter_self()
+                        try:
+                            h.spawn_holder(gpus=[0], mib=71680, title="VLLM::Worker_TP0", via="exec")
+                        finally:
+                            B.Cgroup.leave_self()
+                self.seq += 1
+                inv = self.lab.gpufleet_inventory(hosts, self.work / ("clean%04d.yaml" % self.seq),
+                                                  self.a.connect_timeout)
+                argv = [B.tool_path("gpufleet"), "-i", str(inv), "--forks", str(self.a.forks), "clean",
+                        "--all", "--gpus", "all", "--yes", "--json", "--grace", "5", "--timeout", "30"]
+                marks = self.lab.log_marks(hosts)
+                m = B.measure(argv, self.cg_tool, self.cg_hosts, self.cg_wire)
+                per = self.lab.sessions_since(hosts, marks)
+                try:
+                    doc = json.loads(m.stdout.decode())
+                except ValueError:
+                    doc = {"hosts": []}
+                clean = sum(1 for h in doc["hosts"] if h.get("verdict") == "clean")
+                waits = [h["memory_wait"]["seconds"] for h in doc["hosts"] if h.get("memory_wait")]
+                row = dict(n=n, run=r, wall_s=round(m.wall_s, 3), latency_s=round(m.wall_s - delay, 3),
+                           release_delay_s=delay, clean=clean, rc=m.rc, cpu_s=_r(m.cpu_s),
+                           memory_wait_s=[round(min(waits), 3), round(max(waits), 3)] if waits else None,
+                           conns_per_host=[min(c for c, _ in per.values()), max(c for c, _ in per.values())],
+                           execs_per_host=[min(e for _, e in per.values()), max(e for _, e in per.values())])
+                self.clean_rows.append(row)
+                self.say("clean N=%d run %d: wall %.2fs latency %.2fs clean %d/%d execs/host %s conns/host %s" % (
+                    n, r, m.wall_s, m.wall_s - delay, clean, n, row["execs_per_host"], row["conns_per_host"]))
+                time.sleep(0.3)
+
+
+def _r(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 4)
+
+
+# ------------------------------------------------------------------------------- report
+
+
+def machine() -> dict:
+    cpu = "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_mib": mem, "kernel": platform.release(),
+            "python": platform.python_version()}
+
+
+def versions() -> dict:
+    from importlib import metadata
+    out = {}
+    for pkg in ("gpufleet", "paramiko", "fabric", "parallel-ssh", "ssh2-python", "ansible-core"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    out["OpenSSH"] = subprocess.run(["ssh", "-V"], capture_output=True, text=True).stderr.strip()
+    try:
+        rev = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "gpufleet"],
+                               capture_output=True, text=True).stdout.strip()
+        out["git"] = rev + (" (gpufleet/ has uncommitted changes)" if dirty else "")
+    except OSError:
+        pass
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    """(rtt, n, tool) -> {wall: [med, min, max], cpu, remote, k}"""
+    cells: dict = {}
+    for r in runs:
+        if not r["ok"]:
+            continue
+        cells.setdefault((r["rtt_ms"], r["n"], r["tool"]), []).append(r)
+    out = {}
+    for key, rows in cells.items():
+        def stat(field: str) -> Optional[list]:
+            vals = [x[field] for x in rows if x.get(field) is not None]
+            if not vals:
+                return None
+            return [statistics.median(vals), min(vals), max(vals)]
+        out[key] = {"wall": stat("wall_s"), "cpu": stat("cpu_s"), "remote": stat("remote_cpu_s"),
+                    "wire": stat("wire_cpu_s"), "k": len(rows)}
+    return out
+
+
+def fmt_stat(s: Optional[list], digits: int = 2) -> str:
+    if not s:
+        return "-"
+    med, lo, hi = s
+    return "%.*f (%.*f–%.*f)" % (digits, med, digits, lo, digits, hi) if hi - lo > 0 else "%.*f" % (digits, med)
+
+
+def write_report(bench: Bench, args: argparse.Namespace, command: str, started: str, seconds: float) -> str:
+    summ = summarize(bench.runs)
+    mach = machine()
+    ver = versions()
+    tools = [t for t in TOOLS if t in args.tools]
+    L: list[str] = []
+    L.append("# gpufleet benchmark results")
+    L.append("")
+    L.append("Generated by `%s` on %s (took %.0f s). How and why: [README.md](README.md)." % (command, started, seconds))
+    L.append("")
+    L.append("- Machine: %s, %d cores, %d MiB RAM, Linux %s, Python %s" % (
+        mach["cpu"], mach["cores"], mach["mem_mib"], mach["kernel"], mach["python"]))
+    L.append("- Versions: " + ", ".join("%s %s" % kv for kv in ver.items()))
+    L.append("- Hosts: test-lab hosts (real OpenSSH sshd each, %d fake H200 GPUs, one holder) in one "
+             "network namespace behind a userspace delay line (this kernel has no netem); measured "
+             "TCP connect RTT: %s." % (args.gpus, ", ".join("%g ms -> %.1f ms" % kv for kv in bench.measured_rtt.items())))
+    L.append("- Every tool at parallelism min(N, %d); %d runs per cell, tools alternating; "
+             "cells marked * had 1 run of the slow tools (>30 s). Values: median (min–max)." % (args.forks, args.runs))
+    L.append("- CPU: controller = the tool's process tree (cpuacct cgroup); remote = all lab hosts "
+             "(sshd, shell/agent, fake nvidia-smi), which share this machine's %d cores." % mach["cores"])
+    L.append("")
+    L.append("## status: wall time and controller CPU")
+    L.append("")
+    head = "| RTT | N | " + " | ".join("%s wall s" % LABEL[t] for t in tools) + \
+        " | gpufleet / pssh | ansible / gpufleet | " + " | ".join("%s CPU s" % t for t in tools) + \
+        " | remote CPU s (gpufleet run) |"
+    L.append(head)
+    L.append("|" + "---|" * (head.count("|") - 1))
+    keys = sorted({(k[0], k[1]) for k in summ})
+    for rtt, n in keys:
+        cells = {t: summ.get((rtt, n, t)) for t in tools}
+        star = "*" if any(c and c["k"] < args.runs for c in cells.values()) else ""
+        row = ["%g ms" % rtt, "%d%s" % (n, star)]
+        row += [fmt_stat(c["wall"]) if c else "-" for c in cells.values()]
+        g, p, a = cells.get("gpufleet"), cells.get("pssh"), cells.get("ansible")
+        row.append("%.2f" % (g["wall"][0] / p["wall"][0]) if g and p else "-")
+        row.append("%.1f" % (a["wall"][0] / g["wall"][0]) if g and a else "-")
+        row += [("%.2f" % c["cpu"][0]) if c and c["cpu"] else "-" for c in cells.values()]
+        row.append(("%.2f" % g["remote"][0]) if g and g["remote"] else "-")
+        L.append("| " + " | ".join(row) + " |")
+    failed = [r for r in bench.runs if not r["ok"]]
+    if failed:
+        L.append("")
+        L.append("Failed runs (left out above): " + "; ".join(
+            "%s N=%d RTT=%g: %s" % (r["tool"], r["n"], r["rtt_ms"], r["note"]) for r in failed[:8]))
+    L.append("")
+    L.append("## SSH connections and execs per host (sshd VERBOSE logs, first run of each cell)")
+    L.append("")
+    L.append("| tool | connections/host | execs/host |")
+    L.append("|---|---|---|")
+    for t in tools:
+        rows = bench.sessions.get(t, {})
+        if rows:
+            c = {tuple(r["conns_per_host"]) for r in rows.values()}
+            e = {tuple(r["execs_per_host"]) for r in rows.values()}
+            L.append("| %s | %s | %s |" % (LABEL[t], _rng(c), _rng(e)))
+    if bench.fail_rows:
+        L.append("")
+        L.append("## status with k dead (refused) and k blackholed (dropped) hosts")
+        L.append("")
+        L.append("| healthy N | k dead + k blackholed | connect_timeout s | wall s (runs) | healthy ok | bound (timeout + 2 s) |")
+        L.append("|---|---|---|---|---|---|")
+        for f in bench.fail_rows:
+            bound = f["connect_timeout_s"] + 2
+            L.append("| %d | %d + %d | %g | %s | %d/%d | %s |" % (
+                f["n_good"], f["k"], f["k"], f["connect_timeout_s"], ", ".join("%.2f" % w for w in f["walls"]),
+                f["good_ok"], f["n_good"], "met" if max(f["walls"]) <= bound else "MISSED"))
+    if bench.clean_rows:
+        L.append("")
+        L.append("## clean: start to verified free, minus the simulated release delay")
+        L.append("")
+        L.append("| N | release delay s | wall s | latency s (wall − delay) | agent memory wait s | clean | execs/host | connections/host |")
+        L.append("|---|---|---|---|---|---|---|---|")
+        for n in sorted({r["n"] for r in bench.clean_rows}):
+            rows = [r for r in bench.clean_rows if r["n"] == n]
+            walls = [r["wall_s"] for r in rows]
+            lat = [r["latency_s"] for r in rows]
+            mw = [x for r in rows if r["memory_wait_s"] for x in r["memory_wait_s"]]
+            L.append("| %d | %g | %s | %s | %s | %s | %s | %s |" % (
+                n, rows[0]["release_delay_s"], fmt_stat(_st(walls)), fmt_stat(_st(lat)),
+                ("%.2f–%.2f" % (min(mw), max(mw))) if mw else "-",
+                ", ".join("%d/%d" % (r["clean"], n) for r in rows),
+                _rng({tuple(r["execs_per_host"]) for r in rows}),
+                _rng({tuple(r["conns_per_host"]) for r in rows})))
+    L.append("")
+    L.append("## Targets")
+    L.append("")
+    L += targets(bench, summ, args)
+    L.append("")
+    L.append("Raw data: [results.json](results.json); plot: [wall_vs_n.png](wall_vs_n.png).")
+    return "\n".join(L) + "\n"
+
+
+def _st(vals: list) -> Optional[list]:
+    return [statistics.median(vals), min(vals), max(vals)] if vals else None
+
+
+def _rng(pairs: set) -> str:
+    lo = min(p[0] for p in pairs)
+    hi = max(p[1] for p in pairs)
+    return str(lo) if lo == hi else "%d–%d" % (lo, hi)
+
+
+def targets(bench: Bench, summ: dict, args: argparse.Namespace) -> list[str]:
+    out = []
+
+    def verdict(ok: Optional[bool]) -> str:
+        return "n/a" if ok is None else ("**met**" if ok else "**MISSED**")
+
+    g32, p32, a32 = (summ.get((20.0, 32, t)) for t in ("gpufleet", "pssh", "ansible"))
+    if g32 and p32:
+        r = g32["wall"][0] / p32["wall"][0]
+        out.append("- status N=32, 20 ms: gpufleet / parallel-ssh wall = %.2f (target ≤ 1.25): %s" % (r, verdict(r <= 1.25)))
+    if g32 and a32:
+        r = a32["wall"][0] / g32["wall"][0]
+        out.append("- status N=32, 20 ms: ansible / gpufleet wall = %.1f (target ≥ 5): %s" % (r, verdict(r >= 5)))
+    for rtt in args.rtts:
+        g1, g128 = summ.get((rtt, 1, "gpufleet")), summ.get((rtt, 128, "gpufleet"))
+        if g1 and g128:
+            r = g128["wall"][0] / g1["wall"][0]
+            floor = None
+            if g128["cpu"] and g128["remote"]:
+                floor = (g128["cpu"][0] + g128["remote"][0]) / (os.cpu_count() or 1)
+            extra = (" — CPU floor of this machine at N=128: (controller %.1f + hosts %.1f CPU s) / %d cores = %.1f s"
+                     % (g128["cpu"][0], g128["remote"][0], os.cpu_count(), floor)) if floor else ""
+            out.append("- status wall(N=128)/wall(N=1) at %g ms = %.1f (target ≤ 3): %s%s" % (
+                rtt, r, verdict(r <= 3), extra))
+    st = bench.sessions.get("gpufleet", {})
+    if st:
+        mx = max(r["execs_per_host"][1] for r in st.values())
+        mn = min(r["execs_per_host"][0] for r in st.values())
+        out.append("- status SSH execs per host = %s (target 1): %s" % (mn if mn == mx else "%d–%d" % (mn, mx), verdict(mx == 1 and mn == 1)))
+    if bench.clean_rows:
+        mx = max(r["execs_per_host"][1] for r in bench.clean_rows)
+        out.append("- clean SSH execs per host ≤ %d (target ≤ 2): %s" % (mx, verdict(mx <= 2)))
+    if bench.fail_rows:
+        worst = max(max(f["walls"]) - f["connect_timeout_s"] for f in bench.fail_rows if f["k"])  if any(f["k"] for f in bench.fail_rows) else None
+        if worst is not None:
+            out.append("- dead/blackholed hosts: worst wall − connect_timeout = %.2f s (target ≤ 2 s): %s" % (worst, verdict(worst <= 2)))
+    return out
+
+
+def plot(bench: Bench, args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    summ = summarize(bench.runs)
+    rtts = sorted({k[0] for k in summ})
+    fig, axes = plt.subplots(1, len(rtts), figsize=(5.2 * len(rtts), 3.8), squeeze=False)
+    for ax, rtt in zip(axes[0], rtts):
+        for tool in TOOLS:
+            pts = sorted((k[1], v["wall"]) for k, v in summ.items() if k[0] == rtt and k[2] == tool)
+            if not pts:
+                continue
+            ns = [p[0] for p in pts]
+            med = [p[1][0] for p in pts]
+            err = [[p[1][0] - p[1][1] for p in pts], [p[1][2] - p[1][0] for p in pts]]
+            ax.errorbar(ns, med, yerr=err, marker="o", capsize=3, label=LABEL[tool])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("hosts (N)")
+        ax.set_ylabel("wall time, s (median, min–max)")
+        ax.set_title("status-equivalent, RTT %g ms" % rtt)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("gpufleet vs parallel-ssh vs ansible vs ssh loop (test lab, %d cores)" % os.cpu_count(), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+T0 = time.monotonic()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench: needs root (network namespace, TUN, cgroups, the test lab)", file=sys.stderr)
+        return 2
+    command = "python3 bench/run.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])))
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    work = Path(tempfile.mkdtemp(prefix="gfbench-"))
+    os.chmod(work, 0o755)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    bench = Bench(args, work)  # cleans up after itself if it fails half-way
+    try:
+        bench.say("work dir %s, netns %s" % (work, bench.net.netns))
+        n_max = max(args.ns + args.ns_far + [args.fail_n] + args.clean_ns)
+        bench.start_hosts(n_max)
+        bench.sweep()
+        if args.fail_k:
+            bench.failures()
+        if args.clean_ns:
+            bench.clean()
+        if args.profile:
+            bench.profile()
+    finally:
+        bench.close()
+    seconds = time.monotonic() - T0
+    raw = {"command": command, "date": started, "machine": machine(), "versions": versions(),
+           "measured_rtt_ms": {str(k): v for k, v in bench.measured_rtt.items()}, "runs": bench.runs,
+           "failures": bench.fail_rows, "clean": bench.clean_rows}
+    args.raw.write_text(json.dumps(raw, indent=1) + "\n")
+    args.out.write_text(write_report(bench, args, command, started, seconds))
+    try:
+        plot(bench, args, args.plot)
+    except ImportError:
+        print("bench: matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+    print("wrote %s, %s, %s (%.0f s)" % (args.out, args.plot, args.raw, seconds))
+    if not args.keep:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print("work dir kept: %s" % work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
