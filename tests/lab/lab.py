@@ -679,6 +679,11 @@ class Lab:
         last: Optional[Exception] = None
         for _attempt in range(3):  # a free port can be taken between choosing and binding
             port = _free_port()
+            if netns:  # free here says nothing about that namespace: skip its hosts' ports
+                with self._lock:
+                    taken = {h.port for h in self.hosts.values() if h.options.get("netns") == netns}
+                while port in taken:
+                    port = _free_port()
             host = LabHost(self, name, port, hostdir, options)
             spec = {
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
