@@ -243,8 +243,13 @@ def _survivors(plan, clean, before, after, scope, ctx) -> list[Survivor]:
             kind, detail = STUCK, (f"uninterruptible sleep in {wchan}: signals cannot end it; "
                                    "a GPU reset or a reboot frees it")
         elif state in ("Z", "X"):
-            parent = after.processes.get(proc.ppid) if proc is not None and proc.ppid else None
-            kind, detail = ZOMBIE, (f"zombie, parent PID {proc.ppid if proc else '?'} "
+            # a zombie holds no device file, so the after-snapshot often lacks it: the agent's
+            # survivor entry still knows its parent
+            ppid = proc.ppid if proc is not None else said.get("ppid")
+            parent = after.processes.get(ppid) if ppid else None
+            if parent is None and ppid is not None:
+                parent = before.processes.get(ppid)
+            kind, detail = ZOMBIE, (f"zombie, parent PID {ppid if ppid is not None else '?'} "
                                     f"({parent.name if parent else '?'}); holds no GPU memory")
         elif pid in targets:
             kind = SURVIVED
