@@ -111,6 +111,12 @@ def test_clean_0_3_frees_the_vllm_family_and_spares_the_trainer(train_node: Any,
         [host.engine, *host.workers], False)
     assert host.alive(host.trainer) and host.fds(host.trainer) == trainer_fds
     assert host.alive(host.api)
+    # the engine core is a zombie now (its parent, the API server, does not reap): it holds
+    # no GPU memory and is reported as such, with its parent
+    assert host.proc_state(host.engine) == "Z"
+    (zombie,) = doc["verdict_detail"]["survivors"]
+    assert (zombie["pid"], zombie["kind"]) == (host.engine, "zombie")
+    assert zombie["detail"].startswith("zombie, parent PID %d " % host.api), zombie
     assert host.alive(sshd)
     assert host.ssh("echo still-here").stdout.strip() == "still-here"
 
