@@ -148,6 +148,16 @@ def _data_lines(text):
         yield line
 
 
+def check_complete(text, what):
+    """nvidia-smi ends every CSV row with a newline: output that does not is cut short (a
+    broken pipe, a dying driver), and a cut row can still parse -- as a smaller number or a
+    shorter GPU UUID. Refuse it rather than report a smaller truth."""
+    if text and not text.endswith("\n"):
+        tail = text.rsplit("\n", 1)[-1]
+        raise ParseError("truncated nvidia-smi %s output (no final newline after %r)"
+                         % (what, tail[-40:]))
+
+
 def parse_gpu_csv(text, fields):
     """Rows of ``--query-gpu=<fields> --format=csv,noheader,nounits`` -> dicts keyed by GPU_KEYS."""
     fields = list(fields)
@@ -878,8 +888,11 @@ def query_gpus(smi, req, deadline, first_job=None):
         fail = smi_failure(res)
         if fail is None:
             try:
+                check_complete(res.out, "--query-gpu")
                 return parse_gpu_csv(res.out, fields), None, None, seconds
             except ParseError as exc:
+                if str(exc).startswith("truncated"):
+                    return [], str(exc), None, seconds
                 return [], "unparsable nvidia-smi --query-gpu output: %s" % exc, None, seconds
         m = INVALID_FIELD_RE.search(res.out + "\n" + res.err)
         if m and m.group(1) in fields and m.group(1) not in REQUIRED_GPU_FIELDS:
@@ -939,12 +952,14 @@ def snapshot(req, deadline, proc=PROC):
                 smi_doc.update(ok=False, error="compute apps: %s" % fail[0], exit_code=fail[1])
             else:
                 try:
+                    check_complete(ares.out, "--query-compute-apps")
                     apps, skipped = parse_apps_csv(ares.out)
                     if skipped:
                         warnings.append("%d compute app row(s) without a PID skipped" % skipped)
                 except ParseError as exc:
-                    smi_doc.update(ok=False, error="unparsable nvidia-smi --query-compute-apps "
-                                                   "output: %s" % exc)
+                    smi_doc.update(ok=False, error=str(exc) if str(exc).startswith("truncated")
+                                   else "unparsable nvidia-smi --query-compute-apps output: %s"
+                                   % exc)
         for g in gpus:
             driver = driver or g.pop("driver_version", None)
             g.pop("driver_version", None)
@@ -1215,6 +1230,7 @@ def query_used(smi, req, deadline):
     if fail is not None:
         return None, fail[0]
     try:
+        check_complete(r.out, "--query-gpu")
         rows = parse_gpu_csv(r.out, ["index", "memory.used"])
     except ParseError as exc:
         return None, "unparsable nvidia-smi output: %s" % exc
