@@ -622,6 +622,8 @@ def _command_error(raw: _Raw, host: Any, what: str, timeout: float) -> Optional[
                 "prompts): allow it without a password or set sudo: false")
     if "sudoers" in text or "not allowed to execute" in text:
         return f"sudo refused: {_last_line(raw.stderr)}"
+    if code == 1 and _PY2_STDIN in text:  # the bootstrap's sys.stdin.buffer under Python 2
+        return _too_old(host, "Python 2")
     if code in (1, 126, 127):
         missing = _missing_command(text)
         if missing:
@@ -636,6 +638,15 @@ def _command_error(raw: _Raw, host: Any, what: str, timeout: float) -> Optional[
         return f"{what} ended without an exit status (killed by a signal, or connection lost)"
     tail = _last_line(raw.stderr)
     return f"{what} exited {code}" + (f": {tail}" if tail else "")
+
+
+_PY2_STDIN = "'file' object has no attribute 'buffer'"
+
+
+def _too_old(host: Any, what: str) -> str:
+    python = getattr(host, "python", None) or "python3"
+    return (f"{python} on {getattr(host, 'name', 'host')} is too old ({what}; gpufleet needs "
+            "3.6+): set python: in the inventory")
 
 
 def _wrapper_error(raw: _Raw, sudo: bool, uses_timeout: bool) -> Optional[str]:
@@ -728,6 +739,9 @@ class Session:
         if not isinstance(doc, dict):
             return AgentReply(False, None, "agent output is not a JSON object", raw.exit_code,
                               seconds, raw.stderr)
+        if doc.get("python_too_old"):  # the agent's own version check (3.0 - 3.5)
+            return AgentReply(False, doc, _too_old(self.host, f"Python {doc.get('python')}"),
+                              raw.exit_code, seconds, raw.stderr)
         return AgentReply(True, doc, None, raw.exit_code, seconds, raw.stderr)
 
     def run_argv(self, argv: Sequence[str], stdin: bytes = b"", timeout: Optional[float] = None,

@@ -1548,8 +1548,23 @@ def emit(doc):
         pass  # the session is gone; the audit file has the record
 
 
+def python_too_old():
+    """The agent's one requirement, checked before anything else runs: on an older python3
+    it could fail in odd ways (or, worse, half work); say so in the one document instead."""
+    if sys.version_info >= (3, 6):
+        return None
+    version = "%d.%d.%d" % tuple(sys.version_info[:3])
+    return {"agent_version": AGENT_VERSION, "mode": None, "python_too_old": True,
+            "python": version, "error": "Python %s is too old for the agent (needs 3.6+)"
+            % version}
+
+
 def main(raw_request):
     t0 = time.monotonic()
+    too_old = python_too_old()
+    if too_old is not None:
+        emit(too_old)
+        return
     try:
         req = parse_request(raw_request)
     except (ValueError, UnicodeDecodeError) as exc:
