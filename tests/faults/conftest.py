@@ -66,3 +66,8 @@ def home(tmp_path: Path) -> Path:
 @pytest.fixture
 def canary(home: Path) -> Canary:
     return Canary(home)
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line("markers", "slow: a fault case that takes more than ~10 s "
+                            "(still run in CI; deselect with -m 'not slow')")
