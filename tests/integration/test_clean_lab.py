@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
@@ -206,7 +207,9 @@ def test_holder_ignoring_sigterm_is_killed_after_grace(lab: Any, make_host: Any,
     doc = run.host("stubborn-box")
     assert doc["verdict"] == "clean"
     assert signals_of(doc, stubborn) == [("TERM", "sent"), ("KILL", "sent")]
-    assert signals_of(doc, polite) == [("TERM", "sent")]
+    # the polite one exits on TERM (a KILL is only possible when a loaded machine makes it
+    # slower than the grace period; it then finds it gone or still exiting)
+    assert signals_of(doc, polite)[0] == ("TERM", "sent")
     assert not host.alive(stubborn) and not host.alive(polite)
     assert host.gpu_used() == [0, 0]
     audit = read_jsonl(home / "audit.jsonl")
@@ -435,8 +438,12 @@ def test_wsl2_reservation_is_clean_when_expected_and_dirty_when_not(lab: Any, ma
 NEWCOMER = r"""
 import os, sys
 last, ready = int(sys.argv[1]), sys.argv[2]
-with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-    f.write(str(last))
+try:
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(last))
+except OSError as exc:
+    print("ns_last_pid: %s" % exc)
+    sys.exit(3)
 pid = os.fork()
 if pid == 0:
     os.setsid()
@@ -470,6 +477,8 @@ def test_pid_reused_between_plan_and_signal_is_not_signalled(lab: Any, make_host
         assert host.kill(victim) and host.wait_gone(victim)
         res = host.exec([sys.executable, "-c", NEWCOMER, str(victim - 1), "/tmp/newcomer.ready"],
                         timeout=60)
+        if res.returncode == 3:
+            pytest.skip("cannot choose the next PID in the host (%s)" % res.stdout.strip())
         assert res.returncode == 0, res.stderr
         if int(res.stdout.strip()) != victim:
             pytest.skip("could not place a new process at PID %d (got %s)" % (victim, res.stdout))
@@ -548,9 +557,13 @@ def test_two_concurrent_cleans_are_serialised_and_both_end(lab: Any, make_host: 
         (doc,) = json.loads(out)["hosts"]
         assert doc["verdict"] == "clean", doc
         docs.append(doc)
-    sent = [(s["pid"], s["signal"]) for d in docs for s in d["signals"] if s["outcome"] == "sent"]
-    # one clean at a time: each process got exactly one TERM, the stubborn one one KILL
-    assert sorted(sent) == sorted([(stubborn, "TERM"), (stubborn, "KILL"), (polite, "TERM")])
+    sent = Counter((s["pid"], s["signal"]) for d in docs for s in d["signals"]
+                   if s["outcome"] == "sent")
+    # one clean at a time: the second finds the first's targets gone, so each process got
+    # exactly one TERM and the stubborn one exactly one KILL
+    assert (sent[(stubborn, "TERM")], sent[(stubborn, "KILL")], sent[(polite, "TERM")]) == (1, 1, 1)
+    assert sent[(polite, "KILL")] <= 1 and set(sent) <= {
+        (stubborn, "TERM"), (stubborn, "KILL"), (polite, "TERM"), (polite, "KILL")}
     assert all(s["outcome"] in ("sent", "gone") for d in docs for s in d["signals"])
     assert not host.alive(stubborn) and not host.alive(polite)
     assert host.gpu_used() == [0, 0]
@@ -606,3 +619,21 @@ def test_shm_removes_unheld_leftovers_and_keeps_held_ones(lab: Any, make_host: A
     assert host.path("/dev/shm/nccl-held-1234").exists() and unrelated.exists()
     assert host.alive(holder)  # holds a shm file, not a GPU: not a target
     assert not host.alive(job)
+
+
+def test_unreachable_host_is_a_row_and_the_others_are_cleaned(lab: Any, make_host: Any,
+                                                             home: Path) -> None:
+    host = make_host("reachable", gpus=2)
+    job = host.spawn_holder(gpus=[1], mib=1000, title="job")
+    inv = lab.inventory_yaml([host, lab.dead_host("dead-node")], connect_timeout=2)
+    run = clean(home, inv, "--yes", *FAST)
+    assert run.rc == 1, str(run)
+    assert_no_traceback(run)
+    rows = {r["HOST"]: r for r in parse_table(run.stdout, "HOST")}
+    assert (rows["reachable"]["GPUS"], rows["reachable"]["SIGNALLED"], rows["reachable"]["FREED (MiB)"],
+            rows["reachable"]["LEFT (MiB)"], rows["reachable"]["VERDICT"]) == ("0-1", "1", "1000", "0",
+                                                                            "clean")
+    assert rows["dead-node"]["VERDICT"] == "unreachable"
+    assert any(line.startswith("dead-node: ") and "refused" in line.lower()
+               for line in run.stdout.splitlines()), str(run)
+    assert not host.alive(job) and host.gpu_used() == [0, 0]
