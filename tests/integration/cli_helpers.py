@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import pytest
 
@@ -193,8 +193,3 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def gpu_memory(host: Any, indices: Sequence[int]) -> list[int]:
-    used = host.gpu_used()
-    return [used[i] for i in indices]
