@@ -181,11 +181,21 @@ def parse_apps_csv(text):
     """Rows of ``--query-compute-apps=pid,process_name,used_memory,gpu_uuid`` -> (apps, skipped).
 
     Rows without a PID (seen in some containers) are skipped and counted, not fatal.
+    nvidia-smi prints process_name (argv[0]) verbatim: a name holding a newline splits its
+    row, so a line with too few fields is joined with the next (one user's odd process
+    title must not make the whole host unreadable).
     """
     apps = []
     skipped = 0
+    pending = None
     for line in _data_lines(text):
-        if line.strip().lower().startswith("no running"):
+        if pending is None and line.strip().lower().startswith("no running"):
+            continue
+        if pending is not None:
+            line = pending + "\n" + line
+            pending = None
+        if line.count(",") < 3:
+            pending = line
             continue
         pid_s, name, used, uuid = split_row(line, 4, 1)
         pid = parse_int(pid_s)
@@ -197,6 +207,8 @@ def parse_apps_csv(text):
             continue
         apps.append({"pid": pid, "process_name": na(name) or "", "used_mib": parse_int(used),
                      "gpu_uuid": uuid})
+    if pending is not None:
+        split_row(pending, 4, 1)  # raises: a row cut short
     return apps, skipped
 
 
