@@ -129,8 +129,10 @@ def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str
 
 def status_table(results: Sequence[HostResult], expected: dict[str, int]) -> str:
     table = tabulate(status_rows(results, expected), headers=STATUS_HEADERS, tablefmt="simple")
-    return table + "\n" + summary_line(results, expected) + "".join(
-        f"\n{name}: {error}" for name, error in _long_errors(results))
+    notes = [f"{name}: {error}" for name, error in _long_errors(results)]
+    notes += [f"{r.host}: warning: {w}" for r in results if r.snapshot is not None
+              for w in r.snapshot.warnings]
+    return table + "\n" + summary_line(results, expected) + "".join("\n" + n for n in notes)
 
 
 def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[str, str]]:

@@ -641,13 +641,13 @@ def device_target(target):
 
 def scan_fds(want, exclude=(), proc=PROC):
     """{pid: set(want(link))} over /proc/*/fd with plain listdir/readlink (fast at 5,000
-    processes); processes vanishing mid-scan are skipped; returns (found, denied_pids)."""
+    processes); processes vanishing mid-scan are skipped; returns (found, [denied pids])."""
     found = {}
-    denied = 0
+    denied = []
     try:
         names = os.listdir(proc)
     except OSError:
-        return found, 1
+        return found, [-1]
     for name in names:
         if not name.isdigit():
             continue
@@ -658,7 +658,7 @@ def scan_fds(want, exclude=(), proc=PROC):
         try:
             fds = os.listdir(fd_dir)
         except PermissionError:
-            denied += 1
+            denied.append(pid)
             continue
         except OSError:
             continue
@@ -670,12 +670,24 @@ def scan_fds(want, exclude=(), proc=PROC):
         for fd_dir, fds in fd_dirs:
             hits = _readlinks(fd_dir, fds, want, hits)
             if hits is False:
-                denied += 1
+                denied.append(pid)
                 hits = None
                 break
         if hits:
             found[pid] = hits
     return found, denied
+
+
+def denied_warning(denied, proc=PROC):
+    """Say WHOSE device files could not be read: as root that is usually only PID 1 of a
+    container runtime, which an operator can judge; a bare "may be hidden" cannot be."""
+    names = []
+    for pid in denied[:5]:
+        comm = (read_text(proc + "/%d/comm" % pid, 256) or "").strip() or "?"
+        names.append("%d (%s)" % (pid, comm) if pid > 0 else "/proc")
+    more = " and %d more" % (len(denied) - 5) if len(denied) > 5 else ""
+    return ("cannot read the open files of %d process(es): %s%s; GPU holders among them "
+            "would be hidden" % (len(denied), ", ".join(names), more))
 
 
 def _readlinks(fd_dir, fds, want, hits):
@@ -946,9 +958,12 @@ def snapshot(req, deadline, proc=PROC):
             own.add(job.pid)
     holders, denied = scan_fds(device_target, own, proc)
     hidden = hidepid_active(proc) and os.geteuid() != 0
-    can_read_all = denied == 0 and not hidden
-    if not can_read_all:
-        warnings.append("cannot read other users' /proc/PID/fd: holders may be hidden")
+    can_read_all = not denied and not hidden
+    if hidden:
+        warnings.append("/proc is mounted hidepid: other users' processes, and any GPU "
+                        "holders among them, are hidden")
+    elif denied:
+        warnings.append(denied_warning(denied, proc))
 
     if smi is not None:
         gpus, error, code, secs = query_gpus(smi, req, deadline, gpu_job)
@@ -1335,7 +1350,7 @@ def clean_shm(req, res, proc=PROC):
                 with open(path, "rb") as f:
                     raw = f.read()
             except PermissionError:
-                denied += 1
+                denied.append(int(name))
                 continue
             except (OSError, IOError):
                 continue

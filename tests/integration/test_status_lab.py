@@ -335,8 +335,6 @@ def test_non_root_user_sees_own_holder_and_is_warned_about_hidden_ones(
     assert host.alive(host.mine) and host.alive(host.roots)
 
 
-@pytest.mark.xfail(strict=True, reason="status table prints no host warnings: a non-root user is "
-                   "not told that holders may be hidden (only --json carries `warnings`)")
 def test_non_root_warning_is_shown_in_the_table(nonroot_host: Any, home: Path) -> None:
     run = run_gpufleet(home, nonroot_host.inv, "status")
     assert run.rc == 0, str(run)

@@ -423,7 +423,7 @@ def test_scan_fds_fake_proc(tmp_path):
     make_proc(tmp_path, 600, stat_line(600, "self"), ["/dev/nvidia0"])
     (tmp_path / "self").mkdir()
     found, denied = agent.scan_fds(agent.device_target, exclude={600}, proc=str(tmp_path))
-    assert denied == 0
+    assert denied == []
     assert found == {
         425: {"/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm",
               "/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"},
@@ -512,3 +512,14 @@ def test_lock_busy_then_acquired(tmp_path):
         with pytest.raises(OSError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.close(fd2)
+
+
+def test_denied_warning_names_whose_files_could_not_be_read(tmp_path) -> None:
+    for pid, comm in ((1, "docker-init"), (77, "sshd")):
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "comm").write_text(comm + "\n")
+    text = agent.denied_warning([1, 77], proc=str(tmp_path))
+    assert text.startswith("cannot read the open files of 2 process(es): 1 (docker-init), 77 (sshd)")
+    many = agent.denied_warning(list(range(1, 9)), proc=str(tmp_path))
+    assert "and 3 more" in many

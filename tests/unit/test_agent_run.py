@@ -770,7 +770,7 @@ def test_clean_as_other_user_reports_permission_denied(tmp_path, children):
     (surv,) = doc["survivors"]
     assert "EPERM" in surv["reason"]
     assert doc["after"]["facts"]["can_read_all_fds"] is False
-    assert any("holders may be hidden" in w for w in doc["after"]["warnings"])
+    assert any("would be hidden" in w for w in doc["after"]["warnings"])
     assert any("audit file" in w for w in doc["warnings"])  # best effort, and said so
 
 

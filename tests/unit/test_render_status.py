@@ -107,3 +107,11 @@ def test_truncated_comm_is_completed_from_the_rewritten_cmdline() -> None:
     assert proc("VLLM::EngineCor", "VLLM::EngineCore_DP0").name == "VLLM::EngineCore_DP0"
     assert proc("VLLM::Worker", "python3 /tmp/hold.py VLLM::Worker 20").name == "VLLM::Worker"
     assert proc("python3.11-confi", "python3 x").name == "python3.11-confi"
+
+
+def test_host_warnings_are_printed_under_the_table() -> None:
+    doc = json.loads((FIX / "basic.json").read_text())
+    doc["warnings"] = ["cannot read the open files of 1 process(es): 1 (init); GPU holders among them would be hidden"]
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    lines = status_table([res], {}).splitlines()
+    assert lines[-1] == "box: warning: " + doc["warnings"][0]
