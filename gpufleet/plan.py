@@ -496,8 +496,9 @@ def make_plan(
         )
     if facts.wsl2:
         notes.append(
-            "WSL2: nvidia-smi lists no processes and there is no /dev/nvidiaN; /dev/dxg holders "
-            "are targets only when the scope is every GPU"
+            "WSL2: nvidia-smi gives no per-process memory (and may list no processes) and "
+            "there is no /dev/nvidiaN; /dev/dxg holders are targets only when the scope is "
+            "every GPU"
         )
     if facts.in_container:
         notes.append(

@@ -57,10 +57,13 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
                         disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log)
     interactive = sys.stdin.isatty() and not as_json
 
-    if dry_run or yes:
-        results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=dry_run), forks=app.forks)
+    if dry_run:
+        results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=True), forks=app.forks)
     else:
-        # Plan everywhere, holding each connection, then ask once, then act on the same connections.
+        # Plan everywhere first, holding each connection; act only when every host's plan is
+        # valid (nothing is signalled on the strength of input that failed validation, e.g.
+        # --gpus 9 on an 8-GPU host), after asking when there is no --yes; then act on the
+        # same connections.
         sessions: dict[str, object] = {}
 
         def plan_only(h):
@@ -70,23 +73,27 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
 
         try:
             results = run_hosts(selected, _as_value(plan_only), forks=app.forks)
-            _show_plans(results, as_json)
+            if not yes:
+                _show_plans(results, as_json)
             bad_input = [r for r in results if r.usage_error]
-            if bad_input:  # e.g. --gpus 9 on an 8-GPU host: say so, ask nothing, signal nothing
+            if bad_input:
                 for r in bad_input:
                     click.echo(f"gpufleet: error: {r.error}", err=True)
+                click.echo("gpufleet: nothing signalled on any host", err=True)
                 return EXIT_USAGE
-            if not interactive:
-                click.echo("gpufleet: error: not a terminal and no --yes: plan shown, nothing signalled", err=True)
-                return EXIT_USAGE
-            if not any(r.plan and r.plan.targets for r in results):
-                click.echo("nothing to signal")
-            elif not click.confirm("Signal the processes above?", default=False):
-                click.echo("nothing signalled")
-                return EXIT_USAGE
+            if not yes:
+                if not interactive:
+                    click.echo("gpufleet: error: not a terminal and no --yes: plan shown, nothing signalled",
+                               err=True)
+                    return EXIT_USAGE
+                if not any(r.plan and r.plan.targets for r in results):
+                    click.echo("nothing to signal")
+                elif not click.confirm("Signal the processes above?", default=False):
+                    click.echo("nothing signalled")
+                    return EXIT_USAGE
             by_host = {h.name: h for h in selected}
             results = run_hosts(
-                results,
+                [_value(h, r) for h, r in zip(selected, results)],
                 lambda r: execute_plan(by_host[r.host], sessions[r.host], r, opts) if r.host in sessions else r,
                 forks=app.forks)
         finally:
