@@ -637,3 +637,30 @@ def test_unreachable_host_is_a_row_and_the_others_are_cleaned(lab: Any, make_hos
     assert any(line.startswith("dead-node: ") and "refused" in line.lower()
                for line in run.stdout.splitlines()), str(run)
     assert not host.alive(job) and host.gpu_used() == [0, 0]
+
+
+def test_stop_units_stops_the_unit_then_the_memory_is_verified(lab: Any, make_host: Any, home: Path,
+                                                               unit_cgroup: str, request: Any) -> None:
+    """--stop-units with the lab's fake systemctl (no systemd in the lab: the fake is first on
+    the session PATH; its `stop` ends the unit's processes, as systemd would)."""
+    from fake_systemctl import install_systemctl
+
+    host = make_host("minimax-unit", gpus=2, path_prefix="/root/bin")
+    request.addfinalizer(host.stop)
+    install_systemctl(host, {"vllm-minimax": {"gpus": [0], "mib": 5000, "title": "vllm-minimax"}})
+    assert host.exec(["/root/bin/systemctl", "start", "vllm-minimax.service"]).returncode == 0
+    served = json.loads(host.path("/root/units/vllm-minimax.service.state").read_text())["pids"][0]
+    Path(unit_cgroup, "cgroup.procs").write_text(str(host.outer_pid(served)))
+    other = host.spawn_holder(gpus=[1], mib=1000, title="bystander")
+    inv = lab.inventory_yaml([host])
+
+    run = clean(home, inv, "--gpus", "0", "--yes", "--json", "--stop-units", *FAST)
+    assert run.rc == 0, str(run)
+    doc = run.host("minimax-unit")
+    assert doc["verdict"] == "clean"
+    assert [u["unit"] for u in doc["units_stopped"]] == ["vllm-minimax.service"]
+    assert all(u["ok"] for u in doc["units_stopped"])
+    assert not host.alive(served) and host.alive(other)
+    assert host.gpu_used() == [0, 1000]
+    calls = host.path("/root/units/calls.log").read_text()
+    assert "stopped vllm-minimax.service" in calls

@@ -634,6 +634,7 @@ class Lab:
         sshd_extra: str = "",
         netns: Optional[str] = None,
         listen: Optional[str] = None,
+        path_prefix: Optional[str] = None,
         **config: Any,
     ) -> LabHost:
         """Start one host. ``driver``: ok | fail | hang | garbage. ``nvidia_smi``: a path inside
@@ -643,7 +644,10 @@ class Lab:
         ``sshd_extra``: more sshd_config lines (e.g. "MaxStartups 1"). ``netns``: run the host
         in this existing network namespace (/run/netns/NAME, e.g. made by `ip netns add`);
         ``listen``: sshd also listens on this address of it, and the host's ``address`` is it
-        (bench/ reaches hosts through a delayed link this way)."""
+        (bench/ reaches hosts through a delayed link this way). ``path_prefix``: a
+        directory put first on the SSH session's PATH (e.g. "/root/bin", in the host's private
+        /root, for a fake systemctl that the agent then finds as `systemctl`).
+        """
         if driver not in ("ok", "fail", "hang", "garbage"):
             raise ValueError("driver must be ok, fail, hang or garbage")
         if nvidia_smi not in (None, "default") and not str(nvidia_smi).startswith("/"):
@@ -688,7 +692,7 @@ class Lab:
             spec = {
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
                 "nvidia_smi": nvidia_smi, "python3": python3, "smi_python": self._smi_python,
-                "path": DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs(),
+                "path": (path_prefix + ":" if path_prefix else "") + DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs(),
                 "sshd_config": self._sshd_config(port)
                 + ("ListenAddress %s\n" % listen if listen else "") + sshd_extra.strip() + "\n",
                 "files": {
