@@ -6,6 +6,7 @@ error (nothing was done); 130 interrupted.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -35,6 +36,17 @@ class AppContext:
         from ..selection import select
 
         return select(self.inventory(), hosts=list(hosts), groups=list(groups), tags=list(tags), all_=all_)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_safe(text: str) -> str:
+    """Text for a terminal with control characters shown, never interpreted: process titles
+    are chosen by whoever runs the process, and an ESC sequence in one could clear or repaint
+    the operator's screen (click strips them only when stdout is not a terminal). Tabs and
+    newlines stay; JSON output escapes everything itself."""
+    return _CONTROL.sub(lambda m: "\\x%02x" % ord(m.group()), text)
 
 
 def selection_options(func: Callable) -> Callable:
@@ -91,4 +103,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sys.exit(rc or 0)
 
 
-__all__ = ["cli", "main", "selection_options", "AppContext", "UsageError"]
+__all__ = ["cli", "main", "selection_options", "terminal_safe", "AppContext", "UsageError"]

@@ -9,7 +9,7 @@ import click
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from ..render import to_json
 from ..render_clean import clean_document, outcome_table, plan_text
-from . import AppContext, cli, selection_options
+from . import AppContext, cli, selection_options, terminal_safe
 
 
 @cli.command()
@@ -109,7 +109,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     if as_json:
         click.echo(to_json(clean_document(results, dry_run)))
     else:
-        click.echo(outcome_table(results))
+        click.echo(terminal_safe(outcome_table(results)))
     if any(r.usage_error for r in results):
         return EXIT_USAGE
     if dry_run:
@@ -122,7 +122,7 @@ def _show_plans(results, as_json: bool) -> None:
         return
     for r in results:
         if r.plan is not None:
-            click.echo(plan_text(r.plan))
+            click.echo(terminal_safe(plan_text(r.plan)))
             click.echo("")
 
 

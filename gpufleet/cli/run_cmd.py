@@ -8,7 +8,7 @@ import click
 
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ..render import to_json
-from . import AppContext, cli, selection_options
+from . import AppContext, cli, selection_options, terminal_safe
 
 
 @cli.command("run")
@@ -45,7 +45,7 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
             click.echo(to_json(document(runbook, plans, dry_run=True)))
         else:
             click.echo(f"runbook {runbook.name} ({runbook.source}) on {len(selected)} host(s):")
-            click.echo(table(plans))
+            click.echo(terminal_safe(table(plans)))
         if dry_run:
             return EXIT_OK
         changing = ", ".join(sorted({s.kind for s in runbook.steps if s.mutating}))
@@ -58,14 +58,15 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
             return EXIT_USAGE
 
     def progress(host: str, step, result) -> None:
-        click.echo(f"{host}: step {step.index} {step.name!r} {result.outcome} "
-                   f"({result.seconds:.1f}s){': ' + result.detail if result.outcome == FAILED else ''}",
-                   err=True)
+        click.echo(terminal_safe(
+            f"{host}: step {step.index} {step.name!r} {result.outcome} "
+            f"({result.seconds:.1f}s){': ' + result.detail if result.outcome == FAILED else ''}"),
+            err=True)
 
     runs = run_runbook(runbook, selected, forks=app.forks, operator=audit.operator_name(),
                        audit_log=audit_log, on_step=progress)
     if as_json:
         click.echo(to_json(document(runbook, runs, dry_run=False)))
     else:
-        click.echo(table(runs))
+        click.echo(terminal_safe(table(runs)))
     return EXIT_OK if all(r.ok for r in runs) else EXIT_FAILED

@@ -7,7 +7,7 @@ import click
 
 from ..errors import EXIT_FAILED, EXIT_OK
 from ..render import status_document, status_table, to_json
-from . import AppContext, cli, selection_options
+from . import AppContext, cli, selection_options, terminal_safe
 
 
 @cli.command()
@@ -30,6 +30,6 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
         doc["seconds"] = round(time.monotonic() - started, 3)
         click.echo(to_json(doc))
     else:
-        click.echo(status_table(results, expected))
+        click.echo(terminal_safe(status_table(results, expected)))
     failed = any(not r.ok or r.snapshot is None or not r.snapshot.nvidia_smi_ok for r in results)
     return EXIT_FAILED if failed else EXIT_OK
