@@ -377,3 +377,28 @@ def test_sudo_that_wants_a_password_fails_clearly_without_a_prompt(lab: Any, mak
     assert run.seconds < SLACK_S and status.seconds < SLACK_S
     assert run.host("pw-sudo")["signals"] == []
     assert_gone_exactly(host, before, set())
+
+
+def test_stale_nvidia_smi_row_for_a_reused_pid_is_not_signalled(lab: Any, make_host: Any,
+                                                                home: Path) -> None:
+    """nvidia-smi still lists a holder that has exited (a stale driver entry), and its PID now
+    belongs to an unrelated process that never touched a GPU: that process is refused (it
+    holds no NVIDIA device file), never signalled."""
+    host = make_host("smi-stale", gpus=1)
+    old = host.spawn_holder(gpus=[0], mib=500, title="old")
+    host.kill(old)
+    wait_for(lambda: not host.path("/proc/%d" % old).exists(), 10, "pid %d reaped" % old)
+    reuse_pid(host, old, ["/bin/sleep", "100000"])
+    job, before = holder_and_census(host, gpus=[0], mib=900, title="job")
+    assert before.get(old) == starttime(host, old)
+    uuid0 = host.smi("--query-gpu=uuid", "--format=csv,noheader").stdout.split()[0]
+    smi = write_host_file(host, "/run/gflab/smi-stale", GHOST % {"smi": SMI, "pid": old,
+                                                                 "uuid": uuid0})
+    inv = lab.inventory_yaml([host], nvidia_smi=smi)
+    run = run_cli(home, inv, "clean", "--yes", "--json", "--grace", "1")
+    doc = run.host("smi-stale")
+    assert signals(doc["signals"]) == [(job, "TERM", "sent")], doc["signals"]
+    assert [(r["pid"], r["kind"]) for r in doc["refused"]] == [(old, "untrusted-row")]
+    assert run.rc == 0, str(run)
+    assert_gone_exactly(host, before, {job})
+    assert host.comm(old) == "sleep"
