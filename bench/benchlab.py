@@ -241,6 +241,8 @@ class BenchLab:
             # one vLLM-like worker per host: the /proc scan and compute apps find something
             h.spawn_holder(gpus=[0], mib=71680, title="VLLM::Worker_TP0", via="exec")
             self.hosts.append(h)
+            if len({x.port for x in self.hosts}) != len(self.hosts):
+                raise RuntimeError("two lab hosts share a port: %s" % h)
             if progress:
                 progress(len(self.hosts))
 

@@ -66,8 +66,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--clean-runs", type=int, default=3)
     ap.add_argument("--release-delay", type=float, default=2.0,
                     help="simulated driver release delay (s) in the clean runs")
-    ap.add_argument("--profile", action="store_true",
-                    help="also cProfile one gpufleet status at the largest N (text in the work dir)")
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     ap.add_argument("--plot", type=Path, default=HERE / "wall_vs_n.png")
     ap.add_argument("--raw", type=Path, default=HERE / "results.json")
@@ -229,17 +227,6 @@ class Bench:
                         row = self.run_tool(tool, n, count_sessions=(r == 0))
                         slow[tool] = max(slow.get(tool, 0), row["wall_s"])
                         time.sleep(0.3)
-
-    def profile(self) -> None:
-        """cProfile of one `gpufleet status` at the largest N (controller side only)."""
-        n = max(self.a.ns)
-        self.set_rtt(self.a.rtts[0])
-        inv = self.lab.gpufleet_inventory(self.lab.hosts[:n], self.work / "prof.yaml", self.a.connect_timeout)
-        out = self.work / "gpufleet-status.prof"
-        argv = [sys.executable, "-m", "cProfile", "-o", str(out), B.tool_path("gpufleet"), "-i", str(inv),
-                "--forks", str(min(self.a.forks, n)), "status", "--all", "--json"]
-        m = B.measure(argv, self.cg_tool, self.cg_hosts, self.cg_wire)
-        self.say("profiled N=%d: wall %.2fs cpu %.2fs -> %s" % (n, m.wall_s, m.cpu_s or -1, out))
 
     def failures(self) -> None:
         """k dead (refused) + k blackholed (dropped) hosts among healthy ones: status time."""
@@ -553,6 +540,9 @@ def plot(bench: Bench, args: argparse.Namespace, path: Path) -> None:
             ax.errorbar(ns, med, yerr=err, marker="o", capsize=3, label=LABEL[tool])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        from matplotlib.ticker import ScalarFormatter
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(ScalarFormatter())
         ax.set_xlabel("hosts (N)")
         ax.set_ylabel("wall time, s (median, min–max)")
         ax.set_title("status-equivalent, RTT %g ms" % rtt)
@@ -588,8 +578,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             bench.failures()
         if args.clean_ns:
             bench.clean()
-        if args.profile:
-            bench.profile()
     finally:
         bench.close()
     seconds = time.monotonic() - T0

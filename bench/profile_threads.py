@@ -1,0 +1,34 @@
+"""cProfile every thread of one gpufleet command (cProfile alone sees only the main thread,
+and gpufleet works in a thread per host): prints the merged top functions at exit.
+
+    python3 bench/profile_threads.py -i fleet.yaml status --all --json > /dev/null
+
+Times are per-thread wall inside each function, so with many threads they include waiting for
+the GIL; use them to find where the Python work is, and `time`/cgroups for CPU totals.
+"""
+import cProfile, pstats, threading, sys, io, atexit
+profs = []
+_orig = threading.Thread.run
+def run(self):
+    p = cProfile.Profile(); profs.append(p)
+    p.enable()
+    try: _orig(self)
+    finally: p.disable()
+threading.Thread.run = run
+main_p = cProfile.Profile(); profs.append(main_p)
+def report():
+    st = None
+    for p in profs:
+        try:
+            st = pstats.Stats(p) if st is None else (st.add(p) or st)
+        except TypeError:
+            pass
+    st.sort_stats("tottime").print_stats(35)
+atexit.register(report)
+sys.argv = ["gpufleet"] + sys.argv[1:]
+from gpufleet.cli import main
+main_p.enable()
+try:
+    main()
+finally:
+    main_p.disable()
