@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
 from gpufleet.errors import UsageError
-from gpufleet.yamlsource import (LineMap, LineSeq, describe, did_you_mean, load_yaml, one_line)
+from gpufleet.yamlsource import (LineMap, LineSeq, describe, did_you_mean, load_yaml, one_line,
+                                  read_source)
 
 ENV_VAR = "GPUFLEET_INVENTORY"
 LOCAL_FILENAME = "fleet.yaml"
@@ -197,22 +198,7 @@ def load_inventory(path: Optional[os.PathLike | str], display: Optional[str] = N
         return implicit_inventory()
     path = Path(path)
     source = display if display is not None else str(path)
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise UsageError(f"{source}: inventory file not found") from None
-    except IsADirectoryError:
-        raise UsageError(f"{source}: inventory is a directory, not a file") from None
-    except OSError as exc:
-        raise UsageError(f"{source}: cannot read inventory: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise UsageError(f"{source}: larger than {MAX_FILE_BYTES} bytes; not an inventory")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise UsageError(f"{source}:{line}: not valid UTF-8") from None
+    text = read_source(path, source, "inventory file", MAX_FILE_BYTES)
     return parse_inventory(text, source=source, base_dir=path.parent, path=path)
 
 

@@ -169,6 +169,18 @@ class Snapshot:
     def listed_pids(self) -> frozenset[int]:
         return frozenset(a.pid for a in self.compute_apps)
 
+    def unlisted_holders(self) -> tuple[Holder, ...]:
+        """Device-file holders nvidia-smi lists nowhere (another PID namespace, WSL2), minus
+        the agent and its ancestors, which hold nothing of their own."""
+        listed = self.listed_pids()
+        out = []
+        for holder in self.holders:
+            proc = self.processes.get(holder.pid)
+            if holder.pid in listed or (proc is not None and proc.relation in ("self", "ancestor")):
+                continue
+            out.append(holder)
+        return tuple(out)
+
     def minor_to_index(self) -> dict[int, int]:
         """/dev/nvidiaN minor -> nvidia-smi index; the two can differ, so never assume."""
         out = {}

@@ -24,7 +24,7 @@ gpufleet.policy has the last word on every one of them. Rules, in order:
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from . import policy

@@ -43,14 +43,8 @@ def unlisted_holders_text(snapshot: Snapshot) -> str:
     every /dev/nvidiaN, so repeating them on each GPU row would claim memory they may not hold."""
     from .selection import format_gpu_list
 
-    listed = snapshot.listed_pids()
     parts = []
-    for holder in snapshot.holders:
-        if holder.pid in listed:
-            continue
-        proc = snapshot.processes.get(holder.pid)
-        if proc is not None and proc.relation in ("self", "ancestor"):
-            continue
+    for holder in snapshot.unlisted_holders():
         gpus = snapshot.holder_gpu_indices(holder)
         where = f"GPUs {format_gpu_list(gpus)}" if gpus else ", ".join(
             d.rsplit("/", 1)[-1] for d in holder.devices)

@@ -49,7 +49,7 @@ from .runbook_values import (
     _v_timeout,
     unit_name,
 )
-from .yamlsource import LineMap, LineSeq, did_you_mean, load_yaml
+from .yamlsource import LineMap, LineSeq, did_you_mean, load_yaml, read_source
 from .yamlsource import describe as describe_value
 
 __all__ = [
@@ -231,22 +231,7 @@ def load_runbook(path: str | Path, extra_vars: Optional[Mapping[str, str]] = Non
     """Read, validate and substitute one runbook file. ``display`` names it in messages."""
     path = Path(path)
     source = display if display is not None else str(path)
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise UsageError(f"{source}: runbook not found") from None
-    except IsADirectoryError:
-        raise UsageError(f"{source}: is a directory, not a runbook") from None
-    except OSError as exc:
-        raise UsageError(f"{source}: cannot read runbook: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise UsageError(f"{source}: larger than {MAX_FILE_BYTES} bytes; not a runbook")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise UsageError(f"{source}:{line}: not valid UTF-8") from None
+    text = read_source(path, source, "runbook", MAX_FILE_BYTES)
     return parse_runbook(text, source=source, extra_vars=extra_vars,
                          default_name=path.stem)
 

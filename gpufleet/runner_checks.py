@@ -61,13 +61,7 @@ def holders_on(snapshot: Snapshot, gpus: Iterable[int]) -> dict[int, set[int]]:
     out: dict[int, set[int]] = {i: set() for i in wanted}
     for i in wanted:
         out[i].update(a.pid for a in snapshot.apps_on(i))
-    listed = snapshot.listed_pids()
-    for holder in snapshot.holders:
-        if holder.pid in listed:
-            continue
-        proc = snapshot.processes.get(holder.pid)
-        if proc is not None and proc.relation in ("self", "ancestor"):
-            continue
+    for holder in snapshot.unlisted_holders():
         for i in snapshot.holder_gpu_indices(holder):
             if i in wanted:
                 out[i].add(holder.pid)

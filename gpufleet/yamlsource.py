@@ -7,6 +7,7 @@ traceback. Duplicate keys, which PyYAML silently collapses, are errors here.
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
@@ -222,3 +223,24 @@ def describe(value: Any) -> str:
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def read_source(path: Path, source: str, what: str, max_bytes: int) -> str:
+    """The text of an operator's YAML file, or one UsageError line saying why not."""
+    a_what = ("an " if what[:1] in "aeiou" else "a ") + what
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise UsageError(f"{source}: {what} not found") from None
+    except IsADirectoryError:
+        raise UsageError(f"{source}: is a directory, not {a_what}") from None
+    except OSError as exc:
+        raise UsageError(f"{source}: cannot read {what}: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise UsageError(f"{source}: larger than {max_bytes} bytes; not {a_what}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise UsageError(f"{source}:{line}: not valid UTF-8") from None
