@@ -7,6 +7,8 @@ from typing import Optional
 import click
 
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+
+EXIT_INTERRUPTED = 130
 from ..render import to_json
 from ..render_clean import clean_document, outcome_table, plan_text
 from . import AppContext, cli, selection_options, terminal_safe
@@ -56,9 +58,11 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
                         protect=tuple(protect), include_spanning=include_spanning, stop_units=stop_units,
                         disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log)
     interactive = sys.stdin.isatty() and not as_json
+    interrupted: list = []
+    fan = dict(forks=app.forks, on_interrupt=_on_interrupt(interrupted), make_error=_not_run)
 
     if dry_run:
-        results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=True), forks=app.forks)
+        results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=True), **fan)
     else:
         # Plan everywhere first, holding each connection; act only when every host's plan is
         # valid (nothing is signalled on the strength of input that failed validation, e.g.
@@ -72,7 +76,13 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
             return plan_host(h, sessions[h.name], opts)
 
         try:
-            results = run_hosts(selected, _as_value(plan_only), forks=app.forks)
+            results = run_hosts(selected, _as_value(plan_only), **fan)
+            if interrupted:  # Ctrl-C while planning: nothing is signalled anywhere
+                results = [_value(h, r) for h, r in zip(selected, results)]
+                click.echo(terminal_safe(outcome_table(results)))
+                click.echo("gpufleet: interrupted while planning: nothing signalled on any host",
+                           err=True)
+                return EXIT_INTERRUPTED
             if not yes:
                 _show_plans(results, as_json)
             bad_input = [r for r in results if r.usage_error]
@@ -95,7 +105,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
             results = run_hosts(
                 [_value(h, r) for h, r in zip(selected, results)],
                 lambda r: execute_plan(by_host[r.host], sessions[r.host], r, opts) if r.host in sessions else r,
-                forks=app.forks)
+                **fan)
         finally:
             for session in sessions.values():
                 try:
@@ -110,6 +120,10 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
         click.echo(to_json(clean_document(results, dry_run)))
     else:
         click.echo(terminal_safe(outcome_table(results)))
+    if interrupted:
+        click.echo("gpufleet: interrupted: hosts already running finished their sequence (above); "
+                   "no other host was started", err=True)
+        return EXIT_INTERRUPTED
     if any(r.usage_error for r in results):
         return EXIT_USAGE
     if dry_run:
@@ -124,6 +138,33 @@ def _show_plans(results, as_json: bool) -> None:
         if r.plan is not None:
             click.echo(terminal_safe(plan_text(r.plan)))
             click.echo("")
+
+
+def _on_interrupt(flag: list):
+    """Ctrl-C: say what is still being waited for (a clean in flight must report what it
+    signalled); fanout starts no new host."""
+    def say(in_flight) -> None:
+        flag.append(True)
+        names = ", ".join(getattr(h, "host", None) or getattr(h, "name", "?") for h in in_flight)
+        click.echo(f"gpufleet: interrupted: waiting for {len(in_flight)} host(s) already running"
+                   f"{' (' + names + ')' if names else ''} to finish; no new host is started "
+                   "(Ctrl-C again to stop waiting)", err=True)
+
+    return say
+
+
+def _not_run(item, message: str):
+    """fanout's value for a host it did not start, or stopped waiting for: a HostClean row
+    (the work items are Hosts while planning, HostCleans while acting)."""
+    from ..cleaning import HostClean
+
+    name = getattr(item, "host", None) if isinstance(item, HostClean) else getattr(item, "name", None)
+    out = HostClean(host=str(name or item), ok=False, verdict="interrupted")
+    if isinstance(item, HostClean):
+        out.before, out.plan = item.before, item.plan
+    out.error = message + ("; nothing signalled" if message.startswith("not started") else
+                           f"; run `gpufleet status --host {out.host}`")
+    return out
 
 
 def _as_value(func):
