@@ -85,3 +85,70 @@ def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any
     assert audit_log(home) == [] and agent_audit(ready) == []
     assert_gone_exactly(ready, befores["plan-ready"], set())
     assert_gone_exactly(slow, befores["plan-slow"], set())
+
+
+def test_three_operators_clean_one_host_at_once(lab: Any, make_host: Any, home: Path,
+                                                tmp_path: Path) -> None:
+    """Operator 1 is mid-sequence (TERM sent, grace running). Operator 2 (timeout 1 s) finds
+    the host's clean lock taken: nothing signalled, said so. Operator 3 waits for the lock,
+    then finds its target already gone: reported 'gone', never signalled twice."""
+    host = make_host("shared-host", gpus=1)
+    stubborn = host.spawn_holder(gpus=[0], mib=1500, title="stubborn", ignore_term=True)
+    settle(host)
+    before = census(host)
+    inv = lab.inventory_yaml([host])
+    homes = []
+    for n in (1, 2, 3):
+        homes.append(tmp_path / ("operator%d" % n))
+        homes[-1].mkdir()
+    op1 = start_cli(homes[0], inv, "clean", "--yes", "--json", "--grace", "5")
+    wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60, "op1 TERM")
+    op2 = start_cli(homes[1], inv, "clean", "--yes", "--json", "--grace", "0.5", "--timeout", "1")
+    op3 = start_cli(homes[2], inv, "clean", "--yes", "--json", "--grace", "1")
+    r1, r2, r3 = (finish_cli(p, timeout=90) for p in (op1, op2, op3))
+    for r in (r1, r2, r3):
+        assert_no_traceback(r)
+    one, two, three = (r.host("shared-host") for r in (r1, r2, r3))
+    assert r1.rc == 0 and one["verdict"] == "clean", str(r1)
+    assert signals(one["signals"]) == [(stubborn, "TERM", "sent"), (stubborn, "KILL", "sent")]
+    assert r2.rc == 1 and two["verdict"] == "busy", str(r2)
+    assert two["error"] == "another gpufleet clean holds this host's lock; nothing was signalled"
+    assert two["signals"] == []
+    assert [t["pid"] for t in two["targets"]] == [stubborn]  # it had planned to, then stood back
+    assert r3.rc == 0 and three["verdict"] == "clean", str(r3)
+    assert signals(three["signals"]) == [(stubborn, "TERM", "gone")]
+    assert signals(audit_log(homes[0])) == signals(one["signals"])
+    assert audit_log(homes[1]) == []
+    assert signals(audit_log(homes[2])) == [(stubborn, "TERM", "gone")]
+    sent = [s for s in signals(agent_audit(host)) if s[2] == "sent"]
+    assert sent == [(stubborn, "TERM", "sent"), (stubborn, "KILL", "sent")]  # once each
+    assert_gone_exactly(host, before, {stubborn})
+
+
+def test_gpus_naming_a_gpu_that_does_not_exist(lab: Any, make_host: Any, home: Path) -> None:
+    """--gpus 2-3 on a fleet where one host has 4 GPUs and one has 2: a usage error on one host
+    means nothing is signalled anywhere (exit 2, one line per problem); an index beyond any
+    possible GPU is refused before connecting."""
+    big, small = make_host("four-gpus", gpus=4), make_host("two-gpus", gpus=2)
+    big_job = big.spawn_holder(gpus=[2, 3], mib=700, title="job")
+    small_job = small.spawn_holder(gpus=[1], mib=700, title="job")
+    befores = {}
+    for h in (big, small):
+        settle(h)
+        befores[h.name] = census(h)
+    inv = lab.inventory_yaml([big, small])
+    run = run_cli(home, inv, "clean", "--yes", "--gpus", "2-3")
+    assert run.rc == 2, str(run)
+    assert run.stderr.splitlines() == [
+        "gpufleet: error: GPU 2 does not exist on two-gpus (has 0-1)",
+        "gpufleet: nothing signalled on any host"], str(run)
+    assert run.stdout == ""
+    logins = [(h.dir / "sshd.log").read_text().count("Accepted publickey") for h in (big, small)]
+    huge = run_cli(home, inv, "clean", "--yes", "--gpus", "0-99999")
+    assert huge.rc == 2 and huge.stderr.strip() == (
+        "gpufleet: error: --gpus: GPU index 99999 is too large (at most 1023)"), str(huge)
+    assert [(h.dir / "sshd.log").read_text().count("Accepted publickey")
+            for h in (big, small)] == logins  # refused before any connection
+    assert audit_log(home) == []
+    assert_gone_exactly(big, befores["four-gpus"], set())
+    assert_gone_exactly(small, befores["two-gpus"], set())
