@@ -161,6 +161,11 @@ class Net:
         self.one_way_ms = one_way_ms
         self.proc: Optional[subprocess.Popen] = None
         self._closed = False
+        routes = subprocess.run(["ip", "route", "show", "10.250.0.0/16"], capture_output=True, text=True)
+        if routes.stdout.strip():  # the addresses are fixed: one bench at a time
+            self._closed = True
+            raise RuntimeError("10.250.x.x is already routed here (another bench run?): %s"
+                               % routes.stdout.strip().splitlines()[0])
         subprocess.run(["ip", "netns", "add", self.netns], check=True, capture_output=True)
         atexit.register(self.close)
         self.proc = subprocess.Popen(

@@ -32,7 +32,7 @@ import remote_work  # noqa: E402
 
 TOOLS = ("gpufleet", "pssh", "ansible", "ssh")
 LABEL = {"gpufleet": "gpufleet status", "pssh": "parallel-ssh", "ansible": "ansible -m shell",
-         "ssh": "ssh loop (sequential)"}
+         "ssh": "ssh loop (sequential)", "ansible_pl": "ansible -m shell, pipelining on"}
 
 
 def ints(text: str) -> list[int]:
@@ -52,15 +52,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="host counts at the other RTTs (time budget)")
     ap.add_argument("--runs", type=int, default=3, help="runs of each tool per cell, alternating")
     ap.add_argument("--slow-runs", type=int, default=1,
-                    help="runs of ansible and the ssh loop in cells where they take > 30 s")
+                    help="runs of a tool in cells where its first run took more than --slow-s")
+    ap.add_argument("--slow-s", type=float, default=15.0)
     ap.add_argument("--seq-max-n", type=int, default=128,
                     help="largest N for the sequential ssh loop at RTTs above the first")
     ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--pipelining-ns", type=ints, default=[1, 32],
+                    help="also run ansible with ANSIBLE_PIPELINING=True at these N (first RTT)")
     ap.add_argument("--forks", type=int, default=32, help="parallelism of every tool (gpufleet's default)")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per host")
     ap.add_argument("--connect-timeout", type=float, default=5.0)
-    ap.add_argument("--fail-n", type=int, default=32, help="healthy hosts in the dead/blackholed runs")
-    ap.add_argument("--fail-k", type=ints, default=[0, 1, 4, 16], help="k dead and k blackholed")
+    ap.add_argument("--fail-n", type=int, default=32,
+                    help="hosts in the dead/blackholed runs (k dead + k blackholed among them)")
+    ap.add_argument("--fail-k", type=ints, default=[0, 1, 4, 8], help="k dead and k blackholed")
+    ap.add_argument("--fail-over", type=int, default=8,
+                    help="also: N healthy + this many dead + blackholed (more hosts than --forks)")
+    ap.add_argument("--pssh-timeout", type=float, default=30.0,
+                    help="parallel-ssh's timeout (it bounds every libssh2 call, not only connect)")
     ap.add_argument("--fail-timeout", type=float, default=3.0, help="connect_timeout there")
     ap.add_argument("--clean-ns", type=ints, default=[1, 32])
     ap.add_argument("--clean-runs", type=int, default=3)
@@ -72,8 +80,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
     a = ap.parse_args(argv)
     if a.quick:
-        a.ns, a.rtts, a.ns_far, a.runs = [1, 8], [20.0], [], 2
-        a.fail_n, a.fail_k, a.clean_ns, a.clean_runs = 4, [0, 1], [1], 1
+        a.ns, a.rtts, a.ns_far, a.runs, a.pipelining_ns = [1, 8], [20.0], [], 2, []
+        a.fail_n, a.fail_k, a.fail_over, a.clean_ns, a.clean_runs = 4, [0, 1], 0, [1], 1
     a.tools = [t for t in a.tools.split(",") if t]
     return a
 
@@ -152,9 +160,12 @@ class Bench:
                     "--json"], env
         if tool == "pssh":
             hj = self.lab.hosts_json(hosts, d / "hosts.json")
-            return [sys.executable, str(HERE / "pssh_status.py"), str(hj), forks, ct], env
-        if tool == "ansible":
+            return [sys.executable, str(HERE / "pssh_status.py"), str(hj), forks,
+                    "%g" % self.a.pssh_timeout], env
+        if tool in ("ansible", "ansible_pl"):
             inv = self.lab.ansible_inventory(hosts, d / "hosts.ini")
+            if tool == "ansible_pl":
+                env["ANSIBLE_PIPELINING"] = "True"
             env.update(ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_SSH_CONTROL_PATH_DIR=str(d / "cp"),
                        ANSIBLE_LOCAL_TEMP=str(d / "tmp"), ANSIBLE_HOME=str(d / "home"),
                        ANSIBLE_NOCOLOR="1", ANSIBLE_TIMEOUT=str(int(self.a.connect_timeout)),
@@ -173,7 +184,8 @@ class Bench:
     def check(self, tool: str, m: B.Measured, n: int) -> tuple[bool, str]:
         out = m.stdout.decode(errors="replace")
         if m.rc != 0:
-            return False, "exit %d: %s" % (m.rc, (m.stderr.decode(errors="replace") or out)[-200:])
+            text = (out.strip() or m.stderr.decode(errors="replace").strip()).splitlines()
+            return False, "exit %d: %s" % (m.rc, (text[-1] if text else "")[:200])
         if tool == "gpufleet":
             doc = json.loads(out)
             ok = sum(1 for h in doc["hosts"] if h["ok"] and h["gpus"])
@@ -181,7 +193,7 @@ class Bench:
         if tool == "pssh":
             doc = json.loads(out.strip().splitlines()[-1])
             return doc["ok"] == n, "%d/%d hosts ok" % (doc["ok"], n)
-        if tool == "ansible":
+        if tool in ("ansible", "ansible_pl"):
             ok = out.count("| CHANGED | rc=0 >>")
             return ok == n, "%d/%d hosts ok" % (ok, n)
         ok = out.count("@@procs")
@@ -218,34 +230,31 @@ class Bench:
             for n in ns:
                 tools = [t for t in self.a.tools
                          if not (t == "ssh" and i > 0 and n > self.a.seq_max_n)]
+                if i == 0 and n in self.a.pipelining_ns and "ansible" in tools:
+                    tools.append("ansible_pl")
                 slow: dict[str, float] = {}
                 for r in range(self.a.runs):
                     order = tools[r % len(tools):] + tools[:r % len(tools)]  # alternate
                     for tool in order:
-                        if r >= self.a.slow_runs and slow.get(tool, 0) > 30.0:
+                        if r >= self.a.slow_runs and slow.get(tool, 0) > self.a.slow_s:
                             continue
                         row = self.run_tool(tool, n, count_sessions=(r == 0))
                         slow[tool] = max(slow.get(tool, 0), row["wall_s"])
                         time.sleep(0.3)
 
     def failures(self) -> None:
-        """k dead (refused) + k blackholed (dropped) hosts among healthy ones: status time."""
+        """k dead (refused) + k blackholed (dropped) among N hosts: how long status takes."""
         self.set_rtt(self.a.rtts[0])
-        good = self.lab.hosts[:self.a.fail_n]
-        t = self.a.fail_timeout
-        for k in self.a.fail_k:
+        n = self.a.fail_n
+        cases = [(n - 2 * k, k) for k in self.a.fail_k if n - 2 * k >= 1]
+        if self.a.fail_over:
+            cases.append((n, self.a.fail_over))  # N > forks: failing hosts wait for a free slot
+        for healthy, k in cases:
+            good = self.lab.hosts[:healthy]
             dead, holes = self.lab.dead(k), self.lab.blackholed(k)
-            mixed: list = []
             bad = [x for pair in zip(dead, holes) for x in pair]
-            step = max(1, len(good) // max(1, len(bad))) if bad else 1
-            gi = iter(good)
-            for b in bad:  # interleave: failures spread through the inventory order
-                for _ in range(step):
-                    g = next(gi, None)
-                    if g is not None:
-                        mixed.append(g)
-                mixed.append(b)
-            mixed += list(gi)
+            mixed = _interleave(good, bad)
+            t = self.a.fail_timeout
             walls = []
             for r in range(2):
                 self.seq += 1
@@ -256,15 +265,16 @@ class Bench:
                 doc = json.loads(m.stdout.decode())
                 hosts = {h["host"]: h for h in doc["hosts"]}
                 good_ok = sum(1 for g in good if hosts[g.name]["ok"])
+                bad_s = [hosts[b.name]["seconds"] for b in bad]
                 errors = sorted({(hosts[b.name]["error"] or "")[:60] for b in bad})
                 walls.append(m.wall_s)
-                self.say("fail k=%d run %d: wall %.2fs (connect_timeout %gs) good ok %d/%d %s" % (
-                    k, r, m.wall_s, t, good_ok, len(good), errors[:2]))
-            expected_rc = 1 if k else 0
-            self.fail_rows.append(dict(k=k, n_good=len(good), connect_timeout_s=t,
-                                       walls=[round(w, 3) for w in walls],
-                                       good_ok=good_ok, rc_ok=(m.rc == expected_rc),
-                                       errors=errors))
+                self.say("fail N=%d k=%d run %d: wall %.2fs (connect_timeout %gs) healthy ok %d/%d %s" % (
+                    len(mixed), k, r, m.wall_s, t, good_ok, len(good), errors[:2]))
+            self.fail_rows.append(dict(n=len(mixed), healthy=len(good), k=k, connect_timeout_s=t,
+                                       forks=self.a.forks, walls=[round(w, 3) for w in walls],
+                                       good_ok=good_ok, rc=m.rc, errors=errors,
+                                       failing_host_seconds=[round(min(bad_s), 3), round(max(bad_s), 3)]
+                                       if bad_s else None))
 
     def clean(self) -> None:
         """Time from `gpufleet clean` start to verified free, minus the simulated release delay."""
@@ -305,6 +315,21 @@ class Bench:
                 self.say("clean N=%d run %d: wall %.2fs latency %.2fs clean %d/%d execs/host %s conns/host %s" % (
                     n, r, m.wall_s, m.wall_s - delay, clean, n, row["execs_per_host"], row["conns_per_host"]))
                 time.sleep(0.3)
+
+
+def _interleave(good: list, bad: list) -> list:
+    """Failing hosts spread evenly through the inventory order (not all first or last)."""
+    if not bad:
+        return list(good)
+    out: list = []
+    step = len(good) / (len(bad) + 1)
+    gi = 0
+    for j, b in enumerate(bad, 1):
+        upto = int(round(step * j))
+        out += good[gi:upto]
+        gi = upto
+        out.append(b)
+    return out + good[gi:]
 
 
 def _r(x: Optional[float]) -> Optional[float]:
@@ -396,16 +421,18 @@ def write_report(bench: Bench, args: argparse.Namespace, command: str, started: 
     L.append("- Hosts: test-lab hosts (real OpenSSH sshd each, %d fake H200 GPUs, one holder) in one "
              "network namespace behind a userspace delay line (this kernel has no netem); measured "
              "TCP connect RTT: %s." % (args.gpus, ", ".join("%g ms -> %.1f ms" % kv for kv in bench.measured_rtt.items())))
-    L.append("- Every tool at parallelism min(N, %d); %d runs per cell, tools alternating; "
-             "cells marked * had 1 run of the slow tools (>30 s). Values: median (min–max)." % (args.forks, args.runs))
-    L.append("- CPU: controller = the tool's process tree (cpuacct cgroup); remote = all lab hosts "
-             "(sshd, shell/agent, fake nvidia-smi), which share this machine's %d cores." % mach["cores"])
+    L.append("- Every tool at parallelism min(N, %d); %d runs per cell, tools alternating (the order "
+             "rotates each round); a tool whose first run took > %g s ran %d time(s) in that cell (marked *). "
+             "Values: median (min–max)." % (args.forks, args.runs, args.slow_s, args.slow_runs))
+    L.append("- CPU: controller = the tool's process tree (cpuacct cgroup); hosts = all lab hosts "
+             "(sshd, shell/agent, fake nvidia-smi), which share this machine's %d cores; CPU floor = "
+             "(controller + hosts CPU) / cores: no tool can finish faster on this machine." % mach["cores"])
     L.append("")
     L.append("## status: wall time and controller CPU")
     L.append("")
     head = "| RTT | N | " + " | ".join("%s wall s" % LABEL[t] for t in tools) + \
         " | gpufleet / pssh | ansible / gpufleet | " + " | ".join("%s CPU s" % t for t in tools) + \
-        " | remote CPU s (gpufleet run) |"
+        " | hosts CPU s (gpufleet run) | gpufleet CPU floor s |"
     L.append(head)
     L.append("|" + "---|" * (head.count("|") - 1))
     keys = sorted({(k[0], k[1]) for k in summ})
@@ -419,18 +446,32 @@ def write_report(bench: Bench, args: argparse.Namespace, command: str, started: 
         row.append("%.1f" % (a["wall"][0] / g["wall"][0]) if g and a else "-")
         row += [("%.2f" % c["cpu"][0]) if c and c["cpu"] else "-" for c in cells.values()]
         row.append(("%.2f" % g["remote"][0]) if g and g["remote"] else "-")
+        row.append(("%.2f" % ((g["cpu"][0] + g["remote"][0]) / (os.cpu_count() or 1)))
+                   if g and g["remote"] and g["cpu"] else "-")
         L.append("| " + " | ".join(row) + " |")
     failed = [r for r in bench.runs if not r["ok"]]
     if failed:
         L.append("")
         L.append("Failed runs (left out above): " + "; ".join(
             "%s N=%d RTT=%g: %s" % (r["tool"], r["n"], r["rtt_ms"], r["note"]) for r in failed[:8]))
+    pl = sorted(k for k in summ if k[2] == "ansible_pl")
+    if pl:
+        L.append("")
+        L.append("Ansible with `ANSIBLE_PIPELINING=True` (fewer execs per host; not the default):")
+        L.append("")
+        L.append("| RTT | N | ansible default wall s | ansible pipelining wall s | pipelining / gpufleet | CPU s |")
+        L.append("|---|---|---|---|---|---|")
+        for rtt, n, _ in pl:
+            a, b, g = summ.get((rtt, n, "ansible")), summ[(rtt, n, "ansible_pl")], summ.get((rtt, n, "gpufleet"))
+            L.append("| %g ms | %d | %s | %s | %s | %s |" % (
+                rtt, n, fmt_stat(a["wall"]) if a else "-", fmt_stat(b["wall"]),
+                "%.1f" % (b["wall"][0] / g["wall"][0]) if g else "-", "%.2f" % b["cpu"][0] if b["cpu"] else "-"))
     L.append("")
     L.append("## SSH connections and execs per host (sshd VERBOSE logs, first run of each cell)")
     L.append("")
     L.append("| tool | connections/host | execs/host |")
     L.append("|---|---|---|")
-    for t in tools:
+    for t in tools + (["ansible_pl"] if "ansible_pl" in bench.sessions else []):
         rows = bench.sessions.get(t, {})
         if rows:
             c = {tuple(r["conns_per_host"]) for r in rows.values()}
@@ -440,13 +481,16 @@ def write_report(bench: Bench, args: argparse.Namespace, command: str, started: 
         L.append("")
         L.append("## status with k dead (refused) and k blackholed (dropped) hosts")
         L.append("")
-        L.append("| healthy N | k dead + k blackholed | connect_timeout s | wall s (runs) | healthy ok | bound (timeout + 2 s) |")
-        L.append("|---|---|---|---|---|---|")
+        L.append("| N (forks %d) | healthy | k dead + k blackholed | connect_timeout s | wall s (2 runs) | "
+                 "failing hosts' own s | healthy ok | wall ≤ timeout + 2 s |" % args.forks)
+        L.append("|---|---|---|---|---|---|---|---|")
         for f in bench.fail_rows:
             bound = f["connect_timeout_s"] + 2
-            L.append("| %d | %d + %d | %g | %s | %d/%d | %s |" % (
-                f["n_good"], f["k"], f["k"], f["connect_timeout_s"], ", ".join("%.2f" % w for w in f["walls"]),
-                f["good_ok"], f["n_good"], "met" if max(f["walls"]) <= bound else "MISSED"))
+            fs = f["failing_host_seconds"]
+            L.append("| %d | %d | %d + %d | %g | %s | %s | %d/%d | %s |" % (
+                f["n"], f["healthy"], f["k"], f["k"], f["connect_timeout_s"],
+                ", ".join("%.2f" % w for w in f["walls"]), ("%.2f–%.2f" % tuple(fs)) if fs else "-",
+                f["good_ok"], f["healthy"], "yes" if max(f["walls"]) <= bound else "**no**"))
     if bench.clean_rows:
         L.append("")
         L.append("## clean: start to verified free, minus the simulated release delay")
@@ -515,10 +559,19 @@ def targets(bench: Bench, summ: dict, args: argparse.Namespace) -> list[str]:
     if bench.clean_rows:
         mx = max(r["execs_per_host"][1] for r in bench.clean_rows)
         out.append("- clean SSH execs per host ≤ %d (target ≤ 2): %s" % (mx, verdict(mx <= 2)))
-    if bench.fail_rows:
-        worst = max(max(f["walls"]) - f["connect_timeout_s"] for f in bench.fail_rows if f["k"])  if any(f["k"] for f in bench.fail_rows) else None
-        if worst is not None:
-            out.append("- dead/blackholed hosts: worst wall − connect_timeout = %.2f s (target ≤ 2 s): %s" % (worst, verdict(worst <= 2)))
+    within = [f for f in bench.fail_rows if f["k"] and f["n"] <= f["forks"]]
+    over = [f for f in bench.fail_rows if f["k"] and f["n"] > f["forks"]]
+    if within:
+        worst = max(max(f["walls"]) - f["connect_timeout_s"] for f in within)
+        out.append("- dead/blackholed hosts, N ≤ forks: worst wall − connect_timeout = %.2f s, whatever k "
+                   "(target ≤ 2 s): %s" % (worst, verdict(worst <= 2)))
+    if over:
+        worst = max(max(f["walls"]) - f["connect_timeout_s"] for f in over)
+        out.append("- dead/blackholed hosts, N > forks (%s): worst wall − connect_timeout = %.2f s "
+                   "(target ≤ 2 s): %s%s" % (", ".join("N=%d" % f["n"] for f in over), worst,
+                                             verdict(worst <= 2), "" if worst <= 2 else
+                                             " — a failing host queued behind a full pool starts its "
+                                             "connect timeout only when a slot frees"))
     return out
 
 
