@@ -76,7 +76,8 @@ def test_no_python3_signals_nothing(lab: Any, make_host: Any, home: Path) -> Non
     assert_gone_exactly(host, before, set())
 
 
-@pytest.mark.parametrize("version,shown", [("3.5.10", "Python 3.5.10"), ("2.7.18", "Python 2")])
+@pytest.mark.parametrize("version,shown", [("3.5.10", "Python 3.5.10"), ("2.7.18", "Python 2")],
+                         ids=["py3.5", "py2.7"])
 def test_python3_too_old_is_named_and_nothing_is_signalled(lab: Any, make_host: Any, home: Path,
                                                            version: str, shown: str) -> None:
     host = make_host("old-py", gpus=1)
@@ -119,7 +120,7 @@ def test_nvidia_smi_missing(lab: Any, make_host: Any, home: Path) -> None:
     ("fail", "nvidia-smi failed: NVIDIA-SMI has failed because it couldn't communicate with the "
              "NVIDIA driver"),
     ("garbage", "nvidia-smi failed: unparsable nvidia-smi --query-gpu output"),
-])
+], ids=["exit9", "garbage"])
 def test_broken_driver_clean_signals_nothing(lab: Any, make_host: Any, home: Path, driver: str,
                                              fragment: str) -> None:
     host = make_host("drv-" + driver, gpus=2)
@@ -196,7 +197,7 @@ exit "$rc"
     ("--query-gpu=", 30),          # several fields of the last GPU row gone
     ("--query-compute-apps=", 6),  # inside the last process's GPU UUID
     ("--query-compute-apps=", 12),  # the GPU UUID and part of the memory of the last process
-])
+], ids=["gpu-cut3", "gpu-cut30", "apps-cut6", "apps-cut12"])
 def test_truncated_csv_is_an_error_not_a_smaller_truth(lab: Any, make_host: Any, home: Path,
                                                        query: str, cut: int) -> None:
     host = make_host("smi-cut", gpus=2)
