@@ -73,15 +73,22 @@ def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any
         settle(h)
         befores[h.name] = census(h)
     inv = lab.inventory_yaml([slow, ready], command_timeout=5)
+
+    def logins() -> int:
+        return (ready.dir / "sshd.log").read_text().count("Accepted publickey")
+
+    before_logins = logins()
     proc = start_cli(home, inv, "clean", "--yes")
     wait_for(lambda: agents_left(slow), 30, "the slow host's planning agent")
-    wait_for(lambda: "Accepted publickey" in (ready.dir / "sshd.log").read_text()
-             and not agents_left(ready), 30, "the ready host's plan")
+    wait_for(lambda: logins() > before_logins and not agents_left(ready), 30,
+             "the ready host's plan")
     os.kill(proc.pid, signal.SIGINT)
     run = finish_cli(proc, timeout=60)
     assert_no_traceback(run)
     assert run.rc == 130, str(run)
     assert "gpufleet: interrupted while planning: nothing signalled on any host" in run.stderr
+    rows = {ln.split()[0]: ln.split() for ln in run.stdout.splitlines() if ln.startswith("plan-")}
+    assert rows["plan-ready"][2:3] + rows["plan-ready"][6:7] == ["(1)", "planned"], str(run)
     assert audit_log(home) == [] and agent_audit(ready) == []
     assert_gone_exactly(ready, befores["plan-ready"], set())
     assert_gone_exactly(slow, befores["plan-slow"], set())
