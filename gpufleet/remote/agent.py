@@ -993,8 +993,10 @@ def snapshot(req, deadline, proc=PROC):
             for key in GPU_KEYS.values():
                 if key != "driver_version":
                     g.setdefault(key, None)
+        # the bare table (for the CUDA version) is skipped only when nvidia-smi is already
+        # crawling (a wedged driver) or time is short; a loaded machine is not a wedged one
         if gpus and smi_doc["ok"] and req.get("cuda_version", True) and \
-                smi_doc["seconds"] < 1.0 and deadline.remaining() > 2.0:
+                smi_doc["seconds"] < 5.0 and deadline.remaining() > 2.0 * smi_doc["seconds"] + 2.0:
             res = run_cmd([smi], min(req["smi_timeout_s"], 5.0), deadline, "nvidia-smi")
             smi_doc["seconds"] += res.seconds
             if smi_failure(res) is None:
