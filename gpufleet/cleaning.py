@@ -8,7 +8,7 @@ Runbooks call ``plan_host`` / ``execute_plan`` on a session they already hold.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from . import audit
@@ -16,7 +16,7 @@ from .collect import result_from_reply, snapshot_request
 from .errors import UsageError
 from .inventory import Host
 from .model import HostResult, SnapshotError, parse_snapshot
-from .plan import Plan, Refusal, make_plan, to_request
+from .plan import Plan, make_plan, to_request
 from .selection import parse_gpu_list
 
 AGENT_MARGIN_S = 5.0  # the controller waits this much longer than the agent's own deadline
@@ -72,48 +72,16 @@ def plan_host(host: Host, session: Any, opts: CleanOptions) -> HostClean:
         return out
     try:
         scope = parse_gpu_list(opts.gpus, available=[g.index for g in snap.gpus], host=host.name)
-        untrusted = untrusted_rows(snap)
-        trusted = replace(snap, compute_apps=tuple(
-            a for a in snap.compute_apps if a.pid not in untrusted))
-        plan = make_plan(
-            trusted, scope, protect=tuple(host.protect) + tuple(opts.protect),
+        out.plan = make_plan(
+            snap, scope, protect=tuple(host.protect) + tuple(opts.protect),
             include_spanning=opts.include_spanning, stop_units=opts.stop_units,
             disable_units=opts.disable_units, unattributed_mib=int(host.unattributed_mib or 0),
             tolerance_mib=opts.tolerance_mib, is_sudo=bool(host.sudo), host=host.name)
-        out.plan = replace(plan, refused=plan.refused + tuple(
-            Refusal(pid, snap.processes[pid].name, reason, UNTRUSTED_ROW,
-                    snap.gpu_indices_of_app(pid))
-            for pid, reason in sorted(untrusted.items())
-            if scope is None or set(snap.gpu_indices_of_app(pid)) & set(scope)))
     except UsageError as exc:
         out.ok, out.error, out.usage_error = False, str(exc), True
         return out
     out.verdict = "planned"
     out.seconds = time.monotonic() - started
-    return out
-
-
-UNTRUSTED_ROW = "untrusted-row"
-
-
-def untrusted_rows(snap: Any) -> dict[int, str]:
-    """Compute-app rows not to act on: a process nvidia-smi lists with GPU memory that holds
-    no NVIDIA device file, although its file descriptors were readable. CUDA opens them all
-    (recorded); nvidia-smi prints process names verbatim, so a process titled
-    "x, 100, GPU-...\\nPID, name" forges a row for any PID -- e.g. a root daemon that never
-    touched a GPU. Such a row is evidence of nothing, and its PID is refused."""
-    facts = snap.facts
-    holding = {h.pid for h in snap.holders}
-    out: dict[int, str] = {}
-    for app in snap.compute_apps:
-        proc = snap.processes.get(app.pid)
-        if proc is None or app.pid in holding or (proc.state or "")[:1] in ("Z", "X"):
-            continue
-        readable = (facts.is_root or facts.can_read_all_fds
-                    or (facts.uid is not None and proc.uid == facts.uid))
-        if readable:
-            out[app.pid] = ("listed by nvidia-smi but holds no NVIDIA device file "
-                            "(a forged or stale nvidia-smi row?)")
     return out
 
 

@@ -24,7 +24,7 @@ gpufleet.policy has the last word on every one of them. Rules, in order:
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Mapping, Optional
 
 from . import policy
@@ -193,6 +193,32 @@ def _descendants(pid: int, children: Mapping[int, list[int]]) -> list[int]:
     return sorted(out)
 
 
+
+UNTRUSTED_ROW = "untrusted-row"
+
+
+def untrusted_rows(snapshot: Snapshot) -> dict[int, str]:
+    """Compute-app rows not to act on: a process nvidia-smi lists with GPU memory that holds
+    no NVIDIA device file, although its file descriptors were readable. CUDA opens them all
+    (recorded); nvidia-smi prints process names verbatim, so a process titled
+    "x, 100, GPU-...\\nPID, name" forges a row for any PID -- e.g. a root daemon that never
+    touched a GPU -- and a stale row can name a PID since reused. Such a row is evidence of
+    nothing, and its PID is refused."""
+    facts = snapshot.facts
+    holding = {h.pid for h in snapshot.holders}
+    out: dict[int, str] = {}
+    for app in snapshot.compute_apps:
+        proc = snapshot.processes.get(app.pid)
+        if proc is None or app.pid in holding or (proc.state or "")[:1] in ("Z", "X"):
+            continue
+        readable = (facts.is_root or facts.can_read_all_fds
+                    or (facts.uid is not None and proc.uid == facts.uid))
+        if readable:
+            out[app.pid] = ("listed by nvidia-smi but holds no NVIDIA device file "
+                            "(a forged or stale nvidia-smi row?)")
+    return out
+
+
 def make_plan(
     snapshot: Snapshot,
     scope: Optional[tuple[int, ...]] = None,
@@ -207,7 +233,45 @@ def make_plan(
     is_sudo: bool = False,
     host: Optional[str] = None,
 ) -> Plan:
-    """Decide what a clean of ``scope`` (None = every GPU) on this host would signal."""
+    """Decide what a clean of ``scope`` (None = every GPU) on this host would signal.
+
+    nvidia-smi rows that are evidence of nothing (``untrusted_rows``) are taken out first and
+    their PIDs refused; the rules in the module docstring decide the rest.
+    """
+    options = dict(protect=protect, include_spanning=include_spanning,
+                   include_parents=include_parents, stop_units=stop_units,
+                   disable_units=disable_units, unattributed_mib=unattributed_mib,
+                   tolerance_mib=tolerance_mib, is_sudo=is_sudo, host=host)
+    untrusted = untrusted_rows(snapshot)
+    if not untrusted:
+        return _plan_from_evidence(snapshot, scope, **options)
+    trusted = replace(snapshot, compute_apps=tuple(
+        a for a in snapshot.compute_apps if a.pid not in untrusted))
+    plan = _plan_from_evidence(trusted, scope, **options)
+    in_scope = set(plan.scope)
+    extra = tuple(
+        Refusal(pid, snapshot.processes[pid].name, reason, UNTRUSTED_ROW,
+                snapshot.gpu_indices_of_app(pid))
+        for pid, reason in sorted(untrusted.items())
+        if plan.full_scope or set(snapshot.gpu_indices_of_app(pid)) & in_scope)
+    return replace(plan, refused=plan.refused + extra)
+
+
+def _plan_from_evidence(
+    snapshot: Snapshot,
+    scope: Optional[tuple[int, ...]] = None,
+    *,
+    protect: Iterable[str] = (),
+    include_spanning: bool = False,
+    include_parents: bool = False,
+    stop_units: bool = False,
+    disable_units: bool = False,
+    unattributed_mib: int = 0,
+    tolerance_mib: int = 64,
+    is_sudo: bool = False,
+    host: Optional[str] = None,
+) -> Plan:
+    """The plan from trusted GPU evidence (``make_plan`` has removed untrusted rows)."""
     host = host or snapshot.facts.hostname or "?"
     if unattributed_mib < 0 or tolerance_mib < 0:
         raise UsageError(f"{host}: unattributed_mib and tolerance_mib must be >= 0")

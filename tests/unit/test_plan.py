@@ -534,3 +534,25 @@ def test_wait_floors_count_only_memory_the_plan_leaves_alone() -> None:
     # GPU 2's EngineCore_DP1 and its worker are refused (family reaches GPU 3): their memory stays
     expected = sum(a.used_mib for a in snap.apps_on(2) if a.pid not in half.target_pids)
     assert expected > 0 and floors == {"2": expected}
+
+
+# ------------------------------------------------- nvidia-smi rows that are evidence of nothing
+
+
+def test_listed_process_without_device_files_is_an_untrusted_row() -> None:
+    """A process title with a newline can forge a compute-apps row naming any PID; a listed
+    process that holds no NVIDIA device file (its fds readable) is refused, never a target."""
+    d = doc("train-node")
+    d["holders"] = [h for h in d["holders"] if h["pid"] != 4360]  # worker on GPU 0 holds nothing
+    plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
+    assert 4360 not in pids(plan)
+    kind, reason = refused(plan)[4360]
+    assert kind == planmod.UNTRUSTED_ROW and "holds no NVIDIA device file" in reason
+    assert {4361, 4362, 4363} <= pids(plan)
+
+
+def test_untrusted_row_outside_the_scope_is_not_reported() -> None:
+    d = doc("train-node")
+    d["holders"] = [h for h in d["holders"] if h["pid"] != 4520]  # trainer rank on GPU 4
+    plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
+    assert 4520 not in refused(plan) and 4520 not in pids(plan)
