@@ -123,7 +123,10 @@ def test_status_table_is_the_core_rendering_of_its_agent_document():
     for cell in holders + cells:
         assert cell in cli["stdout"] and cell in table, cell
     assert table.count("VLLM::Worker") == cli["stdout"].count("VLLM::Worker") == 2
-    assert table.splitlines()[-1] == cli["stdout"].splitlines()[-1]  # hosts/GPUs summary
+    summary = [line for line in table.splitlines() if line.startswith("hosts: ")]
+    assert summary == [cli["stdout"].splitlines()[-1]]  # hosts/GPUs summary
+    # the host warning the agent sent is printed under the table now
+    assert all(f"{HOST}: warning: {w}" in table for w in snap.warnings)
 
 
 def test_status_numbers_are_nvidia_smis_own(status_snap):
