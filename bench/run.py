@@ -78,6 +78,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--plot", type=Path, default=HERE / "wall_vs_n.png")
     ap.add_argument("--raw", type=Path, default=HERE / "results.json")
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
+    ap.add_argument("--from-json", type=Path, default=None, metavar="RESULTS_JSON",
+                    help="only rewrite the report and plot from a results.json (no runs)")
     a = ap.parse_args(argv)
     if a.quick:
         a.ns, a.rtts, a.ns_far, a.runs, a.pipelining_ns = [1, 8], [20.0], [], 2, []
@@ -405,10 +407,11 @@ def fmt_stat(s: Optional[list], digits: int = 2) -> str:
     return "%.*f (%.*f–%.*f)" % (digits, med, digits, lo, digits, hi) if hi - lo > 0 else "%.*f" % (digits, med)
 
 
-def write_report(bench: Bench, args: argparse.Namespace, command: str, started: str, seconds: float) -> str:
+def write_report(bench: Any, args: argparse.Namespace, command: str, started: str, seconds: float,
+                 mach: Optional[dict] = None, ver: Optional[dict] = None) -> str:
     summ = summarize(bench.runs)
-    mach = machine()
-    ver = versions()
+    mach = mach or machine()
+    ver = ver or versions()
     tools = [t for t in TOOLS if t in args.tools]
     L: list[str] = []
     L.append("# gpufleet benchmark results")
@@ -593,9 +596,14 @@ def plot(bench: Bench, args: argparse.Namespace, path: Path) -> None:
             ax.errorbar(ns, med, yerr=err, marker="o", capsize=3, label=LABEL[tool])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        from matplotlib.ticker import ScalarFormatter
+        from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
+        ns_here = sorted({k[1] for k in summ if k[0] == rtt})
+        ax.xaxis.set_major_locator(FixedLocator(ns_here))
+        ax.yaxis.set_major_locator(FixedLocator([0.5, 1, 2, 5, 10, 20, 50, 100, 200]))
         for axis in (ax.xaxis, ax.yaxis):
             axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("hosts (N)")
         ax.set_ylabel("wall time, s (median, min–max)")
         ax.set_title("status-equivalent, RTT %g ms" % rtt)
@@ -610,8 +618,36 @@ def plot(bench: Bench, args: argparse.Namespace, path: Path) -> None:
 T0 = time.monotonic()
 
 
+class Recorded:
+    """What write_report() and plot() need, read back from a results.json."""
+
+    def __init__(self, raw: dict):
+        self.runs = raw["runs"]
+        self.fail_rows = raw["failures"]
+        self.clean_rows = raw["clean"]
+        self.measured_rtt = {float(k): v for k, v in raw["measured_rtt_ms"].items()}
+        self.sessions: dict = {}
+        for r in self.runs:
+            if "conns_per_host" in r:
+                self.sessions.setdefault(r["tool"], {})[r["n"]] = r
+
+
+def replot(args: argparse.Namespace) -> int:
+    raw = json.loads(args.from_json.read_text())
+    saved = argparse.Namespace(**raw["args"])
+    saved.out, saved.plot = args.out, args.plot
+    rec = Recorded(raw)
+    args.out.write_text(write_report(rec, saved, raw["command"], raw["date"], raw["seconds"],
+                                     raw.get("machine"), raw.get("versions")))
+    plot(rec, saved, args.plot)
+    print("rewrote %s, %s from %s" % (args.out, args.plot, args.from_json))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        return replot(args)
     if os.geteuid() != 0:
         print("bench: needs root (network namespace, TUN, cgroups, the test lab)", file=sys.stderr)
         return 2
@@ -634,11 +670,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         bench.close()
     seconds = time.monotonic() - T0
-    raw = {"command": command, "date": started, "machine": machine(), "versions": versions(),
+    saved = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    raw = {"command": command, "date": started, "seconds": round(seconds, 1), "args": saved,
+           "machine": machine(), "versions": versions(),
            "measured_rtt_ms": {str(k): v for k, v in bench.measured_rtt.items()}, "runs": bench.runs,
            "failures": bench.fail_rows, "clean": bench.clean_rows}
     args.raw.write_text(json.dumps(raw, indent=1) + "\n")
-    args.out.write_text(write_report(bench, args, command, started, seconds))
+    args.out.write_text(write_report(bench, args, command, started, seconds, raw["machine"], raw["versions"]))
     try:
         plot(bench, args, args.plot)
     except ImportError:
