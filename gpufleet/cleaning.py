@@ -49,6 +49,7 @@ class HostClean:
     verdict: str = "error"
     reason: Optional[str] = None
     usage_error: bool = False
+    outcome_unknown: bool = False  # the clean ran but its report never came back
     before: Optional[HostResult] = None
     plan: Optional[Plan] = None
     agent_doc: Optional[dict[str, Any]] = None
@@ -129,6 +130,7 @@ def execute_plan(host: Host, session: Any, planned: HostClean, opts: CleanOption
     if not reply.ok or reply.doc is None:
         planned.ok = False
         planned.verdict = "error"
+        planned.outcome_unknown = True
         planned.error = (f"{reply.error or 'agent failed'}; the outcome on the host is unknown: "
                          f"run `gpufleet status --host {host.name}` (the host keeps an audit record)")
         return planned

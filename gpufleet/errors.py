@@ -4,6 +4,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILED = 1  # some host failed, is dirty, or the model does not fit
 EXIT_USAGE = 2  # bad command line, inventory or runbook; nothing was done
+EXIT_INTERRUPTED = 130  # Ctrl-C: what was done is printed
 
 
 class GpufleetError(Exception):

@@ -5,6 +5,7 @@ The JSON keys are a contract (README "status --json"); more keys may be added, n
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterable, Optional, Sequence
 
 from tabulate import tabulate
@@ -23,9 +24,18 @@ def fmt_mib(value: Optional[int]) -> str:
     return f"{value}MiB"
 
 
+_CELL_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def cell_text(text: str) -> str:
+    """A process-supplied string as ONE table line: its newlines and tabs are shown escaped,
+    so a hostile title cannot fake another holder line in a multi-line cell."""
+    return _CELL_CONTROL.sub(lambda m: "\\x%02x" % ord(m.group()), text)
+
+
 def _process_name(snapshot: Snapshot, pid: int, fallback: str) -> str:
     proc = snapshot.processes.get(pid)
-    return proc.name if proc is not None else (fallback or "?")
+    return cell_text(proc.name if proc is not None else (fallback or "?"))
 
 
 def holders_text(snapshot: Snapshot, gpu: GpuInfo) -> str:

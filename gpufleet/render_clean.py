@@ -59,6 +59,8 @@ def outcome_rows(results: Sequence[Any]) -> list[list[Any]]:
         verdict = r.verdict
         if r.verdict == "planned" and plan is not None:
             signalled: Any = f"({len(plan.targets)})"
+        elif getattr(r, "outcome_unknown", False):
+            signalled = "?"  # the host may have signalled; its report was lost
         else:
             signalled = _signalled(r.agent_doc)
         rows.append([r.host, gpus or "-", signalled, refused, freed, left, verdict, f"{r.seconds:.2f}s"])
@@ -95,6 +97,7 @@ def host_document(r: Any) -> dict[str, Any]:
         "error": r.error,
         "verdict": r.verdict,
         "reason": r.reason,
+        "outcome_unknown": bool(getattr(r, "outcome_unknown", False)),
         "gpus": scope,
         "seconds": round(r.seconds, 3),
         "targets": [

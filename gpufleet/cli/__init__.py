@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import click
 
-from ..errors import EXIT_USAGE, GpufleetError, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_USAGE, GpufleetError, UsageError
 
 
 @dataclass
@@ -88,7 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rc = cli.main(args=list(argv) if argv is not None else None, prog_name="gpufleet", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("gpufleet: aborted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except click.ClickException as exc:
         exc.show()
         sys.exit(EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code)
@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         click.echo("gpufleet: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         sys.exit(1)
     sys.exit(rc or 0)

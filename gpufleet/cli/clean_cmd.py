@@ -6,9 +6,7 @@ from typing import Optional
 
 import click
 
-from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
-
-EXIT_INTERRUPTED = 130
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from ..render import to_json
 from ..render_clean import clean_document, outcome_table, plan_text
 from . import AppContext, cli, selection_options, terminal_safe

@@ -5,7 +5,8 @@ import time
 
 import click
 
-from ..errors import EXIT_FAILED, EXIT_OK
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from ..fanout import ABANDONED, NOT_STARTED
 from ..render import status_document, status_table, to_json
 from . import AppContext, cli, selection_options, terminal_safe
 
@@ -31,5 +32,8 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
         click.echo(to_json(doc))
     else:
         click.echo(terminal_safe(status_table(results, expected)))
+    if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
+        click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
+        return EXIT_INTERRUPTED
     failed = any(not r.ok or r.snapshot is None or not r.snapshot.nvidia_smi_ok for r in results)
     return EXIT_FAILED if failed else EXIT_OK

@@ -83,6 +83,7 @@ def test_sshd_killed_mid_clean_leaves_a_host_record_and_an_unknown_outcome(
             in run.stdout), str(run)
     row = [ln for ln in run.stdout.splitlines() if ln.startswith("net-sever ")]
     assert len(row) == 1 and row[0].split()[6] == "error", str(run)
+    assert row[0].split()[2] == "?", str(run)  # SIGNALLED: unknown, not 0
     # the remote sequence went on without its session, and recorded every signal
     wait_for(lambda: not agents_left(host), 30, "the orphaned agent to finish")
     assert signals(agent_audit(host)) == [(stubborn, "TERM", "sent"), (stubborn, "KILL", "sent")]

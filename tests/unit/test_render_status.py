@@ -115,3 +115,11 @@ def test_host_warnings_are_printed_under_the_table() -> None:
     res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
     lines = status_table([res], {}).splitlines()
     assert lines[-1] == "box: warning: " + doc["warnings"][0]
+
+
+def test_a_newline_in_a_process_title_cannot_fake_a_holder_line() -> None:
+    doc = json.loads((FIX / "basic.json").read_text())
+    doc["processes"]["426"]["comm"] = "trainer\nVLLM::Worker 1 999MiB"
+    text = status_table([HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))], {})
+    assert "trainer\\x0aVLLM::Worker 1 999MiB 426 5638MiB" in text
+    assert not any(line.strip().startswith("VLLM::Worker 1 999MiB") for line in text.splitlines())
