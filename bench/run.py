@@ -657,7 +657,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gfbench-"))
     os.chmod(work, 0o755)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    bench = Bench(args, work)  # cleans up after itself if it fails half-way
+    try:
+        bench = Bench(args, work)  # closes what it made if it fails half-way
+    except BaseException:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     try:
         bench.say("work dir %s, netns %s" % (work, bench.net.netns))
         n_max = max(args.ns + args.ns_far + [args.fail_n] + args.clean_ns)
@@ -669,6 +674,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             bench.clean()
     finally:
         bench.close()
+        if not args.keep:
+            import shutil
+            shutil.rmtree(work, ignore_errors=True)
     seconds = time.monotonic() - T0
     saved = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     raw = {"command": command, "date": started, "seconds": round(seconds, 1), "args": saved,
@@ -682,10 +690,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         print("bench: matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
     print("wrote %s, %s, %s (%.0f s)" % (args.out, args.plot, args.raw, seconds))
-    if not args.keep:
-        import shutil
-        shutil.rmtree(work, ignore_errors=True)
-    else:
+    if args.keep:
         print("work dir kept: %s" % work)
     return 0
 
