@@ -6,6 +6,7 @@ error (nothing was done); 130 interrupted.
 from __future__ import annotations
 
 import re
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -100,7 +101,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         sys.exit(1)
+    if rc == EXIT_INTERRUPTED:
+        _exit_now(rc)
     sys.exit(rc or 0)
+
+
+def _exit_now(code: int) -> None:
+    """After Ctrl-C the operator stopped waiting for hosts still connecting (a blackholed
+    connect can take its whole timeout); their worker threads must not hold the exit."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 __all__ = ["cli", "main", "selection_options", "terminal_safe", "AppContext", "UsageError"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,24 @@ def test_gpus_naming_a_gpu_that_does_not_exist(lab: Any, make_host: Any, home: P
     assert audit_log(home) == []
     assert_gone_exactly(big, befores["four-gpus"], set())
     assert_gone_exactly(small, befores["two-gpus"], set())
+
+
+def test_ctrl_c_during_status_prints_what_was_gathered_and_exits_130(
+        lab: Any, make_host: Any, home: Path) -> None:
+    """--forks 1: the first host hangs in connect (blackholed) when Ctrl-C comes; a second
+    Ctrl-C stops waiting for it. The other host is never started; exit 130, no traceback."""
+    slow = lab.blackholed_host("int-slow")
+    later = make_host("int-later", gpus=1)
+    inv = lab.inventory_yaml([slow, later], connect_timeout=30)
+    proc = start_cli(home, inv, "--forks", "1", "status")
+    time.sleep(1.5)  # the CLI is inside the blackholed connect (bounded by its 30 s timeout)
+    os.kill(proc.pid, signal.SIGINT)  # the CLI this test started, by its pid
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    run = finish_cli(proc, timeout=60)
+    assert_no_traceback(run)
+    assert run.rc == 130, str(run)
+    assert run.seconds < 30, str(run)  # did not wait out the connect timeout
+    rows = {ln.split()[0]: ln for ln in run.stdout.splitlines() if ln.startswith("int-")}
+    assert "not started (interrupted)" in rows["int-later"], str(run)
+    assert "gpufleet: interrupted" in run.stderr, str(run)
