@@ -5,6 +5,7 @@ import json
 import shlex
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 from gpufleet.remote import agent_source, bootstrap_command, encode_request
@@ -40,7 +41,8 @@ def test_encode_request_framing_keeps_metacharacters_as_data():
     data = encode_request(request)
     n = data.index(b"\n")
     k = int(data[:n])
-    assert data[n + 1 : n + 1 + k] == agent_source()
+    assert zlib.decompress(data[n + 1 : n + 1 + k]) == agent_source()
+    assert k < len(agent_source()) // 2  # sent compressed
     assert json.loads(data[n + 1 + k :]) == request
 
 
