@@ -5,13 +5,14 @@ modules (model, plan, render) never import it.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 from typing import Any, Callable, Optional, Sequence
 
 from .fanout import run_hosts
 from .inventory import Host
 from .model import HostResult, SnapshotError, parse_snapshot
-from .transport import open_session
+from .transport import open_session, predial
 
 DEADLINE_MARGIN_S = 2.0
 
@@ -38,11 +39,12 @@ def result_from_reply(host: Host, reply: Any, started: float) -> HostResult:
     return HostResult(host=host.name, ok=True, snapshot=snap, seconds=seconds)
 
 
-def snapshot_host(host: Host) -> HostResult:
-    """One SSH connection, one exec: everything the host knows."""
+def snapshot_host(host: Host, dial: Optional[cf.Future] = None) -> HostResult:
+    """One SSH connection, one exec: everything the host knows (``dial``: its pre-dialled
+    connection, see transport.predial)."""
     started = time.monotonic()
     try:
-        with open_session(host) as session:
+        with open_session(host, dial) as session:
             reply = session.run_agent(snapshot_request(host), timeout=float(host.command_timeout))
     except Exception as exc:  # a failed host is a value, whatever broke
         return HostResult(host=host.name, ok=False, error=_short(exc), seconds=time.monotonic() - started)
@@ -56,8 +58,13 @@ def _short(exc: BaseException) -> str:
 
 def snapshot_hosts(hosts: Sequence[Host], forks: int = 32,
                    fn: Optional[Callable[[Host], HostResult]] = None) -> list[HostResult]:
-    func = fn or snapshot_host
-    out = run_hosts(hosts, func, forks=forks)
+    """Every host's snapshot, at most ``forks`` SSH sessions at a time; every TCP connect
+    starts at once (transport.predial), so unreachable hosts cost one connect_timeout in all."""
+    if fn is not None:
+        out = run_hosts(hosts, fn, forks=forks)
+    else:
+        with predial(hosts, forks) as dials:
+            out = run_hosts(hosts, lambda h: snapshot_host(h, dials.take(h)), forks=forks)
     return [
         r if isinstance(r, HostResult) else HostResult(host=h.name, ok=False, error=str(r))
         for h, r in zip(hosts, out)

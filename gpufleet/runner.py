@@ -180,8 +180,18 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
         return HostRun(host=host.name, ok=False, error=message,
                        steps=[StepResult(s.name, s.kind, SKIPPED) for s in runbook.steps])
 
-    return run_hosts(hosts, lambda h: run_host(runbook, h, operator, audit_log, on_step, open_session),
-                     forks=forks, make_error=make_error)
+    def run(h: Host, opener: Optional[Callable[[Host], Any]]) -> HostRun:
+        return run_host(runbook, h, operator, audit_log, on_step, opener)
+
+    if open_session is not None:
+        return run_hosts(hosts, lambda h: run(h, open_session), forks=forks, make_error=make_error)
+    # Every TCP connect starts now, outside the forks bound (unreachable hosts cost one
+    # connect_timeout in all); each host's session, steps and all, stays inside it.
+    from .transport import open_session as default_open, predial
+
+    with predial(hosts, forks) as dials:
+        return run_hosts(hosts, lambda h: run(h, lambda host: default_open(host, dials.take(host))),
+                         forks=forks, make_error=make_error)
 
 
 # --------------------------------------------------------------------------- output (pure)

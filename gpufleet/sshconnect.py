@@ -17,18 +17,25 @@ What gpufleet changes in fabric's defaults, and why:
   UserKnownHostsFile); a key the inventory sets (``Host.explicit``) wins. ssh_config is looked
   up by the inventory name; an inventory ``address`` overrides HostName.
 * Auth: gpufleet.sshauth (public keys only, never a prompt).
+* Pre-dialling (:func:`predial`): commands over many hosts start every direct host's TCP
+  connect at once, outside the ``--forks`` bound, so an unreachable host is known within its
+  own connect_timeout from the start of the command; the SSH handshake and the exec (the
+  CPU-heavy part) stay inside the bound and take the connected socket.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import paramiko
 from fabric import Config, Connection
@@ -129,6 +136,7 @@ class _Connection(Connection):
     _depth = 0
     _hop = False
     _files: Sequence[Path] = ()
+    _predialed: Optional[tuple] = None  # (connected socket, monotonic time of the connect)
 
     def __init__(self, host: str, gf: _Settings, depth: int = 0, hop: bool = False, **kwargs):
         self._gf = gf
@@ -223,7 +231,9 @@ class _Connection(Connection):
         sock = None
         try:
             if not self.gateway:
-                sock = _dial(self.host, int(self.port), self._gf.connect_timeout)
+                sock = self._take_predialed()
+                if sock is None:
+                    sock = _dial(self.host, int(self.port), self._gf.connect_timeout)
                 self.connect_kwargs["sock"] = sock
             return super().open()
         except _AuthFailed as exc:
@@ -244,6 +254,19 @@ class _Connection(Connection):
         finally:
             self.connect_kwargs.pop("sock", None)
 
+    def _take_predialed(self) -> Optional[socket.socket]:
+        """The socket :class:`Predial` connected for us, unless it waited so long for a forks
+        slot that sshd may have dropped it (LoginGraceTime runs from the accept): then it is
+        closed and the caller dials again (the host answered moments ago)."""
+        held, self._predialed = self._predialed, None
+        if held is None:
+            return None
+        sock, connected_at = held
+        if time.monotonic() - connected_at > PREDIAL_FRESH_S:
+            sock.close()
+            return None
+        return sock
+
     def _abort(self, sock) -> None:
         try:
             self.client.close()
@@ -259,6 +282,9 @@ class _Connection(Connection):
             self.client.close()
         finally:
             self.transport = None
+            held, self._predialed = self._predialed, None
+            if held is not None:  # connected for us, never used
+                held[0].close()
             if isinstance(self.gateway, Connection):
                 self.gateway.close()
 
@@ -324,6 +350,213 @@ def connection_for(host: Any) -> _Connection:
         conn.host = host.address
     conn._configure()
     return conn
+
+
+# --------------------------------------------------------------------------- pre-dialling
+
+PREDIAL_THREADS = 512  # dials in flight at once (each a thread mostly asleep in connect())
+# A pre-dialled socket older than this when its host gets a forks slot is dialled again: sshd
+# drops a connection that has not authenticated within LoginGraceTime (120 s by default, 30 s
+# in hardened configs), counted from the accept.
+PREDIAL_FRESH_S = 20.0
+_FD_RESERVE = 64  # descriptors left for everything else (files, pipes, DNS, paramiko)
+_FD_PER_FORK = 4  # a working host's socket, a jump host's, a local run's pipes
+
+
+def _fd_budget(forks: int) -> int:
+    """How many pre-dialled sockets may be held at once without running out of descriptors
+    (RLIMIT_NOFILE is 256 by default on macOS): hosts beyond it are dialled as slots free."""
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1 << 30
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    return int(soft) - _FD_RESERVE - _FD_PER_FORK * max(1, int(forks))
+
+
+def _quiet_sigint() -> None:
+    """Dial threads leave SIGINT to the main thread (see gpufleet.fanout._block_sigint)."""
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    except (AttributeError, ValueError, OSError):
+        pass
+
+
+class _Dial:
+    __slots__ = ("host", "future", "taken", "state", "holds_slot")
+
+    def __init__(self, host: Any):
+        self.host = host
+        self.future: cf.Future = cf.Future()
+        self.taken = False
+        self.state = "queued"  # -> "dialling" -> "done"
+        self.holds_slot = False
+
+
+class Predial:
+    """Every direct SSH host's TCP connect, started at once when a command begins.
+
+    Why: the ``--forks`` bound is for the SSH handshake and the exec (CPU); a connect is only
+    waiting, and a blackholed host's wait must not start when a slot frees (late in a large
+    fleet) but with the command. Each dial is what :meth:`_Connection.open` would have done
+    (ssh_config applied by :func:`connection_for`, DNS + connect bounded by the host's
+    connect_timeout) in a thread of its own; the host's worker then calls :meth:`take` for a
+    Future of the connection: a ``_Connection`` holding the connected socket, ``None`` (build
+    one as usual: ssh_config error, or the dial was given up), or the dial's error (the host's
+    row error, exactly as if the worker had dialled). Hosts with ProxyJump / ProxyCommand get a
+    ``_Connection`` without a socket: the jump is an SSH session, so it stays in the bound.
+
+    Sockets never taken (Ctrl-C: fanout starts no more hosts) are closed by :meth:`close`
+    (use ``with``), also those whose connect completes afterwards. Dial threads are daemons:
+    a blackholed connect never holds the exit. At most ``_fd_budget`` sockets are held here at
+    once; the further hosts' dials start as sockets are taken.
+    """
+
+    def __init__(self, hosts: Iterable[Any], forks: int = 32, threads: int = PREDIAL_THREADS):
+        self._lock = threading.Lock()
+        self._closed = False
+        self._dials: dict[str, _Dial] = {}
+        for host in hosts:
+            if getattr(host, "connection", "ssh") != "local":
+                self._dials.setdefault(str(host.name), _Dial(host))
+        self._queue = collections.deque(self._dials.values())
+        n = len(self._queue)
+        budget = _fd_budget(forks)
+        self._slots: Optional[threading.Semaphore] = (
+            threading.Semaphore(max(0, budget)) if budget < n else None)
+        count = self._threads = min(n, max(int(forks), int(threads)), max(0, budget))
+        if count <= 0:  # no descriptors to spare: every host dials in its worker, as before
+            self._queue.clear()
+            self._dials.clear()
+        try:
+            for i in range(count):
+                threading.Thread(target=self._run, name=f"gpufleet-dial-{i}", daemon=True).start()
+        except BaseException:  # Ctrl-C, or no more threads: what started is given up
+            self.close()
+            raise
+
+    # ---- the host's side
+
+    def take(self, host: Any) -> Optional[cf.Future]:
+        """The Future of this host's connection (ownership passes to the caller), or None:
+        not pre-dialled (local host, unknown, already taken, or after :meth:`close`)."""
+        with self._lock:
+            dial = self._dials.pop(str(getattr(host, "name", host)), None)
+            if dial is None or self._closed:
+                return None
+            dial.taken = True
+            if dial.state == "done":
+                self._release(dial)
+        return dial.future
+
+    def close(self) -> None:
+        """Give up every dial nobody took: queued ones never start, done ones are closed,
+        running ones close their socket when they end. Never blocks."""
+        with self._lock:
+            self._closed = True
+            queued = list(self._queue)
+            self._queue.clear()
+            untaken = list(self._dials.values())
+            self._dials.clear()
+        for dial in queued:
+            if dial.taken:  # its worker waits: it dials itself
+                dial.future.set_result(None)
+            else:
+                dial.future.cancel()
+        for dial in untaken:
+            if dial.state == "done":
+                _discard(dial.future)
+                with self._lock:
+                    self._release(dial)
+        # wake dial threads waiting for a descriptor slot, so they see _closed and end
+        if self._slots is not None:
+            for _ in range(self._threads):
+                self._slots.release()
+
+    def __enter__(self) -> "Predial":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- the dial threads
+
+    def _release(self, dial: _Dial) -> None:
+        """(lock held) The socket left our hands: its descriptor slot is free again."""
+        if dial.holds_slot:
+            dial.holds_slot = False
+            if self._slots is not None:
+                self._slots.release()
+
+    def _run(self) -> None:
+        _quiet_sigint()
+        while True:
+            if self._slots is not None:
+                self._slots.acquire()
+            with self._lock:
+                if self._closed or not self._queue:
+                    if self._slots is not None:
+                        self._slots.release()
+                    return
+                dial = self._queue.popleft()
+                dial.state = "dialling"
+                dial.holds_slot = True
+            try:
+                conn, exc = _dial_host(dial.host), None
+            except BaseException as error:  # the host's row error; never lost
+                conn, exc = None, error
+            with self._lock:  # settled under the lock: close() then sees every socket
+                dial.state = "done"
+                give_up = self._closed and not dial.taken
+                if dial.taken or give_up or conn is None or conn._predialed is None:
+                    self._release(dial)
+                if give_up:
+                    dial.future.cancel()
+                elif exc is not None:
+                    dial.future.set_exception(exc)
+                else:
+                    dial.future.set_result(conn)
+            if give_up and conn is not None:
+                conn.close()
+
+
+def _dial_host(host: Any) -> Optional[_Connection]:
+    """One host's connection with its socket connected (not yet SSH), as open() would dial.
+
+    None when ssh_config cannot be applied: the worker builds it again and reports that.
+    """
+    try:
+        conn = connection_for(host)
+    except Exception:
+        return None
+    if conn.gateway:  # ProxyJump / ProxyCommand: dialled by open(), inside the forks bound
+        return conn
+    try:
+        sock = _dial(conn.host, int(conn.port), conn._gf.connect_timeout)
+    except BaseException:
+        conn.close()
+        raise
+    conn._predialed = (sock, time.monotonic())
+    return conn
+
+
+def _discard(future: cf.Future) -> None:
+    """Close the connection a finished dial holds (nobody will use it)."""
+    try:
+        conn = future.result(timeout=0)
+    except BaseException:
+        return
+    if conn is not None:
+        conn.close()
+
+
+def predial(hosts: Iterable[Any], forks: int = 32) -> Predial:
+    """Start every direct SSH host's TCP connect now; ``with predial(hosts, forks) as dials:``
+    then each worker calls ``open_session(host, dial=dials.take(host))``."""
+    return Predial(hosts, forks)
 
 
 # --------------------------------------------------------------------------- host keys

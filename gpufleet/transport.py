@@ -20,6 +20,7 @@ names from here.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import math
 import os
@@ -34,19 +35,21 @@ import paramiko
 from .hostexec import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP, _exec, _Raw, _run_local
 from .sshconnect import (
     MAX_HOPS,
+    Predial,
     TransportError,
     TrustResult,
     _Connection,
     _reason,
     connection_for,
     fetch_host_key,
+    predial,
     trust,
 )
 
 __all__ = [
     "INLINE_STDIN", "KILL_AFTER_S", "MAX_HOPS", "STDERR_KEEP", "AgentReply", "ArgvResult",
-    "LocalSession", "Session", "SshSession", "TransportError", "TrustResult", "connection_for",
-    "deadline_for", "fetch_host_key", "open_session", "trust",
+    "LocalSession", "Predial", "Session", "SshSession", "TransportError", "TrustResult",
+    "connection_for", "deadline_for", "fetch_host_key", "open_session", "predial", "trust",
 ]
 
 
@@ -266,18 +269,33 @@ class LocalSession(Session):
 
 
 class SshSession(Session):
-    """One SSH connection (through any ProxyJump hops), opened once, one exec per run."""
+    """One SSH connection (through any ProxyJump hops), opened once, one exec per run.
 
-    def __init__(self, host: Any):
+    ``dial``: this host's Future from :func:`predial` (its TCP connect started with the
+    command); used for the first connect only, a reconnect dials afresh.
+    """
+
+    def __init__(self, host: Any, dial: Optional[cf.Future] = None):
         super().__init__(host)
         self.conn: Optional[_Connection] = None
         self._was_open = False
-        self._connect()
+        self._connect(dial)
 
-    def _connect(self) -> None:
+    def _connect(self, dial: Optional[cf.Future] = None) -> None:
         started = time.monotonic()
+        conn = None
+        if dial is not None:
+            try:
+                conn = dial.result()  # bounded: the dial has the host's connect_timeout
+            except cf.CancelledError:
+                conn = None  # given up (interrupted): dial here, as without a pre-dial
+            except Exception as exc:  # the dial failed: the same row error as dialling here
+                self.error = _reason(exc)
+                self.connect_seconds = time.monotonic() - started
+                return
         try:
-            conn = connection_for(self.host)
+            if conn is None:
+                conn = connection_for(self.host)
         except Exception as exc:
             self.error = f"ssh config: {_reason(exc)}"
             return
@@ -325,8 +343,12 @@ class SshSession(Session):
             self.conn = None
 
 
-def open_session(host: Any) -> Session:
-    """Open the host's session (connects now for ssh); never raises for host failures."""
+def open_session(host: Any, dial: Optional[cf.Future] = None) -> Session:
+    """Open the host's session (connects now for ssh); never raises for host failures.
+
+    ``dial``: the host's pre-dialled connection (``predial(hosts, forks).take(host)``), so its
+    TCP connect need not wait for a forks slot; None dials here.
+    """
     if getattr(host, "connection", "ssh") == "local":
         return LocalSession(host)
-    return SshSession(host)
+    return SshSession(host, dial)

@@ -44,7 +44,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     from ..cleaning import CleanOptions, clean_host, execute_plan, plan_host
     from ..fanout import run_hosts
     from ..selection import parse_gpu_list
-    from ..transport import open_session
+    from ..transport import open_session, predial
 
     if disable_units and not stop_units:
         raise UsageError("--disable-units needs --stop-units")
@@ -68,13 +68,16 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
         # same connections.
         sessions: dict[str, object] = {}
 
-        def plan_only(h):
-            session = open_session(h)
+        def plan_only(h, dials):
+            session = open_session(h, dials.take(h))
             sessions[h.name] = session.__enter__()
             return plan_host(h, sessions[h.name], opts)
 
         try:
-            results = run_hosts(selected, _as_value(plan_only), **fan)
+            # every TCP connect starts now, outside the forks bound (unreachable hosts cost
+            # one connect_timeout in all); handshakes and plans stay inside it
+            with predial(selected, app.forks) as dials:
+                results = run_hosts(selected, _as_value(lambda h: plan_only(h, dials)), **fan)
             if interrupted:  # Ctrl-C while planning: nothing is signalled anywhere
                 results = [_value(h, r) for h, r in zip(selected, results)]
                 click.echo(terminal_safe(outcome_table(results)))
