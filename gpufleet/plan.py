@@ -235,44 +235,15 @@ def make_plan(
 ) -> Plan:
     """Decide what a clean of ``scope`` (None = every GPU) on this host would signal.
 
-    nvidia-smi rows that are evidence of nothing (``untrusted_rows``) are taken out first and
+    nvidia-smi rows that are evidence of nothing (``untrusted_rows``) are set aside first and
     their PIDs refused; the rules in the module docstring decide the rest.
     """
-    options = dict(protect=protect, include_spanning=include_spanning,
-                   include_parents=include_parents, stop_units=stop_units,
-                   disable_units=disable_units, unattributed_mib=unattributed_mib,
-                   tolerance_mib=tolerance_mib, is_sudo=is_sudo, host=host)
-    untrusted = untrusted_rows(snapshot)
-    if not untrusted:
-        return _plan_from_evidence(snapshot, scope, **options)
-    trusted = replace(snapshot, compute_apps=tuple(
-        a for a in snapshot.compute_apps if a.pid not in untrusted))
-    plan = _plan_from_evidence(trusted, scope, **options)
-    in_scope = set(plan.scope)
-    extra = tuple(
-        Refusal(pid, snapshot.processes[pid].name, reason, UNTRUSTED_ROW,
-                snapshot.gpu_indices_of_app(pid))
-        for pid, reason in sorted(untrusted.items())
-        if plan.full_scope or set(snapshot.gpu_indices_of_app(pid)) & in_scope)
-    return replace(plan, refused=plan.refused + extra)
-
-
-def _plan_from_evidence(
-    snapshot: Snapshot,
-    scope: Optional[tuple[int, ...]] = None,
-    *,
-    protect: Iterable[str] = (),
-    include_spanning: bool = False,
-    include_parents: bool = False,
-    stop_units: bool = False,
-    disable_units: bool = False,
-    unattributed_mib: int = 0,
-    tolerance_mib: int = 64,
-    is_sudo: bool = False,
-    host: Optional[str] = None,
-) -> Plan:
-    """The plan from trusted GPU evidence (``make_plan`` has removed untrusted rows)."""
     host = host or snapshot.facts.hostname or "?"
+    untrusted = untrusted_rows(snapshot)
+    listed_as = {pid: snapshot.gpu_indices_of_app(pid) for pid in untrusted}
+    if untrusted:
+        snapshot = replace(snapshot, compute_apps=tuple(
+            a for a in snapshot.compute_apps if a.pid not in untrusted))
     if unattributed_mib < 0 or tolerance_mib < 0:
         raise UsageError(f"{host}: unattributed_mib and tolerance_mib must be >= 0")
     scope_t, full = _resolve_scope(snapshot, scope, host)
@@ -613,6 +584,9 @@ def _plan_from_evidence(
     if not out_targets:
         notes.append("nothing to signal")
 
+    for pid, reason in untrusted.items():  # a row is no evidence; family ties may still be
+        if pid not in targets and (full or set(listed_as[pid]) & in_scope):
+            refused[pid] = Refusal(pid, procs[pid].name, reason, UNTRUSTED_ROW, listed_as[pid])
     return Plan(
         host=host,
         scope=scope_t,
