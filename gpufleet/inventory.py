@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
 from gpufleet.errors import UsageError
-from gpufleet.yamlsource import (LineMap, LineSeq, describe, did_you_mean, load_yaml, one_line,
-                                  read_source)
+from gpufleet.yamlsource import (LineMap, LineSeq, describe, did_you_mean, has_control, load_yaml,
+                                  one_line, plain_string, read_source)
 
 ENV_VAR = "GPUFLEET_INVENTORY"
 LOCAL_FILENAME = "fleet.yaml"
@@ -205,22 +205,8 @@ def load_inventory(path: Optional[os.PathLike | str], display: Optional[str] = N
 Fail = Callable[[str], NoReturn]
 
 
-def _has_control(text: str) -> bool:
-    return any(ord(c) < 32 or ord(c) == 127 or 0x80 <= ord(c) < 0xA0 for c in text)
-
-
-def _string(value: Any, fail: Fail, what: str = "a string") -> str:
-    if not isinstance(value, str):
-        fail(f"expected {what}, got {describe(value)}")
-    if value == "":
-        fail(f"expected {what}, got an empty string")
-    if _has_control(value):
-        fail(f"control characters (NUL, newline, ...) are not allowed: {value!r}")
-    return value
-
-
 def _check_name(value: Any, fail: Fail, what: str) -> str:
-    text = _string(value, fail, what)
+    text = plain_string(value, fail, what)
     if len(text) > _MAX_NAME or not _NAME_RE.match(text):
         fail(f"invalid {what} {text!r}: use letters, digits, '.', '_' and '-' "
              "(not starting with '.' or '-')")
@@ -228,7 +214,7 @@ def _check_name(value: Any, fail: Fail, what: str) -> str:
 
 
 def _v_address(value: Any, fail: Fail, ctx: "_Ctx") -> str:
-    text = _string(value, fail, "a host name, IP address or ~/.ssh/config alias")
+    text = plain_string(value, fail, "a host name, IP address or ~/.ssh/config alias")
     if "@" in text:
         fail(f"address {text!r} contains '@': put the user in 'user:' instead")
     if text.count(":") == 1 and text.rsplit(":", 1)[1].isdigit():
@@ -250,7 +236,7 @@ def _v_port(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[int]:
 def _v_user(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
     if value is None:
         return None
-    text = _string(value, fail, "a user name")
+    text = plain_string(value, fail, "a user name")
     if len(text) > _MAX_NAME or not _USER_RE.match(text) or text.isdigit():
         fail(f"invalid user name {text!r}: letters, digits, '.', '_' and '-' "
              "(not starting with '-' or '.', not all digits)")
@@ -261,7 +247,7 @@ def _v_local_path(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
     """A file on THIS machine: '~' is kept for the transport; relative is to the inventory."""
     if value is None:
         return None
-    text = _string(value, fail, "a file path")
+    text = plain_string(value, fail, "a file path")
     if text.startswith("~") or os.path.isabs(text) or ctx.base_dir is None:
         return text
     return str(ctx.base_dir / text)
@@ -270,7 +256,7 @@ def _v_local_path(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
 def _v_remote_path(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
     if value is None:
         return None
-    text = _string(value, fail, "an absolute path")
+    text = plain_string(value, fail, "an absolute path")
     if not text.startswith("/"):
         fail(f"expected an absolute path on the host, got {text!r} "
              "(leave it unset to search PATH and the usual places)")
@@ -308,7 +294,7 @@ def _v_bool(value: Any, fail: Fail, ctx: "_Ctx") -> bool:
 
 
 def _v_python(value: Any, fail: Fail, ctx: "_Ctx") -> str:
-    text = _string(value, fail, "an interpreter name or path")
+    text = plain_string(value, fail, "an interpreter name or path")
     if len(text) > 4096 or not _PYTHON_RE.match(text):
         fail(f"invalid interpreter {text!r}: one command name or path "
              "(letters, digits, '/', '.', '_', '+', '-'; no spaces or arguments)")
@@ -340,7 +326,7 @@ def _list_of(
 
 
 def _glob(value: Any, fail: Fail) -> str:
-    return _string(value, fail, "a glob pattern string")
+    return plain_string(value, fail, "a glob pattern string")
 
 
 def _tag(value: Any, fail: Fail) -> str:
@@ -418,7 +404,7 @@ def _settings(raw: dict, allowed: Sequence[str], ctx: _Ctx) -> dict[str, Any]:
             fail = ctx.failer(line)
             if key == "address":
                 fail("'address' cannot be set in defaults (each host has its own)")
-            if _has_control(key):
+            if has_control(key):
                 fail(f"invalid key {key!r}")
             fail(f"unknown key {key!r}{did_you_mean(key, allowed)}")
         if value is None and key in _NULLABLE:
@@ -511,7 +497,7 @@ def parse_inventory(
             if isinstance(members, LineSeq):
                 mline, member = members.item_line(i), members.item_text(i)
             mfail = gctx.failer(mline, f"groups.{gname}[{i}]")
-            _string(member, mfail, "a host name")
+            plain_string(member, mfail, "a host name")
             if member not in hosts_raw:
                 mfail(f"unknown host {member!r}{did_you_mean(member, host_names)}")
             out.setdefault(member, None)

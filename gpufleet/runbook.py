@@ -43,13 +43,12 @@ from .runbook_values import (
     MAX_TIMEOUT_S,
     UNIT_SUFFIXES,
     Fail,
-    _plain_string,
     _Templated,
     _v_bool,
     _v_timeout,
     unit_name,
 )
-from .yamlsource import LineMap, LineSeq, did_you_mean, load_yaml, read_source
+from .yamlsource import LineMap, LineSeq, did_you_mean, load_yaml, plain_string, read_source
 from .yamlsource import describe as describe_value
 
 __all__ = [
@@ -268,7 +267,7 @@ def parse_runbook(text: str, source: str = "<string>",
         fail_at(_line(doc) or 1)(f"a runbook is a mapping with 'steps:', got {describe_value(doc)}")
 
     name = doc.get("name", default_name)
-    _plain_string(name, fail_at(_line(doc, "name"), "name"), "a runbook name")
+    plain_string(name, fail_at(_line(doc, "name"), "name"), "a runbook name")
     description = doc.get("description") or ""
     if not isinstance(description, str):
         fail_at(_line(doc, "description"), "description")(f"expected text, got {describe_value(description)}")
@@ -337,7 +336,7 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
         fail_at(_line(raw, "kind"), where)(
             f"unknown step kind {kind!r}{did_you_mean(str(kind), KINDS)} (kinds: {', '.join(KINDS)})")
     if "name" in raw:
-        name = _plain_string(str(substitute(raw["name"], variables)) if isinstance(raw["name"], str)
+        name = plain_string(str(substitute(raw["name"], variables)) if isinstance(raw["name"], str)
                              else raw["name"], fail_at(_line(raw, "name"), where), "a step name")
     else:
         name = kind

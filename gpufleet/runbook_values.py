@@ -14,7 +14,7 @@ from typing import Any, Callable, NoReturn, Optional
 
 from .errors import UsageError
 from .selection import parse_gpu_list
-from .yamlsource import did_you_mean
+from .yamlsource import did_you_mean, plain_string
 from .yamlsource import describe as describe_value
 
 MAX_TIMEOUT_S = 86400.0
@@ -28,20 +28,6 @@ Fail = Callable[[str], NoReturn]
 
 class _Templated(str):
     """A string that came (wholly) from a variable: numbers may then be written as text."""
-
-
-def _has_control(text: str) -> bool:
-    return any(ord(c) < 32 or ord(c) == 127 for c in text)
-
-
-def _plain_string(value: Any, fail: Fail, what: str = "a string") -> str:
-    if not isinstance(value, str):
-        fail(f"expected {what}, got {describe_value(value)}")
-    if value == "":
-        fail(f"expected {what}, got an empty string")
-    if _has_control(value):
-        fail(f"control characters (NUL, newline, ...) are not allowed: {value!r}")
-    return value
 
 
 def _number(value: Any, fail: Fail, what: str, integer: bool = False) -> float:
@@ -127,7 +113,7 @@ def unit_name(text: str) -> str:
 
 
 def _v_unit(value: Any, fail: Fail) -> str:
-    text = _plain_string(value, fail, "a systemd unit name")
+    text = plain_string(value, fail, "a systemd unit name")
     try:
         return unit_name(text)
     except ValueError as exc:
@@ -153,7 +139,7 @@ def _v_globs(value: Any, fail: Fail) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list):
         fail(f"expected a list of glob strings, got {describe_value(value)}")
-    return tuple(dict.fromkeys(_plain_string(v, _sub_fail(fail, f"[{i}]"), "a glob string")
+    return tuple(dict.fromkeys(plain_string(v, _sub_fail(fail, f"[{i}]"), "a glob string")
                                for i, v in enumerate(value)))
 
 
@@ -162,7 +148,7 @@ _PROGRAM = re.compile(r"[A-Za-z0-9_./+][A-Za-z0-9_./+-]*\Z")
 
 def _v_program(value: Any, fail: Fail) -> str:
     """A command name or absolute path on the host (one argv word, never shell text)."""
-    text = _plain_string(value, fail, "a program name or absolute path")
+    text = plain_string(value, fail, "a program name or absolute path")
     if len(text) > 4096 or not _PROGRAM.match(text) or ("/" in text and not text.startswith("/")):
         fail(f"invalid program {text!r}: a command name or an absolute path "
              "(letters, digits, '/', '.', '_', '+', '-')")
@@ -170,7 +156,7 @@ def _v_program(value: Any, fail: Fail) -> str:
 
 
 def _v_url(value: Any, fail: Fail) -> str:
-    text = _plain_string(value, fail, "an http:// or https:// URL")
+    text = plain_string(value, fail, "an http:// or https:// URL")
     if any(c.isspace() for c in text):
         fail(f"invalid URL {text!r}: no spaces")
     parts = urllib.parse.urlsplit(text)
@@ -231,7 +217,7 @@ def _v_command(value: Any, fail: Fail) -> str:
 def _v_dtype(value: Any, fail: Fail) -> str:
     from .fit import DTYPE_BYTES
 
-    text = _plain_string(value, fail, "a dtype").strip().lower()
+    text = plain_string(value, fail, "a dtype").strip().lower()
     if text not in DTYPE_BYTES:
         fail(f"unknown dtype {value!r}{did_you_mean(text, sorted(DTYPE_BYTES))} "
              f"(known: {', '.join(sorted(DTYPE_BYTES))})")

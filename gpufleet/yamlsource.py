@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
@@ -244,3 +244,19 @@ def read_source(path: Path, source: str, what: str, max_bytes: int) -> str:
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise UsageError(f"{source}:{line}: not valid UTF-8") from None
+
+
+def has_control(text: str) -> bool:
+    """C0/C1 control characters (NUL, newline, ESC, ...): never valid in an operator's value."""
+    return any(ord(c) < 32 or ord(c) == 127 or 0x80 <= ord(c) < 0xA0 for c in text)
+
+
+def plain_string(value: Any, fail: Callable[[str], NoReturn], what: str = "a string") -> str:
+    """A non-empty string without control characters, or ``fail`` says what was expected."""
+    if not isinstance(value, str):
+        fail(f"expected {what}, got {describe(value)}")
+    if value == "":
+        fail(f"expected {what}, got an empty string")
+    if has_control(value):
+        fail(f"control characters (NUL, newline, ...) are not allowed: {value!r}")
+    return value
