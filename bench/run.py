@@ -584,6 +584,9 @@ def plot(bench: Bench, args: argparse.Namespace, path: Path) -> None:
     import matplotlib.pyplot as plt
     summ = summarize(bench.runs)
     rtts = sorted({k[0] for k in summ})
+    if not rtts:  # a partial run (e.g. failure cases only) has no sweep to plot
+        print("plot: no status sweep in this run; %s left as it was" % path)
+        return
     fig, axes = plt.subplots(1, len(rtts), figsize=(5.2 * len(rtts), 3.8), squeeze=False)
     for ax, rtt in zip(axes[0], rtts):
         for tool in TOOLS:
