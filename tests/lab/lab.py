@@ -100,9 +100,10 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
 
 
 def _keep_dirs() -> list[str]:
-    """This interpreter's directories that a host's private /root or /tmp would hide."""
+    """This interpreter's directories, and the checkout gpufleet is imported from (an editable
+    install: CI may clone under /tmp), that a host's private /root or /tmp would hide."""
     out = []
-    for p in (sys.base_prefix, sys.prefix):
+    for p in (sys.base_prefix, sys.prefix, str(Path(__file__).resolve().parents[2])):
         p = os.path.realpath(p)
         if p.startswith(("/root/", "/tmp/")) and p not in out:
             out.append(p)
