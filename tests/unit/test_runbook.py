@@ -610,7 +610,7 @@ def test_wait_http_polls_until_the_status(tmp_path: Path) -> None:
         assert run.ok, run.steps[0].detail
         assert "answered HTTP 200" in run.steps[0].detail and "(3 attempt(s))" in run.steps[0].detail
         assert hits == ["/health"] * 3
-        run = _run_local(f"steps:\n  - {{kind: wait_http, url: '{url}', status: 204, interval: 0.2, timeout: 2}}\n")
+        run = _run_local(f"steps:\n  - {{kind: wait_http, url: '{url}', status: 204, interval: 0.2, timeout: 6}}\n")
         assert run.steps[0].outcome == "failed" and "last: HTTP 200" in run.steps[0].detail
     finally:
         server.shutdown()
