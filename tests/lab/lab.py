@@ -110,6 +110,16 @@ def _keep_dirs() -> list[str]:
     return out
 
 
+def _run_text(argv: Sequence[str], what: str, timeout: float, input: Optional[str], check: bool,
+              env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run a command into a host (ssh or nsenter) with text I/O; ``check`` raises LabError."""
+    res = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout,
+                         env=env, stdin=None if input is not None else subprocess.DEVNULL)
+    if check and res.returncode != 0:
+        raise LabError("%s: exit %d: %s" % (what, res.returncode, res.stderr.strip()))
+    return res
+
+
 def _holder_args(spec: Mapping[str, Any]) -> list[str]:
     """fakecuda.py arguments for one holder spec (see LabHost.spawn_holder)."""
     args = ["--gpus", ",".join(str(g) for g in spec.get("gpus", [0]))]
@@ -314,19 +324,8 @@ class LabHost:
     ) -> subprocess.CompletedProcess:
         """Run ``cmd`` (shell text, or an argv that is quoted here) over real SSH."""
         text = cmd if isinstance(cmd, str) else shlex.join(cmd)
-        res = subprocess.run(
-            self.ssh_argv(user) + ["--", text],
-            input=input,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=None if input is not None else subprocess.DEVNULL,
-        )
-        if check and res.returncode != 0:
-            raise LabError(
-                "ssh %s %r: exit %d: %s" % (self.name, text, res.returncode, res.stderr.strip())
-            )
-        return res
+        return _run_text(self.ssh_argv(user) + ["--", text], "ssh %s %r" % (self.name, text),
+                         timeout, input, check)
 
     def exec(
         self,
@@ -344,20 +343,8 @@ class LabHost:
             prefix += ["--init-groups"]
             prefix = prefix + ["env", "HOME=%s" % pw.pw_dir, "USER=%s" % user, "LOGNAME=%s" % user]
         env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
-        res = subprocess.run(
-            prefix + ["--"] + list(argv) if user == "root" else prefix + list(argv),
-            input=input,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            stdin=None if input is not None else subprocess.DEVNULL,
-        )
-        if check and res.returncode != 0:
-            raise LabError(
-                "exec on %s %r: exit %d: %s" % (self.name, argv, res.returncode, res.stderr.strip())
-            )
-        return res
+        return _run_text(prefix + ["--"] + list(argv) if user == "root" else prefix + list(argv),
+                         "exec on %s %r" % (self.name, argv), timeout, input, check, env=env)
 
     def holder_python(self, user: str = "root") -> str:
         """Interpreter for holders: this one (it has setproctitle) when the user can run it."""
