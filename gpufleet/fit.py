@@ -35,7 +35,7 @@ tensor; nvidia-smi free before/after and ``mem_get_info`` minus ``memory_reserve
 
 * ``DEFAULT_CONTEXT_MIB = 620``: free memory dropped 143156 -> 142536 MiB when the CUDA
   context was created (non-torch 619 MiB in-process, nvidia-smi used 621 MiB). The older
-  probe in /work/shared/recorded/h200-single-gpu.log shows ~518 MiB per process (20998 MiB
+  probe in tests/fixtures/recorded/logs/h200-single-gpu.log shows ~518 MiB per process (20998 MiB
   attributed to a 20 GiB tensor), so contexts differ by driver/torch build: pass
   ``context_mib`` when you know yours.
 * ``DEFAULT_NCCL_MIB = 840``: with two ranks, ``init_process_group("nccl")`` + a barrier

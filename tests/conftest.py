@@ -3,7 +3,7 @@
 The lab (tests/lab/lab.py, documented in tests/lab/README.md) needs root, openssh-server and
 unshare. Where it cannot run, its tests SKIP with a loud reason, except under CI (CI=true),
 where they FAIL: a CI run that silently skipped every SSH test would prove nothing.
-The recorded output lives in ../shared/recorded beside the repository (CI clones it there).
+The recorded output lives in tests/fixtures/recorded/logs (raw logs of real H200 hosts, copied in).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = REPO_ROOT / "tests" / "lab"
-RECORDED_DIR = REPO_ROOT.parent / "shared" / "recorded"
+RECORDED_DIR = REPO_ROOT / "tests" / "fixtures" / "recorded" / "logs"
 
 if str(LAB_DIR) not in sys.path:
     sys.path.insert(0, str(LAB_DIR))
@@ -54,9 +54,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 @pytest.fixture(scope="session")
 def recorded_dir() -> Path:
-    """/work/shared/recorded: raw logs of real H200 hosts (see its README.md)."""
+    """tests/fixtures/recorded/logs: raw logs of real H200 hosts (see its README.md)."""
     if not (RECORDED_DIR / "h200-single-gpu.log").is_file():
-        problem = "%s not found (shared/ must sit beside the repo)" % RECORDED_DIR
+        problem = "%s not found (the repository is incomplete)" % RECORDED_DIR
         require("recorded nvidia-smi output", problem)
     return RECORDED_DIR
 

@@ -1,7 +1,7 @@
 """The agent's pure parsers against RECORDED nvidia-smi and /proc output.
 
 Recorded text lives in tests/fixtures/recorded/ (exact copies of line ranges of
-/work/shared/recorded/*.log, see SOURCES.json there). Where the recorded logs hold no sample
+tests/fixtures/recorded/logs/*.log, see SOURCES.json there). Where the recorded logs hold no sample
 (stat lines, cgroup paths of systemd services, docker, kubepods, sessions; the driver's
 /proc information file), the sample below is built from the documented format and says so.
 """
@@ -18,7 +18,7 @@ from gpufleet.remote import agent
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "recorded"
-RECORDED_LOGS = REPO.parent / "shared" / "recorded"
+RECORDED_LOGS = FIXTURES / "logs"  # copies of the project's raw H200 logs (README there)
 
 GPU0_UUID = "GPU-b6867955-3f5c-7ad9-b674-7a2248eb9a7f"  # h200-single-gpu.log line 33
 GPU1_UUID_TWO = "GPU-b226c03d-98d5-aaff-f57c-8cd874d83c3e"  # h200-two-gpus.log line 11
@@ -32,8 +32,6 @@ def fixture(name: str) -> str:
 
 
 def test_fixtures_match_recorded_logs():
-    if not RECORDED_LOGS.is_dir():
-        pytest.skip("recorded logs not beside the repository")
     sources = json.loads((FIXTURES / "SOURCES.json").read_text())
     assert len(sources) >= 10
     for name, src in sources.items():
