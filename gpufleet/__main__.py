@@ -1,4 +1,4 @@
 """`python -m gpufleet` is the `gpufleet` command."""
-from .cli import main
+from gpufleet.cli import main
 
 main()

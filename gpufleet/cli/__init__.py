@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import click
 
-from ..errors import EXIT_INTERRUPTED, EXIT_USAGE, GpufleetError, UsageError
+from gpufleet.errors import EXIT_INTERRUPTED, EXIT_USAGE, GpufleetError, UsageError
 
 
 @dataclass
@@ -25,7 +25,7 @@ class AppContext:
     def inventory(self):
         """Loaded lazily so `gpufleet --help` never touches the disk."""
         if self._inventory is None:
-            from ..inventory import IMPLICIT_HINT, find_inventory, load_inventory
+            from gpufleet.config.inventory import IMPLICIT_HINT, find_inventory, load_inventory
 
             self._inventory = load_inventory(find_inventory(self.inventory_path))
             if self._inventory.implicit:
@@ -33,7 +33,7 @@ class AppContext:
         return self._inventory
 
     def select(self, hosts: Sequence[str], groups: Sequence[str], tags: Sequence[str], all_: bool):
-        from ..selection import select
+        from gpufleet.config.selection import select
 
         return select(self.inventory(), hosts=list(hosts), groups=list(groups), tags=list(tags), all_=all_)
 
@@ -71,7 +71,7 @@ def cli(ctx: click.Context, inventory_path: Optional[str], forks: int) -> None:
 
 
 def _register() -> None:
-    from . import hosts_cmd, status_cmd  # noqa: F401  (importing registers the commands)
+    from gpufleet.cli import hosts_cmd, status_cmd  # noqa: F401  (importing registers the commands)
     del hosts_cmd, status_cmd
 
     for optional in ("clean_cmd", "fit_click", "run_cmd", "trust_cmd"):

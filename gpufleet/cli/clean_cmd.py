@@ -6,10 +6,10 @@ from typing import Optional
 
 import click
 
-from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
-from ..render import to_json
-from ..render_clean import clean_document, outcome_table, plan_text
-from . import AppContext, cli, selection_options, terminal_safe
+from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from gpufleet.render.status import to_json
+from gpufleet.render.clean import clean_document, outcome_table, plan_text
+from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
 
 
 @cli.command()
@@ -41,10 +41,10 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     Exit 0 all clean (or the plan, with --dry-run); 1 any host dirty, unreachable or failed;
     2 usage/inventory error or no --yes in a non-interactive run (nothing signalled).
     """
-    from ..cleaning import CleanOptions, clean_host, execute_plan, plan_host
-    from ..fanout import run_hosts
-    from ..selection import parse_gpu_list
-    from ..transport import open_session, predial
+    from gpufleet.ops.clean import CleanOptions, clean_host, execute_plan, plan_host
+    from gpufleet.ops.fanout import run_hosts
+    from gpufleet.config.selection import parse_gpu_list
+    from gpufleet.transport import open_session, predial
 
     if disable_units and not stop_units:
         raise UsageError("--disable-units needs --stop-units")
@@ -157,7 +157,7 @@ def _on_interrupt(flag: list):
 def _not_run(item, message: str):
     """fanout's value for a host it did not start, or stopped waiting for: a HostClean row
     (the work items are Hosts while planning, HostCleans while acting)."""
-    from ..cleaning import HostClean
+    from gpufleet.ops.clean import HostClean
 
     name = getattr(item, "host", None) if isinstance(item, HostClean) else getattr(item, "name", None)
     out = HostClean(host=str(name or item), ok=False, verdict="interrupted")
@@ -170,7 +170,7 @@ def _not_run(item, message: str):
 
 def _as_value(func):
     """Wrap a per-host function so any exception becomes that host's error row."""
-    from ..cleaning import HostClean
+    from gpufleet.ops.clean import HostClean
 
     def run(h):
         try:
@@ -182,7 +182,7 @@ def _as_value(func):
 
 
 def _value(host, result):
-    from ..cleaning import HostClean
+    from gpufleet.ops.clean import HostClean
 
     if isinstance(result, HostClean):
         return result

@@ -5,10 +5,10 @@ from typing import Optional
 
 import click
 
-from ..fit import DEFAULT_UTIL
-from ..render import to_json
-from . import AppContext, cli, selection_options
-from .fit_cmd import fit_report, need_from_options, parse_gpus, render_text
+from gpufleet.core.fit import DEFAULT_UTIL
+from gpufleet.render.status import to_json
+from gpufleet.cli import AppContext, cli, selection_options
+from gpufleet.cli.fit_cmd import fit_report, need_from_options, parse_gpus, render_text
 
 
 @cli.command()
@@ -31,7 +31,7 @@ def fit(app: AppContext, hosts, groups, tags, all_, gpus_spec: str, weights_gib:
         params: Optional[str], dtype: Optional[str], activations_gib: float, non_torch_gib: float,
         util: float, tp: int, context_mib: Optional[float], as_json: bool) -> int:
     """Will this model fit on the selected GPUs? Exit 0 fits everywhere, 1 not somewhere, 2 usage."""
-    from ..collect import snapshot_hosts
+    from gpufleet.ops.collect import snapshot_hosts
 
     gpus = parse_gpus(gpus_spec)
     need = need_from_options(weights_gib=weights_gib, params=params, dtype=dtype,

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..errors import EXIT_FAILED, EXIT_OK, UsageError
-from ..fit import (
+from gpufleet.errors import EXIT_FAILED, EXIT_OK, UsageError
+from gpufleet.core.fit import (
     DEFAULT_UTIL,
     FitResult,
     GpuMemory,
@@ -23,8 +23,8 @@ from ..fit import (
     validate_util,
     weights_gib_from_params,
 )
-from ..model import HostResult, Snapshot
-from ..selection import parse_gpu_list
+from gpufleet.core.model import HostResult, Snapshot
+from gpufleet.config.selection import parse_gpu_list
 
 HEADERS = ["HOST", "GPU", "TOTAL", "FREE", "VLLM FREE", "REQUESTED", "START-UP", "KV CACHE",
            "MAX UTIL", "MIN UTIL", "VERDICT"]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
-from ..render import to_json
-from . import AppContext, cli, selection_options
+from gpufleet.render.status import to_json
+from gpufleet.cli import AppContext, cli, selection_options
 
 
 @cli.command()

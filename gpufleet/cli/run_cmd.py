@@ -6,9 +6,9 @@ from typing import Optional
 
 import click
 
-from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from ..render import to_json
-from . import AppContext, cli, selection_options, terminal_safe
+from gpufleet.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from gpufleet.render.status import to_json
+from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
 
 
 @cli.command("run")
@@ -31,9 +31,9 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
     Exit 0 every step ok; 1 a step failed or a host was unreachable; 2 runbook/usage error or
     no --yes in a non-interactive run (nothing done).
     """
-    from .. import audit
-    from ..runbook import load_runbook, parse_extra_vars
-    from ..runner import FAILED, document, plan_host, run_runbook, table
+    from gpufleet.ops import audit
+    from gpufleet.runbook.load import load_runbook, parse_extra_vars
+    from gpufleet.runbook.run import FAILED, document, plan_host, run_runbook, table
 
     # Everything is validated before anything is contacted.
     runbook = load_runbook(runbook_path, parse_extra_vars(extra_vars))

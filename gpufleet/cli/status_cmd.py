@@ -5,10 +5,10 @@ import time
 
 import click
 
-from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from ..fanout import ABANDONED, NOT_STARTED
-from ..render import status_document, status_table, to_json
-from . import AppContext, cli, selection_options, terminal_safe
+from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
+from gpufleet.render.status import status_document, status_table, to_json
+from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
 
 
 @cli.command()
@@ -20,7 +20,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
 
     Exit 0 when every host answered, 1 when some host failed, 2 on usage errors.
     """
-    from ..collect import snapshot_hosts
+    from gpufleet.ops.collect import snapshot_hosts
 
     selected = app.select(hosts, groups, tags, all_)
     started = time.monotonic()

@@ -5,8 +5,8 @@ from typing import Optional
 
 import click
 
-from ..errors import UsageError
-from . import AppContext, cli
+from gpufleet.errors import UsageError
+from gpufleet.cli import AppContext, cli
 
 
 @cli.command()
@@ -23,8 +23,8 @@ def trust(app: AppContext, names, path: Optional[str], yes: bool) -> int:
     """
     import sys
 
-    from ..hostkeys import HostKeyError
-    from ..transport import TransportError, fetch_host_key, trust as record
+    from gpufleet.transport.hostkeys import HostKeyError
+    from gpufleet.transport import TransportError, fetch_host_key, trust as record
 
     hosts = app.select(list(names), [], [], False)
     failed = False

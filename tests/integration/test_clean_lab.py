@@ -460,8 +460,8 @@ def test_pid_reused_between_plan_and_signal_is_not_signalled(lab: Any, make_host
                                                              monkeypatch: Any) -> None:
     """The interactive path: plan, (confirm), execute on the same connection. Between plan and
     signal the target dies and a new process takes its PID: it must not be signalled."""
-    from gpufleet.cleaning import CleanOptions, execute_plan, plan_host
-    from gpufleet.inventory import load_inventory
+    from gpufleet.ops.clean import CleanOptions, execute_plan, plan_host
+    from gpufleet.config.inventory import load_inventory
     from gpufleet.transport import open_session
 
     monkeypatch.setenv("HOME", str(home))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet import hostkeys
-from gpufleet.fanout import run_hosts
-from gpufleet.inventory import Host
+from gpufleet.transport import hostkeys
+from gpufleet.ops.fanout import run_hosts
+from gpufleet.config.inventory import Host
 from gpufleet.transport import TransportError, fetch_host_key, open_session, trust
 
 SLACK = 8.0

@@ -376,7 +376,7 @@ def test_inventory_yaml(lab, lab_host, tmp_path):
     assert doc["hosts"]["gone"]["port"] == dead.port and doc["hosts"]["gone"]["user"] == "root"
     assert doc["groups"] == {"all-lab": [lab_host.name, "gone"]}
     try:
-        from gpufleet.inventory import load_inventory
+        from gpufleet.config.inventory import load_inventory
     except ImportError:
         return
     inv = load_inventory(path)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.model import parse_snapshot
+from gpufleet.core.model import parse_snapshot
 from gpufleet.remote import bootstrap_command, encode_request
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 
-from gpufleet import audit
+from gpufleet.ops import audit
 
 
 def _writer(path: str, n: int) -> None:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from gpufleet.fanout import ABANDONED, NOT_STARTED, run_hosts
-from gpufleet.model import HostResult
+from gpufleet.ops.fanout import ABANDONED, NOT_STARTED, run_hosts
+from gpufleet.core.model import HostResult
 
 
 class H:

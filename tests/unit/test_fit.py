@@ -1,4 +1,4 @@
-"""gpufleet.fit: vLLM's start-up arithmetic, and gpufleet.cli.fit_cmd's rows/JSON/exit code."""
+"""gpufleet.core.fit: vLLM's start-up arithmetic, and gpufleet.cli.fit_cmd's rows/JSON/exit code."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpufleet.cli.fit_cmd import fit_report, need_from_options, parse_gpus, render_text
 from gpufleet.errors import UsageError
-from gpufleet.fit import (
+from gpufleet.core.fit import (
     DEFAULT_CONTEXT_MIB,
     DEFAULT_NCCL_MIB,
     GpuMemory,
@@ -27,7 +27,7 @@ from gpufleet.fit import (
     vllm_startup_error,
     weights_gib_from_params,
 )
-from gpufleet.model import HostResult, parse_snapshot
+from gpufleet.core.model import HostResult, parse_snapshot
 
 GIB = 1024  # MiB
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from gpufleet import hostkeys
-from gpufleet.hostkeys import (ACCEPT_NEW, CHANGED, KNOWN, OTHER_TYPE, REVOKED, STRICT, UNKNOWN,
+from gpufleet.transport import hostkeys
+from gpufleet.transport.hostkeys import (ACCEPT_NEW, CHANGED, KNOWN, OTHER_TYPE, REVOKED, STRICT, UNKNOWN,
                                HostKeyError, HostKeyPolicy, check, host_key_name)
 
 

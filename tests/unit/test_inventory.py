@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufleet.errors import EXIT_USAGE, UsageError
-from gpufleet.inventory import (
+from gpufleet.config.inventory import (
     DEFAULT_KEYS,
     ENV_VAR,
     HOST_KEYS,

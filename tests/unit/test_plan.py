@@ -1,4 +1,4 @@
-"""gpufleet.plan: the clean plan on named scenario fixtures (tests/fixtures/scenarios/*.json,
+"""gpufleet.core.plan: the clean plan on named scenario fixtures (tests/fixtures/scenarios/*.json,
 agent snapshot documents; each says what it models in its "scenario" key)."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpufleet import plan as planmod
-from gpufleet import policy
+from gpufleet.core import plan as planmod
+from gpufleet.core import policy
 from gpufleet.errors import UsageError
-from gpufleet.model import Snapshot, parse_snapshot
-from gpufleet.plan import Plan, UnitStop, make_plan, to_request
+from gpufleet.core.model import Snapshot, parse_snapshot
+from gpufleet.core.plan import Plan, UnitStop, make_plan, to_request
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
 ALL = sorted(p.stem for p in SCENARIOS.glob("*.json"))
@@ -524,7 +524,7 @@ def test_engine_core_stays_ambiguous_when_a_worker_is_outside_the_scope() -> Non
 
 
 def test_wait_floors_count_only_memory_the_plan_leaves_alone() -> None:
-    from gpufleet.cleaning import wait_floors
+    from gpufleet.ops.clean import wait_floors
 
     snap = load("train-node")
     plan = make_plan(snap, (0, 1, 2, 3))

@@ -1,4 +1,4 @@
-"""gpufleet.policy: the never-signal list and every refusal reason, on processes taken from the
+"""gpufleet.core.policy: the never-signal list and every refusal reason, on processes taken from the
 named scenario fixtures (tests/fixtures/scenarios/) and small variations of them."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpufleet import policy
-from gpufleet.model import ProcessInfo, Snapshot, parse_snapshot
-from gpufleet.policy import PolicyContext, refusal, refusal_reason
+from gpufleet.core import policy
+from gpufleet.core.model import ProcessInfo, Snapshot, parse_snapshot
+from gpufleet.core.policy import PolicyContext, refusal, refusal_reason
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
 
@@ -282,9 +282,10 @@ def test_policy_is_the_only_place_with_the_never_signal_list() -> None:
     pkg = Path(policy.__file__).resolve().parent
     names = ["sshd", "persistenced", "hostengine", "fabricmanager", "dcgm", "Xorg", "Xwayland",
              "gnome-shell", "VLLM", "vllm", "python", "torchrun"]
-    for mod in ("plan.py", "verdict.py"):
+    for path in [pkg / "verdict.py", *sorted((pkg / "plan").glob("*.py"))]:
+        mod = path.name
         code = "\n".join(
-            line for line in (pkg / mod).read_text().splitlines()
+            line for line in path.read_text().splitlines()
             if not line.lstrip().startswith("#")
         )
         code = re.sub(r'"""[\s\S]*?"""', "", code)  # docstrings may explain, not decide

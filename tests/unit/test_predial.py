@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from gpufleet import sshconnect
-from gpufleet.sshconnect import Predial, TransportError
+from gpufleet.transport import connection as sshconnect
+from gpufleet.transport.connection import Predial, TransportError
 
 
 @pytest.fixture(autouse=True)

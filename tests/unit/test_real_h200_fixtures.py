@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from gpufleet.cleaning import HostClean
+from gpufleet.ops.clean import HostClean
 from gpufleet.cli.fit_cmd import fit_report, need_from_options, parse_gpus
-from gpufleet.model import HostResult, ledger, parse_snapshot
-from gpufleet.plan import make_plan, to_request
+from gpufleet.core.model import HostResult, ledger, parse_snapshot
+from gpufleet.core.plan import make_plan, to_request
 from gpufleet.remote import agent
-from gpufleet.render import status_document, status_table
-from gpufleet.render_clean import clean_document
-from gpufleet.verdict import make_verdict
+from gpufleet.render.status import status_document, status_table
+from gpufleet.render.clean import clean_document
+from gpufleet.core.verdict import make_verdict
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "real-h200"

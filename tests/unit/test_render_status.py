@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.model import HostResult, parse_snapshot
-from gpufleet.render import status_document, status_table
+from gpufleet.core.model import HostResult, parse_snapshot
+from gpufleet.render.status import status_document, status_table
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "status"
 SCENARIOS = ["basic", "vanished_pid", "na_fields", "na_fields_busy", "hidden_pids", "broken_driver"]
@@ -99,7 +99,7 @@ def test_broken_driver_is_a_host_error_row() -> None:
 
 
 def test_truncated_comm_is_completed_from_the_rewritten_cmdline() -> None:
-    from gpufleet.model import ProcessInfo
+    from gpufleet.core.model import ProcessInfo
 
     def proc(comm: str, cmdline: str) -> ProcessInfo:
         return ProcessInfo(pid=1, ppid=0, starttime=1, state="S", uid=0, user="root", comm=comm, cmdline=cmdline)

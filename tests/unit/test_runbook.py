@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufleet.errors import UsageError
-from gpufleet.runbook import (
+from gpufleet.runbook.load import (
     KIND_FIELDS,
     KINDS,
     MUTATING,
@@ -416,9 +416,9 @@ def test_describe_shows_what_would_happen() -> None:
 
 # ----------------------------------------------------------------- runner: conditions (pure)
 
-from gpufleet.inventory import Host  # noqa: E402
-from gpufleet.model import parse_snapshot  # noqa: E402
-from gpufleet import runner  # noqa: E402
+from gpufleet.config.inventory import Host  # noqa: E402
+from gpufleet.core.model import parse_snapshot  # noqa: E402
+from gpufleet.runbook import run as runner  # noqa: E402
 
 
 def _snap(gpus, apps=(), holders=(), procs=None, wsl2=False):

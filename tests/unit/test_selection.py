@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufleet.errors import EXIT_USAGE, UsageError
-from gpufleet.inventory import implicit_inventory, parse_inventory
-from gpufleet.selection import MAX_GPU_INDEX, format_gpu_list, parse_gpu_list, select
+from gpufleet.config.inventory import implicit_inventory, parse_inventory
+from gpufleet.config.selection import MAX_GPU_INDEX, format_gpu_list, parse_gpu_list, select
 
 FLEET = parse_inventory(textwrap.dedent("""\
     hosts:

@@ -1,4 +1,4 @@
-"""gpufleet.verdict: clean/dirty from plan + the agent's clean document + before snapshot.
+"""gpufleet.core.verdict: clean/dirty from plan + the agent's clean document + before snapshot.
 
 After-snapshots are the named scenario fixtures with what a clean changed applied to them
 (processes gone, memory back), so every case starts from a realistic host."""
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpufleet import verdict as V
-from gpufleet.model import parse_snapshot
-from gpufleet.plan import make_plan
+from gpufleet.core import verdict as V
+from gpufleet.core.model import parse_snapshot
+from gpufleet.core.plan import make_plan
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
 

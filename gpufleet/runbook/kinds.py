@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from .runbook_values import (
+from gpufleet.runbook.values import (
     Fail,
     _number,
     _sub_fail,
@@ -35,12 +35,12 @@ from .runbook_values import (
     _v_url,
     _v_globs,
 )
-from .selection import format_gpu_list
-from .yamlsource import did_you_mean
-from .yamlsource import describe as describe_value
+from gpufleet.config.selection import format_gpu_list
+from gpufleet.config.yamlsource import did_you_mean
+from gpufleet.config.yamlsource import describe as describe_value
 
 if TYPE_CHECKING:
-    from .runbook import Step
+    from gpufleet.runbook.load import Step
 
 KINDS = ("stop_units", "clean", "wait_free", "fit", "clear_shm", "start_unit", "wait_http",
          "shell", "assert", "report")

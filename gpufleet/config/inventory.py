@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
 from gpufleet.errors import UsageError
-from gpufleet.yamlsource import (LineMap, LineSeq, describe, did_you_mean, has_control, load_yaml,
+from gpufleet.config.yamlsource import (LineMap, LineSeq, describe, did_you_mean, has_control, load_yaml,
                                   one_line, plain_string, read_source)
 
 ENV_VAR = "GPUFLEET_INVENTORY"

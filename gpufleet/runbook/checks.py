@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from .model import Snapshot, ledger
-from .selection import format_gpu_list
+from gpufleet.core.model import Snapshot, ledger
+from gpufleet.config.selection import format_gpu_list
 
 
 # Here, the lowest of the runner modules, because report_lines raises it too.

@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from . import audit
-from .collect import result_from_reply, snapshot_request
-from .errors import UsageError
-from .inventory import Host
-from .model import HostResult, SnapshotError, parse_snapshot
-from .plan import Plan, make_plan, to_request
-from .selection import parse_gpu_list
+from gpufleet.ops import audit
+from gpufleet.ops.collect import result_from_reply, snapshot_request
+from gpufleet.errors import UsageError
+from gpufleet.config.inventory import Host
+from gpufleet.core.model import HostResult, SnapshotError, parse_snapshot
+from gpufleet.core.plan import Plan, make_plan, to_request
+from gpufleet.config.selection import parse_gpu_list
 
 AGENT_MARGIN_S = 5.0  # the controller waits this much longer than the agent's own deadline
 
@@ -118,7 +118,7 @@ def wait_floors(plan: Plan, before: Any) -> dict[str, int]:
 
 def execute_plan(host: Host, session: Any, planned: HostClean, opts: CleanOptions) -> HostClean:
     """Exec 2: the agent runs the whole sequence; the verdict is computed here from its report."""
-    from .verdict import make_verdict
+    from gpufleet.core.verdict import make_verdict
 
     if planned.plan is None or not planned.ok:
         return planned
@@ -170,7 +170,7 @@ def _record_signals(host: Host, planned: HostClean, opts: CleanOptions) -> None:
 
 def clean_host(host: Host, opts: CleanOptions, dry_run: bool) -> HostClean:
     """Plan and (unless dry_run) execute on one connection: the `--yes` fast path."""
-    from .transport import open_session
+    from gpufleet.transport import open_session
 
     started = time.monotonic()
     try:

@@ -24,8 +24,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
 
-from .errors import UsageError
-from .runbook_kinds import (
+from gpufleet.errors import UsageError
+from gpufleet.runbook.kinds import (
     ASSERT_KEYS,
     DEFAULT_TIMEOUT_S,
     GPU_SETS,
@@ -39,7 +39,7 @@ from .runbook_kinds import (
     describe,
     params_text,
 )
-from .runbook_values import (
+from gpufleet.runbook.values import (
     MAX_TIMEOUT_S,
     UNIT_SUFFIXES,
     Fail,
@@ -48,8 +48,8 @@ from .runbook_values import (
     _v_timeout,
     unit_name,
 )
-from .yamlsource import LineMap, LineSeq, did_you_mean, load_yaml, plain_string, read_source
-from .yamlsource import describe as describe_value
+from gpufleet.config.yamlsource import LineMap, LineSeq, did_you_mean, load_yaml, plain_string, read_source
+from gpufleet.config.yamlsource import describe as describe_value
 
 __all__ = [
     "ASSERT_KEYS", "COMMON_KEYS", "DEFAULT_TIMEOUT_S", "GPU_SETS", "KIND_FIELDS", "KINDS",

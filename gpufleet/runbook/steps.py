@@ -14,11 +14,11 @@ import json
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .inventory import Host
-from .model import HostResult, Snapshot, SnapshotError, parse_snapshot
-from .runbook import Step
-from .runner_checks import StepFailed, _chosen, check_conditions, gpu_metrics, report_lines
-from .selection import format_gpu_list
+from gpufleet.config.inventory import Host
+from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snapshot
+from gpufleet.runbook.load import Step
+from gpufleet.runbook.checks import StepFailed, _chosen, check_conditions, gpu_metrics, report_lines
+from gpufleet.config.selection import format_gpu_list
 
 MARGIN_S = 5.0  # the controller waits this much longer than a host-side bound
 
@@ -74,7 +74,7 @@ class _HostRun:
     # -- transport helpers
 
     def snapshot(self, timeout: float) -> Snapshot:
-        from .collect import snapshot_request
+        from gpufleet.ops.collect import snapshot_request
 
         request = snapshot_request(self.host)
         bound = max(1.0, min(float(self.host.command_timeout), timeout))
@@ -153,7 +153,7 @@ def _step_start_unit(ctx: _HostRun, step: Step, end: float) -> str:
 
 
 def _step_clean(ctx: _HostRun, step: Step, end: float) -> str:
-    from .cleaning import CleanOptions, execute_plan, plan_host as plan_clean
+    from gpufleet.ops.clean import CleanOptions, execute_plan, plan_host as plan_clean
 
     p = step.params
     opts = CleanOptions(
@@ -250,9 +250,9 @@ def _step_clear_shm(ctx: _HostRun, step: Step, end: float) -> str:
 
 
 def _step_fit(ctx: _HostRun, step: Step, end: float) -> str:
-    from .cli.fit_cmd import fit_host
-    from .errors import UsageError
-    from .fit import ModelNeed, dtype_bytes, validate_need, weights_gib_from_params
+    from gpufleet.cli.fit_cmd import fit_host
+    from gpufleet.errors import UsageError
+    from gpufleet.core.fit import ModelNeed, dtype_bytes, validate_need, weights_gib_from_params
 
     p = step.params
     dtype = p["dtype"] or "fp16"

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 
-from .plan import Plan
-from .selection import format_gpu_list
+from gpufleet.core.plan import Plan
+from gpufleet.config.selection import format_gpu_list
 
 CLEAN_HEADERS = ["HOST", "GPUS", "SIGNALLED", "REFUSED", "FREED (MiB)", "LEFT (MiB)", "VERDICT", "TIME"]
 

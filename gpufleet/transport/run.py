@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import paramiko
 
-from .sshconnect import TransportError, _reason
+from gpufleet.transport.connection import TransportError, _reason
 
 KILL_AFTER_S = 2  # `timeout -k`: SIGKILL this long after SIGTERM
 STDERR_KEEP = 64 * 1024

@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Mapping, Optional
 
-from . import policy
-from .errors import UsageError
-from .model import ProcessInfo, Snapshot, ledger
+from gpufleet.core import policy
+from gpufleet.errors import UsageError
+from gpufleet.core.model import ProcessInfo, Snapshot, ledger
 
 EVIDENCE_SMI = "nvidia-smi"
 EVIDENCE_DEVICE = "device-file"

@@ -14,9 +14,9 @@ ends itself and everything it started; ``run_argv`` wraps the argv in ``timeout 
 and closes the channel. ``connection: local`` runs the same argv through ``subprocess`` (no
 shell) in a new session and kills that process group at the timeout.
 
-Building the connection (ssh_config, ProxyJump, host keys, timeouts) is gpufleet.sshconnect,
-authentication gpufleet.sshauth, one raw bounded run gpufleet.hostexec; import their public
-names from here.
+Building the connection (ssh_config, ProxyJump, host keys, timeouts) is
+gpufleet.transport.connection, authentication gpufleet.transport.auth, one raw bounded run
+gpufleet.transport.run; other packages import the public names from gpufleet.transport.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import paramiko
 
-from .hostexec import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP, _exec, _Raw, _run_local
-from .sshconnect import (
+from gpufleet.transport.run import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP, _exec, _Raw, _run_local
+from gpufleet.transport.connection import (
     MAX_HOPS,
     Predial,
     TransportError,
@@ -46,11 +46,6 @@ from .sshconnect import (
     trust,
 )
 
-__all__ = [
-    "INLINE_STDIN", "KILL_AFTER_S", "MAX_HOPS", "STDERR_KEEP", "AgentReply", "ArgvResult",
-    "LocalSession", "Predial", "Session", "SshSession", "TransportError", "TrustResult",
-    "connection_for", "deadline_for", "fetch_host_key", "open_session", "predial", "trust",
-]
 
 
 @dataclass(frozen=True)
@@ -158,7 +153,7 @@ def deadline_for(timeout: float) -> float:
 
 
 def _agent_command(host: Any) -> list[str]:
-    from .remote import bootstrap_command
+    from gpufleet.remote import bootstrap_command
 
     return bootstrap_command(getattr(host, "python", None) or "python3", bool(getattr(host, "sudo", False)))
 
@@ -196,7 +191,7 @@ class Session:
 
     def run_agent(self, request: Mapping[str, Any], timeout: Optional[float] = None) -> AgentReply:
         """Run the agent with ``request``; every failure comes back as ``ok=False``."""
-        from .remote import encode_request
+        from gpufleet.remote import encode_request
 
         started = time.monotonic()
         timeout = self._timeout(timeout)

@@ -66,7 +66,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
-from .errors import UsageError
+from gpufleet.errors import UsageError
 
 MIB_PER_GIB = 1024.0
 BYTES_PER_GIB = float(1 << 30)

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import paramiko
 from paramiko.hostkeys import HostKeys
 
-from .errors import GpufleetError
+from gpufleet.errors import GpufleetError
 
 STRICT = "strict"
 ACCEPT_NEW = "accept-new"

@@ -9,10 +9,10 @@ import concurrent.futures as cf
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .fanout import run_hosts
-from .inventory import Host
-from .model import HostResult, SnapshotError, parse_snapshot
-from .transport import open_session, predial
+from gpufleet.ops.fanout import run_hosts
+from gpufleet.config.inventory import Host
+from gpufleet.core.model import HostResult, SnapshotError, parse_snapshot
+from gpufleet.transport import open_session, predial
 
 DEADLINE_MARGIN_S = 2.0
 

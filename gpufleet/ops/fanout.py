@@ -13,7 +13,7 @@ import signal
 import threading
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from .model import HostResult
+from gpufleet.core.model import HostResult
 
 H = TypeVar("H")
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from .model import ProcessInfo, Snapshot
+from gpufleet.core.model import ProcessInfo, Snapshot
 
 # Kinds of refusal; render/verdict group by them, the reason text is for people.
 PROTECTED = "protected"  # the never-signal list: absolute, no option overrides it

@@ -9,7 +9,7 @@ import re
 from typing import Any, Iterable, Optional, Sequence
 
 
-from .model import GpuInfo, HostResult, Snapshot, ledger
+from gpufleet.core.model import GpuInfo, HostResult, Snapshot, ledger
 
 NA = "n/a"
 BUSY_TOLERANCE_MIB = 64  # same default as clean's --tolerance-mib
@@ -50,7 +50,7 @@ def holders_text(snapshot: Snapshot, gpu: GpuInfo) -> str:
 def unlisted_holders_text(snapshot: Snapshot) -> str:
     """Device-file holders nvidia-smi does not list, once per host: a CUDA process opens
     every /dev/nvidiaN, so repeating them on each GPU row would claim memory they may not hold."""
-    from .selection import format_gpu_list
+    from gpufleet.config.selection import format_gpu_list
 
     parts = []
     for holder in snapshot.unlisted_holders():

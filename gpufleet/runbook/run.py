@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from .inventory import Host
-from .runbook import Runbook, Step, describe
-from .runner_checks import (
+from gpufleet.config.inventory import Host
+from gpufleet.runbook.load import Runbook, Step, describe
+from gpufleet.runbook.checks import (
     StepFailed,
     check_conditions,
     gpu_metrics,
@@ -24,7 +24,7 @@ from .runner_checks import (
     memory_holders,
     report_lines,
 )
-from .runner_steps import EXECUTORS, MARGIN_S, WAIT_HTTP_SOURCE, _HostRun
+from gpufleet.runbook.steps import EXECUTORS, MARGIN_S, WAIT_HTTP_SOURCE, _HostRun
 
 __all__ = [
     "DETAIL_MAX", "EXECUTORS", "FAILED", "MARGIN_S", "OK", "PLANNED", "SKIPPED",
@@ -152,7 +152,7 @@ def run_host(runbook: Runbook, host: Host, operator: str = "gpufleet", audit_log
              open_session: Optional[Callable[[Host], Any]] = None) -> HostRun:
     """Open ONE session for the host and run every step through it."""
     if open_session is None:
-        from .transport import open_session as default_open
+        from gpufleet.transport import open_session as default_open
 
         open_session = default_open
     started = time.monotonic()
@@ -174,7 +174,7 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
                 on_step: Optional[Callable[[str, Step, StepResult], None]] = None,
                 open_session: Optional[Callable[[Host], Any]] = None) -> list[HostRun]:
     """Hosts in parallel (at most ``forks``), results in host order."""
-    from .fanout import run_hosts
+    from gpufleet.ops.fanout import run_hosts
 
     def make_error(host: Host, message: str) -> HostRun:
         return HostRun(host=host.name, ok=False, error=message,
@@ -187,7 +187,7 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
         return run_hosts(hosts, lambda h: run(h, open_session), forks=forks, make_error=make_error)
     # Every TCP connect starts now, outside the forks bound (unreachable hosts cost one
     # connect_timeout in all); each host's session, steps and all, stays inside it.
-    from .transport import open_session as default_open, predial
+    from gpufleet.transport import open_session as default_open, predial
 
     with predial(hosts, forks) as dials:
         return run_hosts(hosts, lambda h: run(h, lambda host: default_open(host, dials.take(host))),

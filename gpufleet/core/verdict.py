@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
-from . import policy
-from .model import Snapshot, SnapshotError, ledger, parse_snapshot
-from .plan import Plan, fmt_gpus
+from gpufleet.core import policy
+from gpufleet.core.model import Snapshot, SnapshotError, ledger, parse_snapshot
+from gpufleet.core.plan import Plan, fmt_gpus
 
 CLEAN = "clean"
 DIRTY = "dirty"

@@ -11,7 +11,7 @@ import re
 from typing import Iterable, Optional, Sequence
 
 from gpufleet.errors import UsageError
-from gpufleet.inventory import Host, Inventory
+from gpufleet.config.inventory import Host, Inventory
 
 MAX_GPU_INDEX = 1023  # bounds `0-99999999` before it is expanded
 

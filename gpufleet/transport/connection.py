@@ -40,9 +40,9 @@ from typing import Any, Iterable, Optional, Sequence
 import paramiko
 from fabric import Config, Connection
 
-from . import hostkeys
-from .errors import GpufleetError
-from .sshauth import _AuthFailed, _BatchAuth
+from gpufleet.transport import hostkeys
+from gpufleet.errors import GpufleetError
+from gpufleet.transport.auth import _AuthFailed, _BatchAuth
 
 # paramiko logs connect failures with tracebacks from its own threads; they are values here.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())

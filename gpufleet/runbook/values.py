@@ -12,10 +12,10 @@ import re
 import urllib.parse
 from typing import Any, Callable, NoReturn, Optional
 
-from .errors import UsageError
-from .selection import parse_gpu_list
-from .yamlsource import did_you_mean, plain_string
-from .yamlsource import describe as describe_value
+from gpufleet.errors import UsageError
+from gpufleet.config.selection import parse_gpu_list
+from gpufleet.config.yamlsource import did_you_mean, plain_string
+from gpufleet.config.yamlsource import describe as describe_value
 
 MAX_TIMEOUT_S = 86400.0
 
@@ -215,7 +215,7 @@ def _v_command(value: Any, fail: Fail) -> str:
 
 
 def _v_dtype(value: Any, fail: Fail) -> str:
-    from .fit import DTYPE_BYTES
+    from gpufleet.core.fit import DTYPE_BYTES
 
     text = plain_string(value, fail, "a dtype").strip().lower()
     if text not in DTYPE_BYTES:
@@ -226,7 +226,7 @@ def _v_dtype(value: Any, fail: Fail) -> str:
 
 def _v_params(value: Any, fail: Fail) -> float:
     """A parameter count as `gpufleet fit --params` reads it: 14B, 7b, 500M, 14e9."""
-    from .fit import parse_params
+    from gpufleet.core.fit import parse_params
 
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         fail(f"expected a parameter count like 14B, 7b or 14e9, got {describe_value(value)}")
