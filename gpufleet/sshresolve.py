@@ -198,7 +198,11 @@ _warned = threading.Event()
 
 
 def _config_files() -> list[str]:
-    return [p for p in (os.path.expanduser(USER_CONFIG), SYSTEM_CONFIG) if os.path.isfile(p)]
+    """The files ssh would read: with $HOME not the account's home, only $HOME's (as -F)."""
+    files = [os.path.expanduser(USER_CONFIG)]
+    if _config_arg() is None:
+        files.append(SYSTEM_CONFIG)
+    return [p for p in files if os.path.isfile(p)]
 
 
 def _unhonoured(paths: list[str]) -> list[str]:
