@@ -165,10 +165,16 @@ class _Connection(Connection):
         else:
             hint = f"run `gpufleet trust {gf.target}` or set host_key_policy: accept-new"
         self.client.set_missing_host_key_policy(
-            hostkeys.HostKeyPolicy(gf.policy, self._files, hint=hint))
+            hostkeys.HostKeyPolicy(gf.policy, self._files, hint=hint,
+                                   name=self.ssh_config.get("hostkeyalias") or None))
 
     @property
     def key_name(self) -> str:
+        """The known_hosts name: ssh_config HostKeyAlias as it stands (OpenSSH adds no port
+        to it), else ``host`` / ``[host]:port``."""
+        alias = self.ssh_config.get("hostkeyalias")
+        if alias:
+            return str(alias)
         return hostkeys.host_key_name(self.host, self.port)
 
     @property
@@ -232,10 +238,12 @@ class _Connection(Connection):
         name = self.key_name
         # Preload what we know, so paramiko asks the server for a known key type first.
         host_keys = self.client.get_host_keys()
+        # (filed under paramiko's own name for the server, which ignores HostKeyAlias)
+        server_name = hostkeys.host_key_name(self.host, self.port)
         for entry in hostkeys.known_keys(name, self._files):
             pkey = entry.pkey()
             if pkey is not None:
-                host_keys.add(name, entry.keytype, pkey)
+                host_keys.add(server_name, entry.keytype, pkey)
         sock = None
         try:
             if not self.gateway:

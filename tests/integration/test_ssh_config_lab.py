@@ -186,6 +186,11 @@ def test_include_of_config_d_sets_the_port_of_the_right_host(lab, pair, home):
     write_config(home, f"Include {confd}/*\n\nHost inc-*\n    Port {near.port}\n" + tail(lab))
     check_alias(home, "inc-far", far)
     check_alias(home, "inc-other", near)
+    # a host with no address is `ssh NAME`: the included Port, not the wildcard's (paramiko
+    # without Include reached `near` here: the wrong host)
+    reply = agent(Host(name="inc-far"))
+    assert reply.ok, reply.error
+    assert reply.doc["facts"]["hostname"] == far.name and len(reply.doc["gpus"]) == 3
 
 
 def test_first_value_wins(lab, pair, home):
@@ -376,3 +381,17 @@ def test_without_ssh_cli_warns_once_for_many_hosts(lab, pair, home, tmp_path):
     assert all(h["facts"]["hostname"] == far.name for h in run.json()["hosts"])
     warned = [ln for ln in run.stderr.splitlines() if "warning: no `ssh` client" in ln]
     assert len(warned) == 1 and f"Include ({cfg}:1)" in warned[0], run.stderr
+
+
+def test_host_key_alias_names_the_known_hosts_entry(lab, pair, home, tmp_path):
+    near, far = pair
+    kh = tmp_path / "kh"
+    _name, keytype, b64 = far.host_key_line.split()
+    kh.write_text(f"far-key {keytype} {b64}\n")  # filed under the alias, no port, as ssh does
+    write_config(home, f"Host hka\n    Port {far.port}\n    HostKeyAlias far-key\n"
+                       f"    UserKnownHostsFile {kh}\n" + tail(lab))
+    check_alias(home, "hka", far)
+    kh.write_text(lab.wrong_host_key_line(far).replace(f"[127.0.0.1]:{far.port}", "far-key") + "\n")
+    sshresolve.clear_cache()
+    reply = agent(inv("hka"))
+    assert not reply.ok and reply.error.startswith("HOST KEY CHANGED for far-key")
