@@ -380,7 +380,7 @@ def connection_for(host: Any) -> _Connection:
         ct = float(ct) if ct is not None else None
     except ValueError:
         ct = None
-    explicit = getattr(host, "explicit", frozenset())
+    explicit: frozenset[str] = getattr(host, "explicit", frozenset())
     policy = host.host_key_policy
     if "host_key_policy" not in explicit:
         policy = sshresolve.host_key_policy(resolved.values, policy)

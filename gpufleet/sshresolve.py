@@ -276,10 +276,9 @@ def resolve(alias: str, port: Optional[int] = None, user: Optional[str] = None) 
     home_cfg = os.path.expanduser(USER_CONFIG)
     key = (alias, port, user, ssh, home_cfg, _stamp(home_cfg))
     with _cache_lock:
-        entry = _cache.get(key)
-        owner = entry is None
-        if owner:
-            entry = _cache[key] = (threading.Event(), [])
+        hit = _cache.get(key)
+        owner = hit is None
+        entry = _cache[key] = hit if hit is not None else (threading.Event(), [])
     done, box = entry
     if owner:
         try:
