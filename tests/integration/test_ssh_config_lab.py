@@ -361,22 +361,15 @@ def test_without_ssh_paramiko_resolves_and_warns_once(lab, pair, home, tmp_path,
     assert sshresolve.resolve("fb").via == "paramiko"
 
 
-def test_without_ssh_cli_warns_once_for_many_hosts(lab, pair, home, tmp_path):
+def test_without_ssh_cli_warns_once_for_many_hosts(lab, pair, home, tmp_path, monkeypatch):
     near, far = pair
     cfg = write_config(home, f"Include {home}/.ssh/none.d/*\nHost nf-*\n    Port {far.port}\n"
                        + tail(lab))
     inventory = fleet(tmp_path / "fleet.yaml", a="nf-1", b="nf-2")
     nossh = tmp_path / "bin"
     nossh.mkdir()
-    env_path = str(nossh)
-    import os
-
-    old = os.environ["PATH"]
-    os.environ["PATH"] = env_path  # run_gpufleet copies os.environ
-    try:
-        run = run_gpufleet(home, inventory, "status", "--json")
-    finally:
-        os.environ["PATH"] = old
+    monkeypatch.setenv("PATH", str(nossh))  # run_gpufleet passes os.environ on
+    run = run_gpufleet(home, inventory, "status", "--json")
     assert run.rc == 0, str(run)
     assert all(h["facts"]["hostname"] == far.name for h in run.json()["hosts"])
     warned = [ln for ln in run.stderr.splitlines() if "warning: no `ssh` client" in ln]
