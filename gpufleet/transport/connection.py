@@ -13,9 +13,10 @@ What gpufleet changes in fabric's defaults, and why:
   3 reverses the list), each one with the same host key policy and timeouts.
 * Timeouts: connect_timeout bounds DNS + TCP connect (a worker thread bounds getaddrinfo),
   the SSH banner, each auth reply and channel opens (also through a jump host).
-* ``~/.ssh/config`` is honoured (HostName, Port, User, IdentityFile, ProxyJump, ConnectTimeout,
-  UserKnownHostsFile); a key the inventory sets (``Host.explicit``) wins. ssh_config is looked
-  up by the inventory name; an inventory ``address`` overrides HostName.
+* ssh_config: the inventory ``address`` (else the name) is what ``ssh ADDRESS`` would be given,
+  resolved by OpenSSH itself (gpufleet.transport.sshconfig: ``ssh -G``, the inventory port/user as
+  ``-p``/``-l``); fabric gets those values instead of parsing ssh_config again. Every ProxyJump
+  hop is resolved the same way (``ssh -G [-l USER] [-p PORT] HOP``, as OpenSSH's own jump).
 * Auth: gpufleet.sshauth (public keys only, never a prompt).
 * Pre-dialling (:func:`predial`): commands over many hosts start every direct host's TCP
   connect at once, outside the ``--forks`` bound, so an unreachable host is known within its
@@ -40,8 +41,8 @@ from typing import Any, Iterable, Optional, Sequence
 import paramiko
 from fabric import Config, Connection
 
-from gpufleet.transport import hostkeys
 from gpufleet.errors import GpufleetError
+from gpufleet.transport import hostkeys, sshconfig
 from gpufleet.transport.auth import _AuthFailed, _BatchAuth
 
 # paramiko logs connect failures with tracebacks from its own threads; they are values here.
@@ -164,10 +165,16 @@ class _Connection(Connection):
         else:
             hint = f"run `gpufleet trust {gf.target}` or set host_key_policy: accept-new"
         self.client.set_missing_host_key_policy(
-            hostkeys.HostKeyPolicy(gf.policy, self._files, hint=hint))
+            hostkeys.HostKeyPolicy(gf.policy, self._files, hint=hint,
+                                   name=self.ssh_config.get("hostkeyalias") or None))
 
     @property
     def key_name(self) -> str:
+        """The known_hosts name: ssh_config HostKeyAlias as it stands (OpenSSH adds no port
+        to it), else ``host`` / ``[host]:port``."""
+        alias = self.ssh_config.get("hostkeyalias")
+        if alias:
+            return str(alias)
         return hostkeys.host_key_name(self.host, self.port)
 
     @property
@@ -184,16 +191,23 @@ class _Connection(Connection):
         if self._depth >= MAX_HOPS:
             raise TransportError(f"ProxyJump chain longer than {MAX_HOPS} (a loop in ssh_config?)")
         hops = [h.strip() for h in jump.split(",") if h.strip()]
+        identities = list(self.config.authentication.identities or [])
         prev = None
         for hop in hops:
             if hop.startswith("ssh://"):
                 hop = hop[len("ssh://"):]
-            if prev is None and self.derive_shorthand(hop)["host"] in (self.host, self.original_host):
+            spec = self.derive_shorthand(hop)
+            name = str(spec["host"])
+            if prev is None and name in (self.host, self.original_host):
                 return None  # `Host *` ProxyJump matching the jump host itself
-            kwargs: dict[str, Any] = {"config": self.config.clone()}
+            # each hop is an alias of its own, resolved as OpenSSH's jump does:
+            # ssh -G [-l USER] [-p PORT] HOP (a first hop's own ProxyJump applies)
+            resolved = sshconfig.resolve(
+                name, port=int(spec["port"]) if spec["port"] else None, user=spec["user"] or None)
+            kwargs: dict[str, Any] = {"config": _fabric_config(resolved, identities)}
             if prev is not None:
                 kwargs["gateway"] = prev  # OpenSSH order: hop N goes through hop N-1
-            prev = _Connection(hop, gf=self._gf, depth=self._depth + 1, hop=True, **kwargs)
+            prev = _Connection(name, gf=self._gf, depth=self._depth + 1, hop=True, **kwargs)
         return prev
 
     def open_gateway(self):
@@ -224,10 +238,12 @@ class _Connection(Connection):
         name = self.key_name
         # Preload what we know, so paramiko asks the server for a known key type first.
         host_keys = self.client.get_host_keys()
+        # (filed under paramiko's own name for the server, which ignores HostKeyAlias)
+        server_name = hostkeys.host_key_name(self.host, self.port)
         for entry in hostkeys.known_keys(name, self._files):
             pkey = entry.pkey()
             if pkey is not None:
-                host_keys.add(name, entry.keytype, pkey)
+                host_keys.add(server_name, entry.keytype, pkey)
         sock = None
         try:
             if not self.gateway:
@@ -291,7 +307,7 @@ class _Connection(Connection):
 
 def _reason(exc: BaseException) -> str:
     """One short line for a connect-time failure."""
-    if isinstance(exc, (TransportError, hostkeys.HostKeyError)):
+    if isinstance(exc, (TransportError, hostkeys.HostKeyError, sshconfig.SshConfigError)):
         return str(exc)
     if isinstance(exc, paramiko.AuthenticationException):
         return f"authentication failed ({exc})"
@@ -323,33 +339,60 @@ def _settings_value(host: Any, key: str, ssh_value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def connection_for(host: Any) -> _Connection:
-    """The fabric Connection (not yet opened) for an inventory Host, ssh_config applied."""
-    config = Config()  # reads ~/.ssh/config and /etc/ssh/ssh_config now (HOME may differ)
+class _ResolvedConfig(paramiko.SSHConfig):
+    """What fabric looks ssh_config up in: the values OpenSSH resolved, for any name asked."""
+
+    def __init__(self, values: dict):
+        super().__init__()
+        self._values = dict(values)
+
+    def lookup(self, hostname: str) -> paramiko.SSHConfigDict:
+        return paramiko.SSHConfigDict(self._values)
+
+
+def _fabric_config(resolved: sshconfig.Resolved, identities: Sequence[str] = ()) -> Config:
+    """A fabric Config that reads no ssh_config file: ``resolved`` is the answer."""
+    config = Config(ssh_config=_ResolvedConfig(resolved.values))
     config.authentication.strategy_class = _BatchAuth
-    if getattr(host, "identity_file", None):
-        config.authentication.identities = [os.path.expanduser(host.identity_file)]
-    ssh_cfg = config.base_ssh_config.lookup(host.name)
-    ct = ssh_cfg.get("connecttimeout")
+    if identities:
+        config.authentication.identities = list(identities)
+    return config
+
+
+def ssh_alias(host: Any) -> str:
+    """The name ``ssh`` is given for this host: its inventory ``address``, else its name."""
+    return str(getattr(host, "address", None) or host.name)
+
+
+def connection_for(host: Any) -> _Connection:
+    """The fabric Connection (not yet opened) for an inventory Host, ssh_config applied.
+
+    ``address`` is resolved as ``ssh [-p PORT] [-l USER] ADDRESS`` resolves it (the inventory
+    port/user, when set, act as ssh's -p/-l: they win over ssh_config, first value wins);
+    the inventory identity_file is tried before ssh_config's IdentityFile, like ``-i``.
+    Raises sshconfig.SshConfigError when OpenSSH cannot resolve it.
+    """
+    port = int(host.port) if getattr(host, "port", None) else None
+    resolved = sshconfig.resolve(ssh_alias(host), port=port,
+                                  user=getattr(host, "user", None) or None)
+    ct = resolved.values.get("connecttimeout")
     try:
         ct = float(ct) if ct is not None else None
     except ValueError:
         ct = None
+    explicit: frozenset[str] = getattr(host, "explicit", frozenset())
+    policy = host.host_key_policy
+    if "host_key_policy" not in explicit:
+        policy = sshconfig.host_key_policy(resolved.values, policy)
     gf = _Settings(
-        policy=host.host_key_policy,
+        policy=policy,
         known_hosts_file=getattr(host, "known_hosts_file", None),
         connect_timeout=float(_settings_value(host, "connect_timeout", ct, 10.0)),
         target=host.name,
     )
-    conn = _Connection(
-        host.name, gf=gf, config=config,
-        user=getattr(host, "user", None) or None,
-        port=int(host.port) if getattr(host, "port", None) else None,
-    )
-    if getattr(host, "address", None):
-        conn.host = host.address
-    conn._configure()
-    return conn
+    identity = getattr(host, "identity_file", None)
+    config = _fabric_config(resolved, [os.path.expanduser(identity)] if identity else [])
+    return _Connection(resolved.alias, gf=gf, config=config)
 
 
 # --------------------------------------------------------------------------- pre-dialling

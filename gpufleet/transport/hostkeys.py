@@ -279,13 +279,14 @@ class HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     """
 
     def __init__(self, policy: str, files: Sequence[Path], record_path: Optional[Path] = None,
-                 hint: str = ""):
+                 hint: str = "", name: Optional[str] = None):
         if policy not in POLICIES:
             raise GpufleetError(f"unknown host_key_policy {policy!r}")
         self.policy = policy
         self.files = list(files)
         self.record_path = Path(record_path) if record_path else gpufleet_known_hosts()
         self.hint = hint
+        self.name = name  # ssh_config HostKeyAlias: checked under it, not paramiko's name
 
     def verify(self, name: str, key: paramiko.PKey) -> None:
         """Accept (return) or raise HostKeyError: the whole policy in one place."""
@@ -297,7 +298,7 @@ class HostKeyPolicy(paramiko.MissingHostKeyPolicy):
             raise refusal(name, key.get_name(), blob, verdict, self.hint)
 
     def missing_host_key(self, client, hostname, key):  # paramiko's interface
-        self.verify(hostname, key)
+        self.verify(self.name or hostname, key)
 
 
 def default_files(known_hosts_file: Optional[str] = None, ssh_config: Optional[dict] = None

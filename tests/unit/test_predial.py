@@ -180,9 +180,10 @@ def test_a_failed_dial_is_the_hosts_error(listeners) -> None:
 
 def test_local_hosts_and_jump_hosts_are_not_dialled(listeners, home) -> None:
     (ls,) = listeners(1)
-    (home / ".ssh" / "config").write_text("Host behind\n  ProxyJump jumpbox\n")
+    # ssh_config is looked up by the address, as `ssh behind` would
+    (home / ".ssh" / "config").write_text("Host behind\n  HostName 127.0.0.1\n  ProxyJump jumpbox\n")
     local = host("here", port_of(ls), connection="local")
-    jumped = host("behind", port_of(ls))
+    jumped = host("behind", port_of(ls), address="behind")
     with Predial([local, jumped]) as dials:
         assert dials.take(local) is None
         conn = dials.take(jumped).result(timeout=10)
