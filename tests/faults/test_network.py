@@ -189,8 +189,9 @@ def test_proxyjump_clean_acts_on_the_target_never_on_the_jump_host(lab: Any, mak
     (home / ".ssh").mkdir(mode=0o700)
     (home / ".ssh" / "config").write_text(
         "Host jumpbox\n    HostName 127.0.0.1\n    Port %d\n    User root\n"
-        "    IdentityFile %s\nHost behind\n    ProxyJump jumpbox\n" % (jump.port, lab.client_key))
-    inv = lab.inventory_yaml([target])
+        "    IdentityFile %s\nHost behind\n    HostName 127.0.0.1\n    ProxyJump jumpbox\n"
+        % (jump.port, lab.client_key))
+    inv = lab.inventory_yaml([target], address="behind")  # reached as `ssh behind` would be
     logins = (jump.dir / "sshd.log").read_text().count("Accepted publickey")
     status = run_cli(home, inv, "status", "--json")
     assert status.rc == 0, str(status)
