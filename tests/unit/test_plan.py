@@ -181,18 +181,32 @@ def test_other_users_and_zombies_and_driver_only_holders() -> None:
     assert r[5310] == (policy.ZOMBIE, "zombie, parent PID 5300 (python)")
     # ...and it does not stop its parent from being signalled
     assert plan.target(5300).wave == 0
-    kind, reason = r[5500]
-    assert kind == planmod.NO_EVIDENCE
-    assert "/dev/nvidia-uvm, /dev/nvidiactl (no /dev/nvidiaN)" in reason
+    # 5500 holds only nvidiactl + nvidia-uvm, is not listed, and no memory is unexplained: a
+    # GPU client (issue 10), neither a target nor a refusal
+    assert 5500 not in r and [c.pid for c in plan.clients] == [5500]
     sudo = make_plan(load("shared-node"), (0, 1, 2, 3), is_sudo=True)
     assert 6100 in pids(sudo)
 
 
-def test_driver_only_holder_is_a_target_of_a_full_clean() -> None:
+def test_driver_only_holder_without_memory_evidence_is_a_client_of_a_full_clean() -> None:
+    """Before issue 10 a full clean signalled it (evidence "device-file")."""
     plan = make_plan(load("shared-node"))
-    t = plan.target(5500)
-    assert t is not None and t.evidence == "device-file" and t.gpus == ()
+    assert plan.target(5500) is None and plan.refusal(5500) is None
+    assert [(c.pid, c.gpus) for c in plan.clients] == [(5500, ())]
+    assert any(n.startswith("1 GPU client(s)") and "5500 python" in n for n in plan.notes)
     assert any("not root" in n for n in plan.notes)
+
+
+def test_driver_only_holder_is_no_evidence_in_a_partial_scope_when_memory_is_hidden() -> None:
+    d = doc("shared-node")
+    d["facts"]["in_container"] = True  # nvidia-smi may miss holders here...
+    d["gpus"][5]["memory_used_mib"] = 9000  # ...and GPU 5 has memory nobody explains
+    plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
+    kind, reason = refused(plan)[5500]
+    assert kind == planmod.NO_EVIDENCE
+    assert "/dev/nvidia-uvm, /dev/nvidiactl (no /dev/nvidiaN)" in reason
+    full = make_plan(parse_snapshot(d))
+    assert full.target(5500) is not None and full.target(5500).evidence == "device-file"
 
 
 def test_zombie_with_gpu_evidence_is_never_a_target() -> None:
