@@ -401,3 +401,12 @@ def holder_roles(snapshot: Snapshot, threshold_mib: int) -> dict[int, HolderRole
     its ancestors)."""
     return {h.pid: holder_role(snapshot, h.pid, threshold_mib)
             for h in snapshot.unlisted_holders()}
+
+
+def unreadable_could_matter(snapshot: Snapshot, threshold_mib: int) -> bool:
+    """Whether processes whose open files cannot be read could hide a GPU memory holder: only
+    when some GPU has memory above the threshold that nothing visible explains (or memory is
+    not known). Inside a container the runtime's PID 1 is always unreadable; saying so on
+    every run, with every GPU's memory accounted for, is a warning that cries wolf."""
+    unexplained = unexplained_mib(snapshot, (), threshold_mib)
+    return unexplained is None or bool(unexplained)
