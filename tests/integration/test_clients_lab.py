@@ -42,7 +42,7 @@ def test_workstation_monitor_is_a_client_and_survives_a_full_clean(lab: Any, mak
     assert status.rc == 0, str(status)
     doc = status.host("workstation")
     holders = {h["pid"]: h for h in doc["holders"]}
-    assert holders[mon]["mapped"] == [] and holders[mon]["role"] == "client"
+    assert holders[mon].get("mapped") == [] and holders[mon].get("role") == "client", holders
     assert set(holders[job]["mapped"]) == {"/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"}
     assert holders[job]["role"] == "holder"
     text = run_gpufleet(home, inv, "status")
@@ -125,12 +125,12 @@ def test_two_agents_and_a_monitor_loop_leave_no_ghost_holders(lab: Any, make_hos
                 for h in doc["holders"]:
                     assert h["name"] is not None, doc["holders"]  # no `? 695 (fd: GPUs 0)`
                     if h["pid"] != job:
-                        assert h["role"] == "client", h
-                caught += len(doc["holders"]) - 1 + len(doc["holders_vanished"])
+                        assert h.get("role") == "client", h
+                caught += len(doc["holders"]) - 1 + len(doc.get("holders_vanished", []))
             pdoc = plan.host("shared-box")
             assert [t["pid"] for t in pdoc["targets"]] == [job], str(plan)
             assert pdoc["refused"] == [], str(plan)  # no "unreadable" ghost refusals
-            caught += len(pdoc["clients"])
+            caught += len(pdoc.get("clients", []))
             text = run_gpufleet(home, inv, "status")
             rows = [line.split() for line in text.stdout.splitlines()
                     if line.startswith("shared-box")]
