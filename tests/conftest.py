@@ -20,11 +20,9 @@ RECORDED_DIR = REPO_ROOT.parent / "shared" / "recorded"
 
 if str(LAB_DIR) not in sys.path:
     sys.path.insert(0, str(LAB_DIR))
-
-# The CLI runs as a subprocess (`python -c "from gpufleet.cli import main"`, cwd elsewhere): it
-# must import THIS checkout's gpufleet, not whichever copy is installed on the machine.
+# Subprocesses (the CLI, the lab's tools) import this checkout's gpufleet, whichever is installed.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 _unavailable: dict[str, str] = {}
 
