@@ -421,3 +421,34 @@ def test_unreadable_processes_matter_only_with_unexplained_memory() -> None:
     assert not policy.unreadable_could_matter(parse_snapshot(doc), 200)
     doc["nvidia_smi"] = {"ok": False, "error": "x", "exit_code": 9, "seconds": 0.1}
     assert policy.unreadable_could_matter(parse_snapshot(doc), 200)  # memory unknown
+
+
+RECORDED = SCENARIOS.parent / "recorded"
+
+
+def test_recorded_h200_maps_tell_clients_from_cuda_processes() -> None:
+    """tests/fixtures/recorded/clients_maps.txt (real H200): the same files open, different
+    maps. The rule must call the poller and nvidia-smi dmon clients, from maps alone."""
+    import ast
+
+    lines = (RECORDED / "clients_maps.txt").read_text().splitlines()
+    seen = {}
+    for line in lines[:3]:
+        m = re.search(r"pid=(\d+) fds=(\[.*?\]) maps=(\[.*?\])$", line)
+        assert m, line
+        seen[int(m.group(1))] = (ast.literal_eval(m.group(2)), ast.literal_eval(m.group(3)))
+    assert {policy.maps_kind(tuple(maps), False) for pid, (_, maps) in seen.items()
+            if pid != 436} == {policy.MAPS_CLIENT}
+    assert policy.maps_kind(tuple(seen[436][1]), False) == policy.MAPS_CUDA
+    pid, name, mib = [x.strip() for x in lines[4].replace(" MiB", "").split(",")]
+    doc = _doc("basic", STATUS)
+    uuid = doc["gpus"][0]["uuid"]
+    doc["compute_apps"] = [{"pid": int(pid), "process_name": name, "used_mib": int(mib),
+                            "gpu_uuid": uuid}]
+    doc["gpus"][0]["memory_used_mib"] = int(mib) + 2  # recorded driver share: a few MiB
+    doc["holders"] = []
+    for p, (fds, maps) in seen.items():
+        _with_holder(doc, p, fds, maps, comm="python3", cmdline="python3 x.py")
+    roles = policy.holder_roles(parse_snapshot(doc), 64)
+    assert set(roles) == {434, 461}  # 436 is listed by nvidia-smi
+    assert all(r.role == policy.ROLE_CLIENT for r in roles.values())
