@@ -384,6 +384,10 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
     if unexplained is None or unexplained:
         where = "memory unknown" if unexplained is None else "; ".join(
             f"GPU {i}: {'n/a' if v is None else v} MiB" for i, v in sorted(unexplained.items()))
+        daemon = protected_daemon(proc) if proc is not None else None
+        if daemon is not None and PROTECTED_DAEMONS[daemon].startswith("display"):
+            # graphics memory is never in compute-apps; protected anyway, never signalled
+            return HolderRole(ROLE_HOLDER, f"display server, and memory is unexplained ({where})")
         if kind == MAPS_CUDA:
             return HolderRole(ROLE_HOLDER, f"maps a GPU device (a CUDA context) and memory is "
                               f"unexplained ({where})")

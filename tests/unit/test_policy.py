@@ -452,3 +452,12 @@ def test_recorded_h200_maps_tell_clients_from_cuda_processes() -> None:
     roles = policy.holder_roles(parse_snapshot(doc), 64)
     assert set(roles) == {434, 461}  # 436 is listed by nvidia-smi
     assert all(r.role == policy.ROLE_CLIENT for r in roles.values())
+
+
+def test_display_server_with_unexplained_memory_stays_a_holder_in_status() -> None:
+    """Xorg's graphics memory is not in compute-apps: with memory unexplained it is shown as
+    a holder (policy refuses it anyway), without any it is a client like the rest."""
+    snap = load("agent-session")
+    roles = policy.holder_roles(snap, 64)
+    assert roles[1650].role == policy.ROLE_HOLDER and "display server" in roles[1650].reason
+    assert policy.holder_roles(snap, 5000)[1650].role == policy.ROLE_CLIENT
