@@ -15,13 +15,26 @@ Agent snapshot document (version 1), the contract between agent and controller::
                "memory_total_mib", "memory_free_mib", "memory_reserved_mib",
                "utilization_pct"}],
      "compute_apps": [{"pid", "process_name", "used_mib", "gpu_uuid"}],
-     "holders": [{"pid", "devices": ["/dev/nvidia0", "/dev/nvidiactl", ...]}],
+     "holders": [{"pid", "devices": ["/dev/nvidia0", "/dev/nvidiactl", ...],
+                  "mapped": ["/dev/nvidia0", ...] | null}],
+     "holders_vanished": [pid],
+     "fd_unreadable": [{"pid", "comm", "reason"}],
      "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
                    "cmdline", "cgroup", "unit", "container", "session", "pgid",
                    "kernel_thread", "wchan", "relation"}},
      "warnings": [str]}
 
 ``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
+
+``mapped`` (added later; older agents omit it) is which NVIDIA device files the holder has
+*mapped* (/proc/PID/maps), the evidence that tells a CUDA context (maps /dev/nvidiaN and
+/dev/nvidia-uvm) from an NVML client (monitors, exporters: open files, no mappings; a running
+nvidia-smi maps only /dev/nvidiactl). ``null`` = not available (maps unreadable, too big, too
+slow, or an older agent): then only the memory evidence decides (gpufleet.policy.holder_role).
+``holders_vanished``: device-file holders that exited before their details were read (a
+concurrent nvidia-smi run); they are not holders. ``fd_unreadable``: processes whose open files
+could not be read, with the reason ("permission denied as root", ...).
+``facts.hidepid``: /proc is mounted hidepid and the agent is not root.
 """
 from __future__ import annotations
 
@@ -33,6 +46,9 @@ AGENT_VERSION = 1
 COMM_MAX = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to this many bytes
 
 _NVIDIA_DEV = re.compile(r"^/dev/nvidia(\d+)$")
+# The warning the agent gives about unreadable open files (gpufleet/remote/agent.py
+# denied_warning); status prints it only when it could matter (gpufleet.policy).
+FD_DENIED_WARNING = "cannot read the open files of "
 
 
 class SnapshotError(ValueError):
@@ -107,6 +123,16 @@ class Holder:
 
     pid: int
     devices: tuple[str, ...]
+    mapped: Optional[tuple[str, ...]] = None  # None: maps not available (old agent, unreadable)
+
+
+@dataclass(frozen=True)
+class FdUnreadable:
+    """A process whose open files the agent could not read, and why (for the operator)."""
+
+    pid: int
+    comm: Optional[str]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -126,6 +152,7 @@ class HostFacts:
     python: Optional[str] = None
     agent_pid: Optional[int] = None
     agent_starttime: Optional[int] = None
+    hidepid: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -143,6 +170,8 @@ class Snapshot:
     nvidia_smi_ok: bool = True
     nvidia_smi_error: Optional[str] = None
     warnings: tuple[str, ...] = ()
+    holders_vanished: tuple[int, ...] = ()
+    fd_unreadable: tuple[FdUnreadable, ...] = ()
 
     def gpu_by_uuid(self, uuid: str) -> Optional[GpuInfo]:
         for gpu in self.gpus:
@@ -190,9 +219,13 @@ class Snapshot:
 
     def holder_gpu_indices(self, holder: Holder) -> tuple[int, ...]:
         """GPU indices whose /dev/nvidiaN the holder has open (evidence of use, not of memory)."""
+        return self.device_gpu_indices(holder.devices)
+
+    def device_gpu_indices(self, devices: tuple[str, ...]) -> tuple[int, ...]:
+        """nvidia-smi indices of the /dev/nvidiaN among ``devices``."""
         mapping = self.minor_to_index()
         found = set()
-        for dev in holder.devices:
+        for dev in devices:
             m = _NVIDIA_DEV.match(dev)
             if m and int(m.group(1)) in mapping:
                 found.add(mapping[int(m.group(1))])
@@ -265,8 +298,13 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
             for a in doc.get("compute_apps") or ()
         )
         holders = tuple(
-            Holder(pid=int(h["pid"]), devices=tuple(sorted(h.get("devices") or ())))
+            Holder(pid=int(h["pid"]), devices=tuple(sorted(h.get("devices") or ())),
+                   mapped=None if h.get("mapped") is None else tuple(sorted(h["mapped"])))
             for h in doc.get("holders") or ()
+        )
+        unreadable = tuple(
+            FdUnreadable(pid=int(u["pid"]), comm=u.get("comm"), reason=str(u.get("reason") or "?"))
+            for u in doc.get("fd_unreadable") or ()
         )
         processes = {int(k): _process(v) for k, v in (doc.get("processes") or {}).items()}
         smi = doc.get("nvidia_smi") or {}
@@ -279,6 +317,8 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
             nvidia_smi_ok=bool(smi.get("ok", True)),
             nvidia_smi_error=smi.get("error"),
             warnings=tuple(str(w) for w in doc.get("warnings") or ()),
+            holders_vanished=tuple(int(p) for p in doc.get("holders_vanished") or ()),
+            fd_unreadable=unreadable,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SnapshotError(f"malformed agent document: {exc}") from None

@@ -8,6 +8,7 @@ target. Every refusal is a short reason an operator can read in a table.
 from __future__ import annotations
 
 import fnmatch
+import re
 import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
@@ -220,3 +221,196 @@ def refusal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
 
 def may_signal(proc: ProcessInfo, ctx: PolicyContext) -> bool:
     return refusal(proc, ctx) is None
+
+
+# ------------------------------------------------------------------ GPU clients (never targets)
+#
+# A process with NVIDIA device files open that nvidia-smi does not list is either a GPU memory
+# holder nvidia-smi cannot show (another PID namespace, hidepid, WSL2) or a GPU *client*: an
+# NVML monitor or exporter (nvtop, nvitop, gpustat, dcgm-exporter, `watch nvidia-smi`) that
+# opens /dev/nvidiactl and every /dev/nvidiaN, has no CUDA context and holds no memory.
+# Open files cannot tell them apart (recorded: same files); /proc/PID/maps can: a CUDA process
+# maps /dev/nvidia-uvm and its GPU's /dev/nvidiaN, an NVML client maps none, a running
+# nvidia-smi maps only /dev/nvidiactl (shared/recorded/h200-clients-and-timings.log).
+
+ROLE_HOLDER = "holder"
+ROLE_CLIENT = "client"
+
+# Names only ADD protection (a client by name is never a target); they never make a target.
+CLIENT_NAMES = frozenset({
+    "nvtop", "nvitop", "gpustat", "nvidia-smi", "nvidia_gpu_exporter", "dcgm-exporter", "dcgmi",
+})
+
+MAPS_CUDA = "cuda"  # maps a GPU device or nvidia-uvm (or /dev/dxg): a CUDA context
+MAPS_CLIENT = "client"  # maps readable, and no GPU device / nvidia-uvm mapped
+MAPS_UNKNOWN = "unknown"  # not available (older agent, unreadable), or uninformative (WSL2)
+
+_CUDA_MAPS = re.compile(r"^/dev/(nvidia\d+|nvidia-uvm|dxg)$")
+
+
+@dataclass(frozen=True)
+class HolderRole:
+    """What an unlisted device-file holder is: a memory holder (may be a target) or a client."""
+
+    role: str
+    reason: str
+
+
+def client_name(proc: ProcessInfo) -> Optional[str]:
+    """The GPU monitor/exporter this process is by name (comm, argv[0..2], `python -m X`)."""
+    words = proc.cmdline.split()[:3]
+    names = [proc.comm] + [os.path.basename(w) for w in words[:2]]
+    if len(words) == 3 and words[1] == "-m":
+        names.append(words[2])
+    for n in names:
+        for known in CLIENT_NAMES:
+            if n == known or (len(n) == COMM_LEN and known.startswith(n)):
+                return known
+    return None
+
+
+def maps_kind(mapped: Optional[tuple[str, ...]], wsl2: bool) -> str:
+    """What the holder's mapped NVIDIA device files say. On WSL2 a mapping-free holder proves
+    nothing (the recordings do not show what CUDA maps there), so it stays unknown."""
+    if mapped is None:
+        return MAPS_UNKNOWN
+    if any(_CUDA_MAPS.match(m) for m in mapped):
+        return MAPS_CUDA
+    return MAPS_UNKNOWN if wsl2 else MAPS_CLIENT
+
+
+def listing_gap(snapshot: Snapshot) -> Optional[str]:
+    """Why nvidia-smi's process list may miss memory holders here, or None when it cannot."""
+    facts = snapshot.facts
+    if not snapshot.nvidia_smi_ok:
+        return "nvidia-smi failed"
+    if facts.wsl2:
+        return "WSL2"
+    if facts.in_container:
+        return f"the agent runs in container {facts.container or '?'} (other PID namespace)"
+    if facts.hidepid:
+        return "/proc is mounted hidepid"
+    if any(a.pid not in snapshot.processes for a in snapshot.compute_apps):
+        return "nvidia-smi lists PIDs this /proc does not have (other PID namespace)"
+    return None
+
+
+def unexplained_mib(snapshot: Snapshot, gpus: tuple[int, ...], threshold_mib: int
+                    ) -> Optional[dict[int, Optional[int]]]:
+    """Per GPU of ``gpus`` (every GPU when empty): memory above the threshold that nothing
+    visible here accounts for -- unattributed, plus what nvidia-smi lists for PIDs not in this
+    /proc. None value = unknown (not available); only GPUs above the threshold (or unknown)
+    are in the result; an empty dict means no memory is unexplained."""
+    from gpufleet.core.model import ledger
+
+    rows = {r.index: r for r in ledger(snapshot)}
+    wanted = gpus or tuple(rows)
+    out: dict[int, Optional[int]] = {}
+    if not snapshot.nvidia_smi_ok or not rows:
+        return None
+    for i in wanted:
+        row = rows.get(i)
+        if row is None:
+            continue
+        if row.unattributed_mib is None:
+            out[i] = None
+            continue
+        hidden: Optional[int] = row.unattributed_mib
+        for app in snapshot.apps_on(i):
+            if app.pid not in snapshot.processes:
+                hidden = None if hidden is None or app.used_mib is None else hidden + app.used_mib
+        if hidden is None or hidden > threshold_mib:
+            out[i] = hidden
+    return out
+
+
+def _has_listed_descendant(snapshot: Snapshot, pid: int) -> bool:
+    listed = snapshot.listed_pids()
+    children: dict[int, list[int]] = {}
+    for p in snapshot.processes.values():
+        if p.ppid is not None and p.ppid != p.pid:
+            children.setdefault(p.ppid, []).append(p.pid)
+    stack, seen = list(children.get(pid, ())), {pid}
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if cur in listed:
+            return True
+        stack.extend(children.get(cur, ()))
+    return False
+
+
+def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> HolderRole:
+    """THE rule for a device-file holder nvidia-smi does not list: it is a (possible) memory
+    holder only on evidence that it holds memory, otherwise a GPU client, never a target.
+
+    Evidence, in order:
+    1. a client by name (CLIENT_NAMES): client (names add protection, never a target);
+    2. it is the family root of processes nvidia-smi lists (vLLM's EngineCore above its
+       Workers): holder -- the plan's family rule decides whether it is signalled;
+    3. its maps show no GPU device and no nvidia-uvm (an NVML client; a running nvidia-smi
+       maps only /dev/nvidiactl): client;
+    4. memory above ``threshold_mib`` on its GPUs that nothing visible here explains (the
+       GPUs whose /dev/nvidiaN it maps, else those it has open, else every GPU): holder when
+       its maps show a CUDA context, or when the host cannot list every memory holder
+       (listing_gap: nvidia-smi failed, WSL2, container, hidepid, PIDs not in this /proc);
+    5. otherwise (nvidia-smi lists everyone and no memory is unexplained, or its maps are not
+       available and the host can list): client.
+    Maps not available (older agents, unreadable maps) therefore never make a holder a target
+    by themselves: the memory evidence (4) and the family rule (2) decide.
+    """
+    holder = next((h for h in snapshot.holders if h.pid == holder_pid), None)
+    proc = snapshot.processes.get(holder_pid)
+    if holder is None:
+        return HolderRole(ROLE_CLIENT, "holds no NVIDIA device file")
+    if proc is not None:
+        name = client_name(proc)
+        if name is not None:
+            return HolderRole(ROLE_CLIENT, f"a GPU monitor ({name}): never signalled")
+        if _has_listed_descendant(snapshot, holder_pid):
+            return HolderRole(ROLE_HOLDER, "parent of processes nvidia-smi lists (family root)")
+    kind = maps_kind(holder.mapped, snapshot.facts.wsl2)
+    if kind == MAPS_CLIENT:
+        shown = ", ".join(holder.mapped or ()) or "no NVIDIA device"
+        return HolderRole(ROLE_CLIENT, f"maps {shown} (no GPU device, no nvidia-uvm): an NVML "
+                          "client such as a monitor or exporter, no CUDA context")
+    mapped_gpus = snapshot.device_gpu_indices(holder.mapped) if kind == MAPS_CUDA and \
+        holder.mapped else ()
+    gpus = mapped_gpus or snapshot.holder_gpu_indices(holder)
+    unexplained = unexplained_mib(snapshot, gpus, threshold_mib)
+    gap = listing_gap(snapshot)
+    if unexplained is None or unexplained:
+        where = "memory unknown" if unexplained is None else "; ".join(
+            f"GPU {i}: {'n/a' if v is None else v} MiB" for i, v in sorted(unexplained.items()))
+        daemon = protected_daemon(proc) if proc is not None else None
+        if daemon is not None and PROTECTED_DAEMONS[daemon].startswith("display"):
+            # graphics memory is never in compute-apps; protected anyway, never signalled
+            return HolderRole(ROLE_HOLDER, f"display server, and memory is unexplained ({where})")
+        if kind == MAPS_CUDA:
+            return HolderRole(ROLE_HOLDER, f"maps a GPU device (a CUDA context) and memory is "
+                              f"unexplained ({where})")
+        if gap is not None:
+            return HolderRole(ROLE_HOLDER, f"{gap}, and memory is unexplained ({where})")
+    if kind == MAPS_CUDA:
+        return HolderRole(ROLE_CLIENT, "maps a GPU device, but nvidia-smi lists no memory of it "
+                          "and no memory on its GPUs is unexplained")
+    return HolderRole(ROLE_CLIENT, "open device files only: nvidia-smi lists no memory of it "
+                      "and no memory on its GPUs is unexplained (a GPU client)")
+
+
+def holder_roles(snapshot: Snapshot, threshold_mib: int) -> dict[int, HolderRole]:
+    """holder_role of every device-file holder nvidia-smi does not list (not the agent and
+    its ancestors)."""
+    return {h.pid: holder_role(snapshot, h.pid, threshold_mib)
+            for h in snapshot.unlisted_holders()}
+
+
+def unreadable_could_matter(snapshot: Snapshot, threshold_mib: int) -> bool:
+    """Whether processes whose open files cannot be read could hide a GPU memory holder: only
+    when some GPU has memory above the threshold that nothing visible explains (or memory is
+    not known). Inside a container the runtime's PID 1 is always unreadable; saying so on
+    every run, with every GPU's memory accounted for, is a warning that cries wolf."""
+    unexplained = unexplained_mib(snapshot, (), threshold_mib)
+    return unexplained is None or bool(unexplained)

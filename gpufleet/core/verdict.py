@@ -205,9 +205,14 @@ def _survivors(plan, clean, before, after, scope, ctx) -> list[Survivor]:
         used_of[app.pid] = None if prev is None or app.used_mib is None else prev + app.used_mib
     listed = set(gpus_of)
     full = plan.full_scope
+    roles = policy.holder_roles(after, max(plan.threshold_mib.values(), default=0))
     for holder in after.holders:
         if holder.pid in listed:
             continue
+        role = roles.get(holder.pid)
+        if role is not None and role.role == policy.ROLE_CLIENT and holder.pid not in targets \
+                and holder.pid not in refused and holder.pid not in agent_said:
+            continue  # a monitor, an exporter, a concurrent nvidia-smi: holds no memory
         held = set(after.holder_gpu_indices(holder))
         mine = held & scope
         if not (mine or (full and not held)):

@@ -678,6 +678,61 @@ def scan_fds(want, exclude=(), proc=PROC):
     return found, denied
 
 
+MAPS_LIMIT = 16 << 20  # a big CUDA process maps ~10k areas, well under 2 MiB of text
+MAPS_TIMEOUT_S = 0.5
+
+
+def parse_maps_devices(text):
+    """NVIDIA device files in /proc/PID/maps text (the pathname column), sorted."""
+    found = set()
+    for line in text.splitlines():
+        i = line.find(" /dev/")
+        if i < 0:
+            continue
+        path = line[i + 1:].rstrip()
+        if path.endswith(" (deleted)"):
+            path = path[:-len(" (deleted)")]
+        if DEVICE_RE.match(path):
+            found.add(path)
+    return sorted(found)
+
+
+def mapped_devices(pid, proc=PROC, timeout=MAPS_TIMEOUT_S):
+    """The NVIDIA device files PID has mapped: a CUDA context maps /dev/nvidiaN and
+    /dev/nvidia-uvm, an NVML client maps none, a running nvidia-smi only /dev/nvidiactl
+    (recorded). None = not available: unreadable, too big, too slow (a D-state process holds
+    its memory lock), or a zombie leader (its maps are empty while its threads still run)."""
+    st = read_stat(pid, proc)
+    if st is None or st["state"] in ("Z", "X"):
+        return None
+    raw, timed_out = read_bytes_bounded("%s/%d/maps" % (proc, pid), timeout, MAPS_LIMIT + 1)
+    if timed_out or raw is None or len(raw) > MAPS_LIMIT:
+        return None
+    return parse_maps_devices(raw.decode("utf-8", "replace"))
+
+
+def denied_reasons(denied, proc=PROC):
+    """[{pid, comm, reason}] for processes whose open files could not be read: the true
+    reason, not a guess (as root it is a container runtime's process, or another user
+    namespace, that ptrace-style access is refused for)."""
+    euid = os.geteuid()
+    out = []
+    for pid in denied[:20]:
+        if pid <= 0:
+            out.append({"pid": pid, "comm": None, "reason": "cannot list /proc"})
+            continue
+        comm = (read_text(proc + "/%d/comm" % pid, 256) or "").strip() or None
+        if euid == 0:
+            reason = ("permission denied although the agent is root (no CAP_SYS_PTRACE here, "
+                      "or the process belongs to another user namespace)")
+        else:
+            uid = parse_status_uid(read_text(proc + "/%d/status" % pid) or "")
+            reason = "permission denied: owned by %s, the agent runs as %s (not root)" % (
+                user_name(uid) if uid is not None else "another user", user_name(euid))
+        out.append({"pid": pid, "comm": comm, "reason": reason})
+    return out
+
+
 def denied_warning(denied, proc=PROC):
     """Say WHOSE device files could not be read: as root that is usually only PID 1 of a
     container runtime, which an operator can judge; a bare "may be hidden" cannot be."""
@@ -957,6 +1012,14 @@ def snapshot(req, deadline, proc=PROC):
         if job is not None and job.pid is not None:
             own.add(job.pid)
     holders, denied = scan_fds(device_target, own, proc)
+    # maps right after the fds, and the identity they belong to: a holder that is gone (or
+    # whose PID was reused) by the time its details are read was no holder (nvidia-smi runs)
+    seen_start = {}
+    mapped = {}
+    for pid in holders:
+        st = read_stat(pid, proc)
+        seen_start[pid] = st["starttime"] if st else None
+        mapped[pid] = mapped_devices(pid, proc)
     hidden = hidepid_active(proc) and os.geteuid() != 0
     can_read_all = not denied and not hidden
     if hidden:
@@ -1016,6 +1079,10 @@ def snapshot(req, deadline, proc=PROC):
         entry = process_entry(pid, ctx, proc)
         if entry is not None:
             processes[str(pid)] = entry
+    vanished = sorted(p for p in holders if str(p) not in processes or seen_start[p] is None
+                      or processes[str(p)]["starttime"] != seen_start[p])
+    for pid in vanished:
+        del holders[pid]
     unseen = sorted(set(a["pid"] for a in apps if str(a["pid"]) not in processes))
     if unseen:
         warnings.append("nvidia-smi lists PIDs not in this /proc (other PID namespace: "
@@ -1038,6 +1105,7 @@ def snapshot(req, deadline, proc=PROC):
         "python": "%d.%d.%d" % tuple(sys.version_info[:3]),
         "agent_pid": ctx["self_pid"],
         "agent_starttime": ctx["starttime"],
+        "hidepid": hidden,
     }
     smi_doc["seconds"] = round(smi_doc["seconds"], 3)
     return {
@@ -1047,7 +1115,10 @@ def snapshot(req, deadline, proc=PROC):
         "nvidia_smi": smi_doc,
         "gpus": gpus,
         "compute_apps": apps,
-        "holders": [{"pid": p, "devices": sorted(holders[p])} for p in sorted(holders)],
+        "holders": [{"pid": p, "devices": sorted(holders[p]), "mapped": mapped[p]}
+                    for p in sorted(holders)],
+        "holders_vanished": vanished,
+        "fd_unreadable": denied_reasons(denied, proc),
         "processes": processes,
         "warnings": warnings,
         "seconds": round(time.monotonic() - t0, 3),

@@ -125,6 +125,8 @@ def host_document(r: Any) -> dict[str, Any]:
         "left_mib": detail.get("left_mib"),
         "verdict_detail": detail,
         "plan_notes": list(plan.notes) if plan else [],
+        "clients": [{"pid": c.pid, "name": c.name, "gpus": list(c.gpus), "reason": c.reason}
+                    for c in (plan.clients if plan else ())],
     }
 
 

@@ -9,7 +9,8 @@ import re
 from typing import Any, Iterable, Optional, Sequence
 
 
-from gpufleet.core.model import GpuInfo, HostResult, Snapshot, ledger
+from gpufleet.core import policy
+from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
 
 NA = "n/a"
 BUSY_TOLERANCE_MIB = 64  # same default as clean's --tolerance-mib
@@ -47,13 +48,19 @@ def holders_text(snapshot: Snapshot, gpu: GpuInfo) -> str:
     return "\n".join(parts) if parts else "-"
 
 
-def unlisted_holders_text(snapshot: Snapshot) -> str:
+def unlisted_holders_text(snapshot: Snapshot, expected_mib: int = 0,
+                          role: str = policy.ROLE_HOLDER) -> str:
     """Device-file holders nvidia-smi does not list, once per host: a CUDA process opens
-    every /dev/nvidiaN, so repeating them on each GPU row would claim memory they may not hold."""
+    every /dev/nvidiaN, so repeating them on each GPU row would claim memory they may not hold.
+    ``role``: the possible memory holders (the `fd` row) or the GPU clients (`clients` row,
+    monitors and exporters with no evidence of memory; gpufleet.core.policy.holder_role)."""
     from gpufleet.config.selection import format_gpu_list
 
     parts = []
+    roles = policy.holder_roles(snapshot, expected_mib + BUSY_TOLERANCE_MIB)
     for holder in snapshot.unlisted_holders():
+        if roles[holder.pid].role != role:
+            continue
         gpus = snapshot.holder_gpu_indices(holder)
         where = f"GPUs {format_gpu_list(gpus)}" if gpus else ", ".join(
             d.rsplit("/", 1)[-1] for d in holder.devices)
@@ -107,9 +114,13 @@ def status_rows(results: Sequence[HostResult], expected: dict[str, int]) -> list
                     holders_text(snap, gpu),
                 ]
             )
-        unlisted = unlisted_holders_text(snap)
+        unlisted = unlisted_holders_text(snap, exp)
         if unlisted:
             rows.append([res.host, "fd", "open device files, not listed by nvidia-smi", "", "", "", unlisted])
+        clients = unlisted_holders_text(snap, exp, policy.ROLE_CLIENT)
+        if clients:
+            rows.append([res.host, "clients", "GPU clients (monitors, exporters): no memory", "",
+                         "", "", clients])
     return rows
 
 
@@ -135,8 +146,15 @@ def status_table(results: Sequence[HostResult], expected: dict[str, int]) -> str
     table = tabulate(status_rows(results, expected), headers=STATUS_HEADERS, tablefmt="simple")
     notes = [f"{name}: {error}" for name, error in _long_errors(results)]
     notes += [f"{r.host}: warning: {w}" for r in results if r.snapshot is not None
-              for w in r.snapshot.warnings]
+              for w in screen_warnings(r.snapshot, expected.get(r.host, 0))]
     return table + "\n" + summary_line(results, expected) + "".join("\n" + n for n in notes)
+
+
+def screen_warnings(snapshot: Snapshot, expected_mib: int = 0) -> list[str]:
+    """The warnings worth a line on screen (JSON keeps them all): "cannot read the open files
+    of ..." only when the unreadable processes could hide memory that nothing explains."""
+    quiet = not policy.unreadable_could_matter(snapshot, expected_mib + BUSY_TOLERANCE_MIB)
+    return [w for w in snapshot.warnings if not (quiet and w.startswith(FD_DENIED_WARNING))]
 
 
 def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[str, str]]:
@@ -205,8 +223,10 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
             }
         )
     listed = snap.listed_pids()
+    roles = policy.holder_roles(snap, expected_mib + BUSY_TOLERANCE_MIB)
     for holder in snap.holders:
         proc = snap.processes.get(holder.pid)
+        role = roles.get(holder.pid)
         doc["holders"].append(
             {
                 "pid": holder.pid,
@@ -215,8 +235,16 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
                 "gpus": list(snap.holder_gpu_indices(holder)),
                 "listed_by_nvidia_smi": holder.pid in listed,
                 "relation": proc.relation if proc else None,
+                "mapped": None if holder.mapped is None else list(holder.mapped),
+                "role": policy.ROLE_HOLDER if holder.pid in listed else (
+                    role.role if role else None),
+                "role_reason": "listed by nvidia-smi" if holder.pid in listed else (
+                    role.reason if role else None),
             }
         )
+    doc["holders_vanished"] = list(snap.holders_vanished)
+    doc["fd_unreadable"] = [{"pid": u.pid, "comm": u.comm, "reason": u.reason}
+                            for u in snap.fd_unreadable]
     return doc
 
 

@@ -675,7 +675,43 @@ def run(argv):
     return text
 
 
+_HELD = []
+
+
+def hold_devices():
+    """What the real nvidia-smi does while it runs (recorded on the H200, driver 580.159.04:
+    shared/recorded/h200-clients-and-timings.log): /dev/nvidiactl, /dev/nvidia-uvm and every
+    /dev/nvidiaN open, only /dev/nvidiactl mapped, comm "nvidia-smi". So a concurrent run shows
+    up in other agents' fd scans, as on real hosts. WSL2 (no /dev/nvidia*) is unrecorded: none."""
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return
+    numbered = sorted(n for n in names if n.startswith("nvidia") and n[6:].isdigit())
+    if not numbered:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, b"nvidia-smi", 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    for name in ["nvidiactl", "nvidia-uvm"] + numbered:
+        try:
+            _HELD.append(open("/dev/" + name, "rb"))
+        except OSError:
+            pass
+    try:
+        import mmap
+
+        ctl = next(f for f in _HELD if f.name == "/dev/nvidiactl")
+        _HELD.append(mmap.mmap(ctl.fileno(), 1, prot=mmap.PROT_READ))
+    except (StopIteration, OSError, ValueError):
+        pass
+
+
 def main():
+    hold_devices()
     try:
         text = run(sys.argv[1:])
         code = 0

@@ -5,6 +5,9 @@ What real CUDA does that gpufleet depends on (recorded in /work/shared/recorded)
 
 * it opens EVERY /dev/nvidiaN (several fds on the GPUs it uses, a few on the others, even with
   CUDA_VISIBLE_DEVICES), plus /dev/nvidiactl and /dev/nvidia-uvm; on WSL2 it opens /dev/dxg;
+* it MAPS /dev/nvidiactl, /dev/nvidia-uvm and the /dev/nvidiaN of the GPUs it uses (an NVML
+  client such as nvtop or nvitop opens the same files and maps none: ``--monitor``);
+  h200-clients-and-timings.log. Maps on WSL2 are unrecorded: nothing is mapped there;
 * its memory is attributed to it by nvidia-smi's compute-apps list (by GPU UUID);
 * vLLM renames its processes both in comm (prctl) and in the cmdline (setproctitle);
 * it keeps its memory until the process is gone (a SIGTERM handler delays the release);
@@ -18,7 +21,10 @@ Usage (all optional)::
 
     fakecuda.py --gpus 0,1 --mib 716 [--title VLLM::Worker] [--ignore-term] [--term-delay 1.5]
                 [--spawn-child 'ARGS'] ... [--ready-file PATH] [--cuda-visible 1,0]
-                [--no-devices] [--zombie-child MIB] [--exit-after S] [--detach]
+                [--no-devices] [--zombie-child MIB] [--exit-after S] [--detach] [--monitor]
+
+``--monitor``: an NVML client (nvtop, nvitop, gpustat, dcgm-exporter): opens /dev/nvidiactl,
+/dev/nvidia-uvm and every /dev/nvidiaN, maps none, allocates and registers nothing.
 
 ``--mib`` is one number for every GPU or one per GPU (``716,1024``). ``--gpus ''`` allocates
 nothing (CUDA initialised, no memory). ``--detach`` daemonises (setsid, stdio to /dev/null or
@@ -54,6 +60,7 @@ def parse(argv):
                    help="fork a child that allocates MIB on the first GPU and exits unreaped")
     p.add_argument("--exit-after", type=float, default=None)
     p.add_argument("--detach", action="store_true")
+    p.add_argument("--monitor", action="store_true", help="an NVML client: no CUDA context")
     p.add_argument("--log", default=os.devnull)
     return p.parse_args(argv)
 
@@ -116,8 +123,20 @@ def physical(gpus, visible):
     return [vis[g] for g in gpus]
 
 
-def open_devices(used_indices, minors):
-    """Open every NVIDIA device file like CUDA does; more fds on the GPUs that are used."""
+_MAPS = []
+
+
+def map_device(path):
+    """mmap a device file the way a CUDA context maps the real one (kept for the lifetime)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        _MAPS.append(mmap.mmap(f.fileno(), 1, prot=mmap.PROT_READ))
+
+
+def open_devices(used_indices, minors, monitor=False):
+    """Open every NVIDIA device file like CUDA does; more fds on the GPUs that are used. A
+    CUDA context also maps nvidiactl, nvidia-uvm and its GPUs' nvidiaN; a monitor maps none."""
     fds = []
     try:
         names = os.listdir("/dev")
@@ -135,11 +154,15 @@ def open_devices(used_indices, minors):
     for ctl in ("nvidiactl", "nvidia-uvm"):
         if ctl in names:
             fds.append(os.open("/dev/" + ctl, os.O_RDWR))
-            fds.append(os.open("/dev/" + ctl, os.O_RDWR))
+            if not monitor:
+                fds.append(os.open("/dev/" + ctl, os.O_RDWR))
+                map_device("/dev/" + ctl)
     for n in numbered:
-        count = 4 if int(n[6:]) in used_minors else 1
-        for _ in range(count):
+        used = int(n[6:]) in used_minors and not monitor
+        for _ in range(4 if used else 1):
             fds.append(os.open("/dev/" + n, os.O_RDWR))
+        if used:
+            map_device("/dev/" + n)
     return fds
 
 
@@ -275,14 +298,16 @@ def main(argv=None):
 
     if args.title:
         rename(args.title)
-    fds = [] if args.no_devices else open_devices(phys, minors)
+    if args.monitor:
+        alloc = {}
+    fds = [] if args.no_devices else open_devices(phys, minors, args.monitor)
     check_free(alloc)
     ngpus = int(cfg.get("gpus", 1))
     if visible:
         seen = [int(v) for v in visible.split(",") if v.strip() != ""]
     else:
         seen = list(range(ngpus))
-    register(alloc, None if args.no_devices else seen)
+    register(alloc, None if args.no_devices or args.monitor else seen)
     zombie = None
     if args.zombie_child is not None:
         zombie = zombie_child(phys[0] if phys else 0, args.zombie_child, minors)

@@ -137,6 +137,8 @@ def _holder_args(spec: Mapping[str, Any]) -> list[str]:
         args += ["--cuda-visible", cv]
     if spec.get("no_devices"):
         args.append("--no-devices")
+    if spec.get("monitor"):
+        args.append("--monitor")
     if spec.get("zombie_child") is not None:
         args += ["--zombie-child", str(spec["zombie_child"])]
     if spec.get("exit_after") is not None:
@@ -372,6 +374,7 @@ class LabHost:
         exit_after: Optional[float] = None,
         python: Optional[str] = None,
         via: str = "ssh",
+        monitor: bool = False,
     ) -> HolderPid:
         """Start a fakecuda holder (and its children) fully detached; returns its pid.
 
@@ -381,7 +384,7 @@ class LabHost:
         spec = dict(
             gpus=list(gpus), mib=mib, title=title, ignore_term=ignore_term, term_delay=term_delay,
             children=children, cuda_visible=cuda_visible, no_devices=no_devices,
-            zombie_child=zombie_child, exit_after=exit_after,
+            zombie_child=zombie_child, exit_after=exit_after, monitor=monitor,
         )
         py = python or self.holder_python(user)
         log = "/tmp/fakecuda-%d.log" % time.time_ns()
@@ -403,6 +406,22 @@ class LabHost:
                 "spawn_holder on %s: unreadable answer %r %r" % (self.name, res.stdout, res.stderr)
             ) from None
         return HolderPid.from_doc(doc)
+
+    def spawn_monitor(self, title: Optional[str] = None, user: str = "root",
+                      via: str = "ssh") -> HolderPid:
+        """An NVML client like nvtop, nvitop, gpustat or dcgm-exporter: /dev/nvidiactl,
+        /dev/nvidia-uvm and every /dev/nvidiaN open, nothing mapped, no GPU memory, not in
+        nvidia-smi's compute-apps (recorded on the H200: a pynvml poller)."""
+        return self.spawn_holder(gpus=[], mib=0, title=title, user=user, via=via, monitor=True)
+
+    def spawn_smi_loop(self, interval_s: float = 0.05, user: str = "root") -> int:
+        """A `watch nvidia-smi`-like loop (sh running the host's nvidia-smi every interval),
+        fully detached; returns the in-host pid of the loop's shell (kill it to stop)."""
+        script = ('i="$1"; while :; do nvidia-smi >/dev/null 2>&1; sleep "$i"; done '
+                  '</dev/null >/dev/null 2>&1 & echo $!')
+        res = self.exec(["setsid", "sh", "-c", script, "smi-loop", str(interval_s)],
+                        user=user, check=True)
+        return int(res.stdout.strip().splitlines()[-1])
 
     def spawn_vllm(
         self,

@@ -95,13 +95,15 @@ def build_dev(spec):
         os.symlink(target, "/dev/" + link)
     umount("/run/gflab/olddev")
     os.rmdir("/run/gflab/olddev")
+    # one byte each: regular files cannot be mmap'ed when empty, and holders map them as
+    # CUDA maps the real devices (a CUDA context maps nvidiactl, nvidia-uvm, its GPUs' nvidiaN)
     if spec["wsl2"]:
-        write("/dev/dxg", b"", 0o666)
+        write("/dev/dxg", b"\0", 0o666)
     else:
         for minor in spec["minors"]:
-            write("/dev/nvidia%d" % minor, b"", 0o666)
+            write("/dev/nvidia%d" % minor, b"\0", 0o666)
         for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
-            write("/dev/" + name, b"", 0o666)
+            write("/dev/" + name, b"\0", 0o666)
 
 
 def overlay(target, upper_files, tag):

@@ -797,3 +797,108 @@ def test_minor_numbers_from_q_when_proc_lacks_them(tmp_path, monkeypatch):
     agent.attach_minors(gpus, str(stub.path), {"smi_timeout_s": 5}, agent.Deadline(10),
                         smi_doc, warnings, proc=str(tmp_path / "proc"))
     assert gpus[0]["minor"] == 5 and len(stub.calls()) == 1  # /proc/driver first, no -q
+
+
+# ----------------------------------------------------- issue 10: maps, vanished holders, reasons
+
+MAPPER = r'''
+import ctypes, mmap, sys, time
+ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)
+files = [open(p, "rb") for p in sys.argv[2].split(",") if p]
+mfiles = [open(p, "rb") for p in sys.argv[3].split(",") if p]
+maps = [mmap.mmap(f.fileno(), 1, prot=mmap.PROT_READ) for f in mfiles]
+for f in mfiles:
+    f.close()  # the mapping stays; the fd does not (CUDA keeps both, the fd list is argv 2)
+print("ready", flush=True)
+time.sleep(600)
+'''
+
+
+def test_snapshot_reports_which_device_files_each_holder_maps(tmp_path, children):
+    """Recorded on the H200: every process opens the same device files; a CUDA process maps
+    nvidia-uvm, its GPU's /dev/nvidiaN and nvidiactl, an NVML client maps none, a running
+    nvidia-smi only nvidiactl. The agent reports holders[].mapped."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare")
+    if subprocess.run(["unshare", "-m", "--propagation", "private", "true"]).returncode != 0:
+        pytest.skip("unshare -m not permitted here")
+    devs = "/dev/nvidia0,/dev/nvidia1,/dev/nvidiactl,/dev/nvidia-uvm"
+    setup = ("mount -t tmpfs tmpfs /dev && for f in nvidia0 nvidia1 nvidiactl nvidia-uvm; do "
+             "printf x > /dev/$f; done && exec \"$0\" -c \"$1\" \"$2\" \"$3\" \"$4\"")
+
+    def start(name, mapped):
+        return children(["unshare", "-m", "--propagation", "private", "sh", "-c", setup,
+                         sys.executable, MAPPER, name, devs, mapped])
+
+    cuda = start("cudaish", "/dev/nvidia-uvm,/dev/nvidia1,/dev/nvidiactl")
+    client = start("nvmlish", "")
+    smi = start("smiish", "/dev/nvidiactl")
+    doc = run_agent(snap_request(Stub(tmp_path / "stub")))
+    mapped = {x["pid"]: x["mapped"] for x in doc["holders"]}
+    assert mapped[cuda.pid] == ["/dev/nvidia-uvm", "/dev/nvidia1", "/dev/nvidiactl"]
+    assert mapped[client.pid] == []
+    assert mapped[smi.pid] == ["/dev/nvidiactl"]
+    snap = parse_snapshot(doc)
+    from gpufleet.core import policy
+    roles = policy.holder_roles(snap, 64)
+    assert roles[client.pid].role == roles[smi.pid].role == policy.ROLE_CLIENT
+    assert doc["holders_vanished"] == []
+
+
+def test_parse_maps_devices_reads_the_pathname_column():
+    from gpufleet.remote import agent
+    text = ("7f00-7f01 rw-s 00000000 00:05 12 /dev/nvidiactl\n"
+            "7f01-7f02 rw-s 00000000 00:05 13 /dev/nvidia0 (deleted)\n"
+            "7f02-7f03 r--p 00000000 08:01 99 /usr/lib/libcuda.so.1\n"
+            "7f03-7f04 rw-s 00000000 00:05 14 /dev/nvidia-uvm\n"
+            "7f04-7f05 rw-s 00000000 00:05 15 /dev/shm/nccl-x\n"
+            "7f05-7f06 rw-p 00000000 00:00 0 \n")
+    assert agent.parse_maps_devices(text) == ["/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"]
+
+
+def test_maps_of_a_zombie_leader_are_not_available(tmp_path, children):
+    from gpufleet.remote import agent
+    z = children([sys.executable, "-c", ZOMBIE_LEADER, "/dev/null"])
+    wait_state(z.pid, "Z")
+    assert agent.mapped_devices(z.pid) is None  # its maps read empty: not "maps nothing"
+    assert agent.mapped_devices(os.getpid()) is not None
+
+
+def test_holder_gone_before_its_details_are_read_is_not_a_holder(tmp_path, children,
+                                                                  monkeypatch):
+    """Issue 10 part 2: a concurrent nvidia-smi run is caught by the fd scan and is gone (or
+    its PID reused) when its details are read: it used to show as `? 695 (fd: GPUs 0)`."""
+    from gpufleet.remote import agent
+    gone = children.holder("goner", "/dev/null")
+    reused = children.holder("reused", "/dev/null")
+    real_entry = agent.process_entry
+
+    def entry(pid, ctx, proc=agent.PROC):
+        if pid == gone.pid:
+            return None  # exited between the fd scan and this read
+        doc = real_entry(pid, ctx, proc)
+        if doc is not None and pid == reused.pid:
+            doc["starttime"] += 1  # a new process under the same PID
+        return doc
+
+    monkeypatch.setattr(agent, "process_entry", entry)
+    monkeypatch.setattr(agent, "device_target", lambda t: t if t == "/dev/null" else None)
+    stub = Stub(tmp_path / "stub")
+    doc = agent.snapshot(snap_request(stub), agent.Deadline(30))
+    held = {h["pid"] for h in doc["holders"]}
+    assert gone.pid not in held and reused.pid not in held
+    assert {gone.pid, reused.pid} <= set(doc["holders_vanished"])
+    assert str(gone.pid) not in doc["processes"]
+
+
+def test_unreadable_fds_say_the_true_reason(tmp_path):
+    from gpufleet.remote import agent
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "comm").write_text("process_api\n")
+    (tmp_path / "1" / "status").write_text("Name:\tprocess_api\nUid:\t0\t0\t0\t0\n")
+    (reason,) = agent.denied_reasons([1], proc=str(tmp_path))
+    assert reason["pid"] == 1 and reason["comm"] == "process_api"
+    if os.geteuid() == 0:
+        assert reason["reason"].startswith("permission denied although the agent is root")
+    else:
+        assert "(not root)" in reason["reason"]

@@ -181,18 +181,32 @@ def test_other_users_and_zombies_and_driver_only_holders() -> None:
     assert r[5310] == (policy.ZOMBIE, "zombie, parent PID 5300 (python)")
     # ...and it does not stop its parent from being signalled
     assert plan.target(5300).wave == 0
-    kind, reason = r[5500]
-    assert kind == planmod.NO_EVIDENCE
-    assert "/dev/nvidia-uvm, /dev/nvidiactl (no /dev/nvidiaN)" in reason
+    # 5500 holds only nvidiactl + nvidia-uvm, is not listed, and no memory is unexplained: a
+    # GPU client (issue 10), neither a target nor a refusal
+    assert 5500 not in r and [c.pid for c in plan.clients] == [5500]
     sudo = make_plan(load("shared-node"), (0, 1, 2, 3), is_sudo=True)
     assert 6100 in pids(sudo)
 
 
-def test_driver_only_holder_is_a_target_of_a_full_clean() -> None:
+def test_driver_only_holder_without_memory_evidence_is_a_client_of_a_full_clean() -> None:
+    """Before issue 10 a full clean signalled it (evidence "device-file")."""
     plan = make_plan(load("shared-node"))
-    t = plan.target(5500)
-    assert t is not None and t.evidence == "device-file" and t.gpus == ()
+    assert plan.target(5500) is None and plan.refusal(5500) is None
+    assert [(c.pid, c.gpus) for c in plan.clients] == [(5500, ())]
+    assert any(n.startswith("1 GPU client(s)") and "5500 python" in n for n in plan.notes)
     assert any("not root" in n for n in plan.notes)
+
+
+def test_driver_only_holder_is_no_evidence_in_a_partial_scope_when_memory_is_hidden() -> None:
+    d = doc("shared-node")
+    d["facts"]["in_container"] = True  # nvidia-smi may miss holders here...
+    d["gpus"][5]["memory_used_mib"] = 9000  # ...and GPU 5 has memory nobody explains
+    plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
+    kind, reason = refused(plan)[5500]
+    assert kind == planmod.NO_EVIDENCE
+    assert "/dev/nvidia-uvm, /dev/nvidiactl (no /dev/nvidiaN)" in reason
+    full = make_plan(parse_snapshot(d))
+    assert full.target(5500) is not None and full.target(5500).evidence == "device-file"
 
 
 def test_zombie_with_gpu_evidence_is_never_a_target() -> None:
@@ -556,3 +570,99 @@ def test_untrusted_row_outside_the_scope_is_not_reported() -> None:
     d["holders"] = [h for h in d["holders"] if h["pid"] != 4520]  # trainer rank on GPU 4
     plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
     assert 4520 not in refused(plan) and 4520 not in pids(plan)
+
+
+# ------------------------------------------------------- issue 10: GPU clients are never targets
+
+EVERY_DEV = ["/dev/nvidia%d" % i for i in range(8)] + ["/dev/nvidia-uvm", "/dev/nvidiactl"]
+
+
+def _add_monitor(d: dict, pid: int = 7100, comm: str = "python3", mapped=()) -> dict:
+    entry: dict[str, Any] = {"pid": pid, "devices": list(EVERY_DEV)}
+    if mapped is not None:
+        entry["mapped"] = list(mapped)
+    d["holders"].append(entry)
+    d["processes"][str(pid)] = {
+        "pid": pid, "ppid": 1, "starttime": 990000, "state": "S", "uid": 0, "user": "root",
+        "comm": comm, "cmdline": "python3 monitor.py", "cgroup": None, "unit": None,
+        "container": None, "session": pid, "pgid": pid, "kernel_thread": False, "wchan": None,
+        "relation": None}
+    return d
+
+
+def test_full_scope_clean_never_targets_an_nvml_client() -> None:
+    """Issue 10: the real H200's pynvml poller died under `clean --yes` (evidence device-file)."""
+    for mapped in ((), None):  # maps show no CUDA context / maps not available (older agent)
+        plan = make_plan(parse_snapshot(_add_monitor(doc("train-node"), mapped=mapped)))
+        assert plan.full_scope and plan.target(7100) is None and plan.refusal(7100) is None
+        assert [(c.pid, c.gpus) for c in plan.clients] == [(7100, tuple(range(8)))]
+        assert pids(plan) == VLLM | RANKS
+
+
+def test_partial_scope_clean_shows_the_client_instead_of_an_ambiguous_refusal() -> None:
+    plan = make_plan(parse_snapshot(_add_monitor(doc("train-node"))), (0, 1, 2, 3))
+    assert pids(plan) == VLLM and 7100 not in refused(plan)
+    assert [c.pid for c in plan.clients] == [7100]
+    assert "NVML client" in plan.clients[0].reason
+
+
+def test_container_full_scope_targets_holders_but_not_the_client() -> None:
+    plan = make_plan(parse_snapshot(_add_monitor(doc("hidden-pids"), pid=700)))
+    assert pids(plan) == {57, 88, 89}  # maps not available: the unexplained memory decides
+    assert [c.pid for c in plan.clients] == [700]
+
+
+def test_wsl2_dxg_holder_without_memory_is_a_client() -> None:
+    d = doc("wsl2")
+    d["gpus"][0]["memory_used_mib"] = 0
+    plan = make_plan(parse_snapshot(d))
+    assert plan.targets == () and {c.pid for c in plan.clients} == {900, 950}
+
+
+def test_family_root_stays_wave_0_in_a_full_scope_even_as_an_nvml_only_process() -> None:
+    d = doc("train-node")
+    d["compute_apps"] = [a for a in d["compute_apps"] if a["pid"] not in (4340, 4341)]
+    for h in d["holders"]:
+        if h["pid"] in (4340, 4341):
+            h["mapped"] = []  # the EngineCore uses NVML, no CUDA context of its own
+    for scope in (None, (0, 1, 2, 3)):
+        plan = make_plan(parse_snapshot(d), scope)
+        for root in (4340, 4341):
+            t = plan.target(root)
+            assert t is not None and t.wave == 0 and t.family_root == root, scope
+        assert plan.target(4360).family_root == 4340 and plan.clients == ()
+
+
+def test_old_snapshots_without_maps_keep_their_family_roots() -> None:
+    """Maps not available never make every old device-file holder a target, and never break
+    the family rule: the unlisted EngineCores of the lab model stay wave-0 roots."""
+    snap = _unlisted_engine_cores()
+    assert all(h.mapped is None for h in snap.holders)
+    plan = make_plan(snap)
+    assert plan.target(4340).wave == 0 and plan.target(4341).wave == 0
+    assert plan.clients == ()
+
+
+def test_fd_note_says_the_true_reason() -> None:
+    """Issue 10 part 4: as root in a container the note said "(not root)"."""
+    d = doc("hidden-pids")
+    d["facts"]["can_read_all_fds"] = False
+    d["fd_unreadable"] = [{"pid": 1, "comm": "process_api", "reason": "permission denied "
+                           "although the agent is root (no CAP_SYS_PTRACE here, or the process "
+                           "belongs to another user namespace)"}]
+    notes = make_plan(parse_snapshot(d)).notes
+    assert not any("not root" in n for n in notes)
+    assert any(n.startswith("cannot read the open files of PID 1 (process_api): permission "
+                            "denied although the agent is root") for n in notes)
+    d["facts"]["hidepid"] = True
+    d["facts"]["is_root"] = False
+    assert any(n.startswith("/proc is mounted hidepid") for n in make_plan(parse_snapshot(d)).notes)
+
+
+def test_vanished_holders_are_counted_in_a_note() -> None:
+    d = doc("train-node")
+    d["holders_vanished"] = [9001, 9002]
+    plan = make_plan(parse_snapshot(d))
+    assert any(n.startswith("2 process(es) with device files open exited before") for n in
+               plan.notes)
+    assert not {9001, 9002} & (pids(plan) | set(refused(plan)))

@@ -291,3 +291,174 @@ def test_policy_is_the_only_place_with_the_never_signal_list() -> None:
         code = re.sub(r'"""[\s\S]*?"""', "", code)  # docstrings may explain, not decide
         for name in names:
             assert name not in code, f"{mod} mentions {name!r}"
+
+
+# ------------------------------------------------ issue 10: GPU clients (holder_role, one rule)
+
+STATUS = SCENARIOS.parent / "status"
+ALL_DEVS = ["/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"]
+CUDA_MAPS = ["/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"]  # recorded, torch on GPU 0
+
+
+def _doc(name: str, folder: Path = SCENARIOS) -> dict:
+    return json.loads((folder / f"{name}.json").read_text())
+
+
+def _with_holder(doc: dict, pid: int, devices, mapped, comm="python3",
+                 cmdline="python3 poll.py", ppid=1) -> dict:
+    """Add one process holding ``devices`` (mapped: list, or None = not available)."""
+    entry = {"pid": pid, "devices": devices}
+    if mapped is not None:
+        entry["mapped"] = mapped
+    doc["holders"].append(entry)
+    doc["processes"][str(pid)] = {
+        "pid": pid, "ppid": ppid, "starttime": 777, "state": "S", "uid": 0, "user": "root",
+        "comm": comm, "cmdline": cmdline, "cgroup": None, "unit": None, "container": None,
+        "session": pid, "pgid": pid, "kernel_thread": False, "wchan": None, "relation": None}
+    return doc
+
+
+def _role(doc: dict, pid: int, threshold: int = 64) -> policy.HolderRole:
+    return policy.holder_role(parse_snapshot(doc), pid, threshold)
+
+
+def test_one_gpu_host_nvml_client_by_maps_and_by_memory() -> None:
+    """Real H200 shapes: the pynvml poller has every device file open and maps none."""
+    doc = _with_holder(_doc("basic", STATUS), 600, ALL_DEVS, [])
+    role = _role(doc, 600)
+    assert role.role == policy.ROLE_CLIENT and "NVML client" in role.reason
+    # a running nvidia-smi maps only nvidiactl: a client too
+    assert _role(_with_holder(_doc("basic", STATUS), 600, ALL_DEVS, ["/dev/nvidiactl"]),
+                 600).role == policy.ROLE_CLIENT
+    # maps not available (older agent): nvidia-smi lists everyone and nothing is unexplained
+    assert _role(_with_holder(_doc("basic", STATUS), 600, ALL_DEVS, None), 600).role == \
+        policy.ROLE_CLIENT
+
+
+def test_one_gpu_host_cuda_maps_with_unexplained_memory_is_a_holder() -> None:
+    doc = _with_holder(_doc("basic", STATUS), 600, ALL_DEVS, CUDA_MAPS)
+    assert _role(doc, 600).role == policy.ROLE_CLIENT  # a context, but no memory anywhere
+    doc["gpus"][0]["memory_used_mib"] += 4000
+    role = _role(doc, 600)
+    assert role.role == policy.ROLE_HOLDER and "GPU 0: 4015 MiB" in role.reason
+    assert _role(doc, 600, threshold=5000).role == policy.ROLE_CLIENT  # expected memory
+    # maps not available on a host that lists every process: no evidence it is the holder
+    doc["holders"][-1].pop("mapped")
+    assert _role(doc, 600).role == policy.ROLE_CLIENT
+
+
+def test_container_host_unexplained_memory_makes_device_holders_holders() -> None:
+    doc = _with_holder(_doc("hidden-pids"), 700, ["/dev/nvidia4", "/dev/nvidia5",
+                                                   "/dev/nvidiactl"], [])
+    roles = policy.holder_roles(parse_snapshot(doc), 64)
+    assert {p: r.role for p, r in roles.items()} == {
+        57: policy.ROLE_HOLDER, 88: policy.ROLE_HOLDER, 89: policy.ROLE_HOLDER,
+        700: policy.ROLE_CLIENT}  # maps not available for 57-89 (old agent), none for 700
+    assert "container" in roles[88].reason
+
+
+def test_hidepid_host_memory_of_hidden_pids_can_be_explained_by_a_visible_holder() -> None:
+    doc = _with_holder(_doc("basic", STATUS), 600, ALL_DEVS, None)
+    doc["facts"]["hidepid"] = True
+    doc["facts"]["can_read_all_fds"] = False
+    assert _role(doc, 600).role == policy.ROLE_CLIENT  # nothing unexplained
+    doc["compute_apps"].append({"pid": 31337, "process_name": "python", "used_mib": 9000,
+                                "gpu_uuid": doc["gpus"][0]["uuid"]})
+    doc["gpus"][0]["memory_used_mib"] += 9000
+    role = _role(doc, 600)
+    assert role.role == policy.ROLE_HOLDER and "hidepid" in role.reason
+    doc["holders"][-1]["mapped"] = []  # ...unless its maps say it is an NVML client
+    assert _role(doc, 600).role == policy.ROLE_CLIENT
+
+
+def test_wsl2_maps_are_uninformative_and_names_add_protection() -> None:
+    doc = _doc("wsl2")
+    for h in doc["holders"]:
+        h["mapped"] = []  # what CUDA maps on WSL2 is unrecorded: proves nothing there
+    roles = policy.holder_roles(parse_snapshot(doc), 64)
+    assert roles[900].role == roles[950].role == policy.ROLE_HOLDER
+    doc["processes"]["950"]["comm"] = "nvitop"
+    assert _role(doc, 950).role == policy.ROLE_CLIENT
+    assert _role(doc, 900).role == policy.ROLE_HOLDER
+    doc["gpus"][0]["memory_used_mib"] = 0  # nothing unexplained: a client
+    assert _role(doc, 900).role == policy.ROLE_CLIENT
+
+
+def test_names_add_protection_but_never_make_a_holder() -> None:
+    doc = _with_holder(_doc("basic", STATUS), 600, ALL_DEVS, CUDA_MAPS, comm="python3",
+                       cmdline="python3 -m nvitop")
+    doc["gpus"][0]["memory_used_mib"] += 4000
+    role = _role(doc, 600)
+    assert role.role == policy.ROLE_CLIENT and "nvitop" in role.reason
+    for comm, cmd in (("gpustat", "gpustat -i"), ("nvidia-smi", "nvidia-smi dmon"),
+                      ("python3", "/usr/bin/python3 /usr/local/bin/gpustat -i")):
+        d = _with_holder(_doc("basic", STATUS), 601, ALL_DEVS, CUDA_MAPS, comm=comm, cmdline=cmd)
+        d["gpus"][0]["memory_used_mib"] += 4000
+        assert _role(d, 601).role == policy.ROLE_CLIENT, cmd
+    # a client by maps stays a client whatever its name
+    plain = _with_holder(_doc("basic", STATUS), 602, ALL_DEVS, [], comm="train.py",
+                         cmdline="python3 train.py")
+    plain["gpus"][0]["memory_used_mib"] += 4000
+    assert _role(plain, 602).role == policy.ROLE_CLIENT
+
+
+def test_family_root_of_listed_processes_is_a_holder_whatever_its_maps() -> None:
+    """vLLM's EngineCore above its Workers: it may use NVML only (no CUDA maps) and still be
+    the family's root."""
+    doc = _doc("train-node")
+    doc["compute_apps"] = [a for a in doc["compute_apps"] if a["pid"] not in (4340, 4341)]
+    for h in doc["holders"]:
+        if h["pid"] in (4340, 4341):
+            h["mapped"] = []
+    role = _role(doc, 4340)
+    assert role.role == policy.ROLE_HOLDER and "family root" in role.reason
+
+
+def test_unreadable_processes_matter_only_with_unexplained_memory() -> None:
+    doc = _doc("basic", STATUS)
+    assert not policy.unreadable_could_matter(parse_snapshot(doc), 64)
+    doc["gpus"][0]["memory_used_mib"] += 100
+    assert policy.unreadable_could_matter(parse_snapshot(doc), 64)
+    assert not policy.unreadable_could_matter(parse_snapshot(doc), 200)
+    doc["nvidia_smi"] = {"ok": False, "error": "x", "exit_code": 9, "seconds": 0.1}
+    assert policy.unreadable_could_matter(parse_snapshot(doc), 200)  # memory unknown
+
+
+RECORDED = SCENARIOS.parent / "recorded"
+
+
+def test_recorded_h200_maps_tell_clients_from_cuda_processes() -> None:
+    """tests/fixtures/recorded/clients_maps.txt (real H200): the same files open, different
+    maps. The rule must call the poller and nvidia-smi dmon clients, from maps alone."""
+    import ast
+
+    lines = (RECORDED / "clients_maps.txt").read_text().splitlines()
+    seen = {}
+    for line in lines[:3]:
+        m = re.search(r"pid=(\d+) fds=(\[.*?\]) maps=(\[.*?\])$", line)
+        assert m, line
+        seen[int(m.group(1))] = (ast.literal_eval(m.group(2)), ast.literal_eval(m.group(3)))
+    assert {policy.maps_kind(tuple(maps), False) for pid, (_, maps) in seen.items()
+            if pid != 436} == {policy.MAPS_CLIENT}
+    assert policy.maps_kind(tuple(seen[436][1]), False) == policy.MAPS_CUDA
+    pid, name, mib = [x.strip() for x in lines[4].replace(" MiB", "").split(",")]
+    doc = _doc("basic", STATUS)
+    uuid = doc["gpus"][0]["uuid"]
+    doc["compute_apps"] = [{"pid": int(pid), "process_name": name, "used_mib": int(mib),
+                            "gpu_uuid": uuid}]
+    doc["gpus"][0]["memory_used_mib"] = int(mib) + 2  # recorded driver share: a few MiB
+    doc["holders"] = []
+    for p, (fds, maps) in seen.items():
+        _with_holder(doc, p, fds, maps, comm="python3", cmdline="python3 x.py")
+    roles = policy.holder_roles(parse_snapshot(doc), 64)
+    assert set(roles) == {434, 461}  # 436 is listed by nvidia-smi
+    assert all(r.role == policy.ROLE_CLIENT for r in roles.values())
+
+
+def test_display_server_with_unexplained_memory_stays_a_holder_in_status() -> None:
+    """Xorg's graphics memory is not in compute-apps: with memory unexplained it is shown as
+    a holder (policy refuses it anyway), without any it is a client like the rest."""
+    snap = load("agent-session")
+    roles = policy.holder_roles(snap, 64)
+    assert roles[1650].role == policy.ROLE_HOLDER and "display server" in roles[1650].reason
+    assert policy.holder_roles(snap, 5000)[1650].role == policy.ROLE_CLIENT

@@ -188,7 +188,10 @@ def test_plan_from_the_real_snapshot(clean_cli, manifest):
     assert waves == {engine: (0, engine), stubborn: (0, stubborn),
                      **{w: (1, engine) for w in manifest["workers"]}}
     assert manifest["trainer"] not in waves and plan.refusal(manifest["trainer"]) is None
-    assert plan.refusal(manifest["poller"]).kind == "ambiguous"
+    # the NVML poller (no CUDA, no memory; real H200) is a GPU client, not a refusal (issue 10)
+    assert plan.refusal(manifest["poller"]) is None
+    assert [c.pid for c in plan.clients] == [manifest["poller"]]
+
     # the request the CLI sent is the one this plan makes
     sent = next(x["request"] for x in clean_cli["agent"] if x["request"].get("mode") == "clean")
     made = to_request(plan, grace_s=sent["grace_s"], timeout_s=sent["timeout_s"], shm=False,
@@ -196,6 +199,16 @@ def test_plan_from_the_real_snapshot(clean_cli, manifest):
     assert sorted(made["targets"], key=lambda t: t["pid"]) == \
         sorted(sent["targets"], key=lambda t: t["pid"])
     assert made["threshold_mib"] == sent["threshold_mib"] and made["scope"] == sent["scope"]
+
+
+def test_full_clean_of_the_real_snapshot_leaves_the_nvml_poller_alone(clean_cli, manifest):
+    """Issue 10: on the real H200 a full-scope clean signalled the pynvml poller (it died,
+    exit -15). Its snapshot has no maps (older agent): the memory evidence alone decides."""
+    before, _ = plan_of(clean_cli)
+    full = make_plan(before)
+    assert full.full_scope and full.target(manifest["poller"]) is None
+    assert manifest["poller"] in {c.pid for c in full.clients}
+    assert {manifest["engine"], manifest["stubborn"], manifest["trainer"]} <= full.target_pids
 
 
 def test_clean_document_signals_and_verdict(clean_cli, manifest):
@@ -221,7 +234,7 @@ def test_clean_document_signals_and_verdict(clean_cli, manifest):
     assert not [a for a in post_apps if a["gpu_uuid"] == post[0]["uuid"]]
 
 
-def test_clean_json_is_the_core_rendering_of_its_agent_documents(clean_cli):
+def test_clean_json_is_the_core_rendering_of_its_agent_documents(clean_cli, manifest):
     before, plan = plan_of(clean_cli)
     doc = agent_doc(clean_cli, "clean")
     verdict = make_verdict(plan, doc, before)
@@ -230,7 +243,25 @@ def test_clean_json_is_the_core_rendering_of_its_agent_documents(clean_cli):
                        plan=plan, agent_doc=doc, after=parse_snapshot(doc["after"]),
                        verdict_detail=verdict.as_dict())
     assert clean_cli["exit_code"] == 0
-    assert_recorded_in(json.loads(clean_cli["stdout"]), clean_document([result], False))
+    assert_recorded_in(_since_issue_10(json.loads(clean_cli["stdout"]), manifest["poller"]),
+                       clean_document([result], False))
+
+
+def _since_issue_10(recorded: dict, poller: int) -> dict:
+    """The recorded run predates issue 10: the NVML poller it refused as "ambiguous" is a GPU
+    client now (plan "clients", not "refused"), and the fd note says the true reason."""
+    host = recorded["hosts"][0]
+    host["refused"] = [r for r in host["refused"] if r["pid"] != poller]
+    detail = host["verdict_detail"]
+    detail["survivors"] = [s for s in detail["survivors"] if s["pid"] != poller]
+    notes = host["plan_notes"]
+    old = notes.index("cannot read every process's file descriptors (not root): other users' "
+                      "device-file holders may be missing")
+    notes[old] = ("cannot read every process's file descriptors (this agent did not say which; "
+                  "running as root): device-file holders among them may be missing")
+    notes.append("1 GPU client(s) with device files open but no evidence of GPU memory "
+                 "(monitors, exporters, nvidia-smi runs) are left alone: %d python3" % poller)
+    return recorded
 
 
 # --- fit ---------------------------------------------------------------------------------------

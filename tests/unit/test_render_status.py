@@ -109,12 +109,32 @@ def test_truncated_comm_is_completed_from_the_rewritten_cmdline() -> None:
     assert proc("python3.11-confi", "python3 x").name == "python3.11-confi"
 
 
+DENIED = ("cannot read the open files of 1 process(es): 1 (process_api); GPU holders among "
+          "them would be hidden")
+
+
 def test_host_warnings_are_printed_under_the_table() -> None:
     doc = json.loads((FIX / "basic.json").read_text())
-    doc["warnings"] = ["cannot read the open files of 1 process(es): 1 (init); GPU holders among them would be hidden"]
+    doc["warnings"] = ["cmdline of PID 7 unreadable (D state, memory lock held)"]
     res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
     lines = status_table([res], {}).splitlines()
     assert lines[-1] == "box: warning: " + doc["warnings"][0]
+
+
+def test_unreadable_fds_warning_is_printed_only_when_memory_is_unexplained() -> None:
+    """Issue 10 part 4: in a container the runtime's PID 1 is always unreadable; with every
+    GPU's memory accounted for, the warning stays in JSON and off the screen."""
+    doc = json.loads((FIX / "basic.json").read_text())
+    doc["facts"].update(in_container=True, container="docker", can_read_all_fds=False)
+    doc["warnings"] = [DENIED]
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    assert "warning" not in status_table([res], {})
+    assert status_document([res], {})["hosts"][0]["warnings"] == [DENIED]
+    doc["gpus"][0]["memory_used_mib"] += 4000  # memory no listed process accounts for
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    assert status_table([res], {}).splitlines()[-1] == "box: warning: " + DENIED
+    # ...unless the host's expected unattributed memory covers it
+    assert "warning" not in status_table([res], {"box": 4000})
 
 
 def test_a_newline_in_a_process_title_cannot_fake_a_holder_line() -> None:

@@ -21,6 +21,11 @@ gpufleet.policy has the last word on every one of them. Rules, in order:
    non-listed parent in the same session (not a session leader) whose GPU descendants are all
    targets joins the family as its new root.
 6. Processes nvidia-smi lists but this PID namespace cannot see are reported as ``invisible``.
+7. GPU clients: a device-file holder nvidia-smi does not list is a target only on evidence that
+   it holds memory (gpufleet.policy.holder_role: family root, CUDA maps, or a host that cannot
+   list every holder, each with unexplained memory on its GPUs). Otherwise it is a GPU client
+   (nvtop, nvitop, gpustat, dcgm-exporter, a running nvidia-smi): never a target, listed in
+   ``Plan.clients`` and in one note. Rule 2 applies only to holders that are not clients.
 """
 from __future__ import annotations
 
@@ -97,6 +102,17 @@ class Invisible:
 
 
 @dataclass(frozen=True)
+class Client:
+    """A device-file holder with no evidence of GPU memory (a monitor, an exporter): shown,
+    never signalled."""
+
+    pid: int
+    name: str
+    gpus: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class Plan:
     host: str
     scope: tuple[int, ...]
@@ -107,6 +123,7 @@ class Plan:
     invisible: tuple[Invisible, ...]
     threshold_mib: Mapping[int, int]
     notes: tuple[str, ...] = ()
+    clients: tuple[Client, ...] = ()
 
     def target(self, pid: int) -> Optional[Target]:
         return next((t for t in self.targets if t.pid == pid), None)
@@ -285,6 +302,9 @@ def make_plan(
         else:
             candidates[pid] = _Candidate(proc, EVIDENCE_SMI, gpus, used)
 
+    threshold = unattributed_mib + tolerance_mib
+    roles = policy.holder_roles(snapshot, threshold)
+    clients: dict[int, Client] = {}
     unreadable: list[Refusal] = []
     for holder in sorted(snapshot.holders, key=lambda h: h.pid):
         if holder.pid in listed:
@@ -299,6 +319,11 @@ def make_plan(
                     Refusal(holder.pid, "?", "holds NVIDIA device files but its process "
                             "details could not be read", UNREADABLE, held)
                 )
+            continue
+        role = roles.get(holder.pid)
+        if role is not None and role.role == policy.ROLE_CLIENT and \
+                policy.never_signal_reason(proc, ctx) is None:
+            clients[holder.pid] = Client(holder.pid, proc.name, held, role.reason)
             continue
         if full:
             candidates[holder.pid] = _Candidate(proc, EVIDENCE_DEVICE, held, None)
@@ -540,12 +565,9 @@ def make_plan(
             f"the agent runs in container {facts.container or '?'}: processes of other PID "
             "namespaces cannot be signalled from here"
         )
-    if not facts.can_read_all_fds:
-        notes.append(
-            "cannot read every process's file descriptors (not root): other users' "
-            "device-file holders may be missing"
-        )
-    threshold = unattributed_mib + tolerance_mib
+    fd_note = unreadable_fds_note(snapshot)
+    if fd_note is not None:
+        notes.append(fd_note)
     for row in ledger(snapshot):
         if row.index in in_scope and (row.unattributed_mib or 0) > threshold:
             notes.append(
@@ -581,6 +603,17 @@ def make_plan(
                 f"{', '.join(map(str, outside))} on GPUs outside the scope; ending it may bring "
                 "down that whole job"
             )
+    if clients:
+        notes.append(
+            f"{len(clients)} GPU client(s) with device files open but no evidence of GPU memory "
+            "(monitors, exporters, nvidia-smi runs) are left alone: "
+            + ", ".join(f"{c.pid} {c.name}" for c in sorted(clients.values(), key=lambda c: c.pid))
+        )
+    if snapshot.holders_vanished:
+        notes.append(
+            f"{len(snapshot.holders_vanished)} process(es) with device files open exited before "
+            "their details were read (short runs such as a concurrent nvidia-smi); not holders"
+        )
     if not out_targets:
         notes.append("nothing to signal")
 
@@ -597,7 +630,31 @@ def make_plan(
         invisible=invisible,
         threshold_mib={i: threshold for i in scope_t},
         notes=tuple(notes),
+        clients=tuple(sorted(clients.values(), key=lambda c: c.pid)),
     )
+
+
+def unreadable_fds_note(snapshot: Snapshot) -> Optional[str]:
+    """Why some processes' open files could not be read -- the true reason (root in a
+    container is refused PID 1's fds; hidepid hides other users), not a guess."""
+    facts = snapshot.facts
+    if facts.can_read_all_fds:
+        return None
+    if facts.hidepid:
+        return ("/proc is mounted hidepid and the agent is not root: other users' processes, "
+                "and device-file holders among them, are hidden")
+    if snapshot.fd_unreadable:
+        shown = snapshot.fd_unreadable[:5]
+        more = len(snapshot.fd_unreadable) - len(shown)
+        return ("cannot read the open files of PID "
+                + ", ".join(f"{u.pid} ({u.comm or '?'}): {u.reason}" for u in shown)
+                + (f" and {more} more" if more > 0 else "")
+                + "; device-file holders among them would be missing")
+    if not facts.is_root:
+        return ("cannot read every process's file descriptors (not root): other users' "
+                "device-file holders may be missing")
+    return ("cannot read every process's file descriptors (this agent did not say which; "
+            "running as root): device-file holders among them may be missing")
 
 
 def to_request(
