@@ -5,10 +5,10 @@ from typing import Optional
 
 import click
 
-from gpufleet.core.fit import DEFAULT_UTIL
-from gpufleet.render.status import to_json
 from gpufleet.cli import AppContext, cli, selection_options
-from gpufleet.cli.fit_cmd import fit_report, need_from_options, parse_gpus, render_text
+from gpufleet.core.fit import DEFAULT_UTIL, fit_report, need_from_options, parse_gpus
+from gpufleet.render.common import to_json
+from gpufleet.render.fit import render_text
 
 
 @cli.command()

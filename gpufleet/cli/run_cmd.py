@@ -7,8 +7,8 @@ from typing import Optional
 import click
 
 from gpufleet.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from gpufleet.render.status import to_json
-from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
+from gpufleet.cli import AppContext, cli, selection_options
+from gpufleet.render.common import terminal_safe, to_json
 
 
 @cli.command("run")

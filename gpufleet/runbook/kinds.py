@@ -35,7 +35,7 @@ from gpufleet.runbook.values import (
     _v_url,
     _v_globs,
 )
-from gpufleet.config.selection import format_gpu_list
+from gpufleet.core.gpus import format_gpu_ranges
 from gpufleet.config.yamlsource import did_you_mean
 from gpufleet.config.yamlsource import describe as describe_value
 
@@ -223,8 +223,8 @@ def _check_step(kind: str, params: dict[str, Any], timeout: float, fail: Fail) -
 
 
 def _gpus_text(gpus: Optional[Sequence[int]]) -> str:
-    return "all GPUs" if gpus is None else f"GPU {format_gpu_list(gpus)}" if len(gpus) == 1 \
-        else f"GPUs {format_gpu_list(gpus)}"
+    return "all GPUs" if gpus is None else f"GPU {format_gpu_ranges(gpus)}" if len(gpus) == 1 \
+        else f"GPUs {format_gpu_ranges(gpus)}"
 
 
 def _conditions_text(that: Mapping[str, Any]) -> str:

@@ -18,7 +18,7 @@ from gpufleet.config.inventory import Host
 from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snapshot
 from gpufleet.runbook.load import Step
 from gpufleet.runbook.checks import StepFailed, _chosen, check_conditions, gpu_metrics, report_lines
-from gpufleet.config.selection import format_gpu_list
+from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
 
 MARGIN_S = 5.0  # the controller waits this much longer than a host-side bound
 
@@ -250,9 +250,8 @@ def _step_clear_shm(ctx: _HostRun, step: Step, end: float) -> str:
 
 
 def _step_fit(ctx: _HostRun, step: Step, end: float) -> str:
-    from gpufleet.cli.fit_cmd import fit_host
     from gpufleet.errors import UsageError
-    from gpufleet.core.fit import ModelNeed, dtype_bytes, validate_need, weights_gib_from_params
+    from gpufleet.core.fit import ModelNeed, dtype_bytes, fit_host, validate_need, weights_gib_from_params
 
     p = step.params
     dtype = p["dtype"] or "fp16"

@@ -13,7 +13,7 @@ import urllib.parse
 from typing import Any, Callable, NoReturn, Optional
 
 from gpufleet.errors import UsageError
-from gpufleet.config.selection import parse_gpu_list
+from gpufleet.core.gpus import parse_gpu_list
 from gpufleet.config.yamlsource import did_you_mean, plain_string
 from gpufleet.config.yamlsource import describe as describe_value
 

@@ -63,8 +63,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 from gpufleet.errors import UsageError
 
@@ -269,7 +269,7 @@ def _startup_ok(util: float, total_gib: float, free_gib: float) -> bool:
     return not free_gib < _requested(util, total_gib)
 
 
-def _kv_cache(util: float, total_gib: float, non_kv_gib: float) -> float:
+def kv_cache(util: float, total_gib: float, non_kv_gib: float) -> float:
     # Worker.determine_available_memory (35d5cda):
     #   available_kv_cache_memory_bytes = requested_memory - profile_result.non_kv_cache_memory
     # vllm/utils/mem_utils.py memory_profiling:
@@ -294,9 +294,9 @@ def max_util_startup(total_gib: float, free_gib: float) -> Optional[float]:
 def _min_k_kv(total_gib: float, non_kv_gib: float) -> int:
     """Smallest grid step k >= 1 (possibly > UTIL_STEPS) with a positive KV cache at k/1000."""
     k = max(1, math.floor(non_kv_gib / total_gib * UTIL_STEPS))
-    while k > 1 and _kv_cache(_grid(k - 1), total_gib, non_kv_gib) > 0:
+    while k > 1 and kv_cache(_grid(k - 1), total_gib, non_kv_gib) > 0:
         k -= 1
-    while not _kv_cache(_grid(k), total_gib, non_kv_gib) > 0:
+    while not kv_cache(_grid(k), total_gib, non_kv_gib) > 0:
         k += 1
     return k
 
@@ -308,7 +308,7 @@ def min_util_kv(total_gib: float, non_kv_gib: float) -> Optional[float]:
 
 
 @dataclass(frozen=True)
-class _Window:
+class UtilWindow:
     max_util: Optional[float]
     min_util: Optional[float]
     feasible: bool
@@ -316,21 +316,21 @@ class _Window:
     capacity_limited: bool
 
 
-def _window(total_gib: float, free_gib: float, non_kv_gib: float) -> _Window:
+def util_window(total_gib: float, free_gib: float, non_kv_gib: float) -> UtilWindow:
     hi = max_util_startup(total_gib, free_gib)
     k = _min_k_kv(total_gib, non_kv_gib)
     lo = _grid(k) if k <= UTIL_STEPS else None
     feasible = hi is not None and lo is not None and lo <= hi
     if feasible:
-        return _Window(hi, lo, True, None, False)
+        return UtilWindow(hi, lo, True, None, False)
     if lo is None:
         # Even util 1.0 leaves no KV cache: the GPU itself is too small.
-        return _Window(hi, None, False, non_kv_gib - total_gib, True)
+        return UtilWindow(hi, None, False, non_kv_gib - total_gib, True)
     # Free memory is the limit: the lowest util with a KV cache must also pass start-up.
-    return _Window(hi, lo, False, _requested(lo, total_gib) - free_gib, False)
+    return UtilWindow(hi, lo, False, _requested(lo, total_gib) - free_gib, False)
 
 
-def _gib(value: float) -> str:
+def gib_text(value: float) -> str:
     return f"{value:.2f}"
 
 
@@ -344,21 +344,20 @@ def vllm_startup_error(free_gib: float, total_gib: float, util: float) -> str:
     )
 
 
-def _range_text(window: _Window) -> str:
+def range_text(window: UtilWindow) -> str:
     return f"--util {window.min_util:.3f}..{window.max_util:.3f}"
 
 
-def check_fit(
-    gpu: GpuMemory,
-    need: ModelNeed,
-    util: float = DEFAULT_UTIL,
-    context_mib: Optional[float] = None,
-    holders: Iterable[HolderUse] = (),
-) -> FitResult:
-    """Replay vLLM's start-up on one GPU of a tensor-parallel group (see module docstring).
+# ---------------------------------------------------------------- one GPU
+
+
+def replay(gpu: GpuMemory, need: ModelNeed, util: float = DEFAULT_UTIL,
+           context_mib: Optional[float] = None) -> FitResult:
+    """Replay vLLM's start-up on one GPU of a tensor-parallel group (see module docstring);
+    the result has no suggestions yet (gpufleet.core.fit.suggestions adds them).
 
     ``context_mib`` None: the measured default for ``need.tp``; 0 when the numbers were
-    measured inside vLLM's process already. ``holders`` feed the "free N holders" suggestion.
+    measured inside vLLM's process already.
     """
     util = validate_util(util)
     validate_need(need)
@@ -371,33 +370,10 @@ def check_fit(
     requested = _requested(util, total)
     startup = _startup_ok(util, total, free)
     non_kv = need.non_kv_gib
-    kv = _kv_cache(util, total, non_kv)
+    kv = kv_cache(util, total, non_kv)
     ok = startup and kv > 0
-    window = _window(total, free, non_kv)
-
-    if ok:
-        verdict = f"fits: KV cache {_gib(kv)} GiB at --util {util:g}"
-    elif window.feasible:
-        why = (f"start-up fails (free {_gib(free)} < requested {_gib(requested)} GiB)" if not startup
-               else f"no room for a KV cache ({_gib(kv)} GiB)")
-        verdict = f"{why} at --util {util:g}; use {_range_text(window)}"
-    elif window.capacity_limited:
-        verdict = (f"infeasible at any utilization: needs {_gib(window.shortfall_gib)} GiB more "
-                   f"than this GPU's {_gib(total)} GiB (weights {_gib(need.weights_per_gpu_gib)} + "
-                   f"activations {_gib(need.activations_gib + need.non_torch_gib)} GiB)")
-    else:
-        verdict = (f"infeasible at any utilization: needs {_gib(window.shortfall_gib)} GiB more free "
-                   f"memory (at --util {window.min_util:.3f}, free {_gib(free)} GiB)")
-
-    notes = []
-    if need.activations_gib == 0 and need.non_torch_gib == 0:
-        notes.append("activations not given (0 GiB assumed): the KV cache figure is an upper bound")
-    if context:
-        what = "CUDA context and NCCL buffers" if need.tp > 1 and context_mib is None else "CUDA context"
-        notes.append(f"vLLM sees the free memory nvidia-smi reports less its own {what} "
-                     f"({context:.0f} MiB, --context-mib)")
-
-    result = FitResult(
+    window = util_window(total, free, non_kv)
+    return FitResult(
         index=gpu.index,
         total_gib=total,
         free_host_gib=free_host,
@@ -417,108 +393,37 @@ def check_fit(
         feasible=window.feasible,
         shortfall_gib=window.shortfall_gib,
         capacity_limited=window.capacity_limited,
-        verdict=verdict,
+        verdict=_verdict(ok, startup, window, util, free, requested, kv, total, need),
         vllm_error=None if startup else vllm_startup_error(free, total, util),
-        notes=tuple(notes),
+        notes=_notes(need, context, context_mib),
     )
-    if not window.feasible:
-        result = replace(result, suggestions=tuple(suggest_alternatives(result, need, holders, context_mib)))
-    return result
 
 
-# ---------------------------------------------------------------- what would fit instead
+def _verdict(ok: bool, startup: bool, window: UtilWindow, util: float, free: float,
+             requested: float, kv: float, total: float, need: ModelNeed) -> str:
+    if ok:
+        return f"fits: KV cache {gib_text(kv)} GiB at --util {util:g}"
+    if window.feasible:
+        why = (f"start-up fails (free {gib_text(free)} < requested {gib_text(requested)} GiB)" if not startup
+               else f"no room for a KV cache ({gib_text(kv)} GiB)")
+        return f"{why} at --util {util:g}; use {range_text(window)}"
+    if window.capacity_limited:
+        return (f"infeasible at any utilization: needs {gib_text(window.shortfall_gib)} GiB more "
+                f"than this GPU's {gib_text(total)} GiB (weights {gib_text(need.weights_per_gpu_gib)} + "
+                f"activations {gib_text(need.activations_gib + need.non_torch_gib)} GiB)")
+    return (f"infeasible at any utilization: needs {gib_text(window.shortfall_gib)} GiB more free "
+            f"memory (at --util {window.min_util:.3f}, free {gib_text(free)} GiB)")
 
 
-def _alt_text(label: str, total: float, free: float, non_kv: float, util: float) -> Optional[str]:
-    window = _window(total, free, non_kv)
-    if not window.feasible:
-        return None
-    at = util if window.min_util <= util <= window.max_util else window.max_util
-    return f"{label}: fits with {_range_text(window)} (KV cache {_gib(_kv_cache(at, total, non_kv))} GiB at {at:g})"
-
-
-def _bpp_name(bytes_per_param: float) -> str:
-    names = {4.0: "fp32", 2.0: "16-bit", 1.0: "8-bit", 0.5: "4-bit"}
-    return names.get(bytes_per_param, f"{bytes_per_param:g} byte/param")
-
-
-def _holders_text(chosen: Sequence[HolderUse]) -> str:
-    return ", ".join(f"{h.name} {h.pid} ({h.used_mib:.0f} MiB)" for h in chosen)
-
-
-def suggest_alternatives(
-    result: FitResult,
-    need: ModelNeed,
-    holders: Iterable[HolderUse] = (),
-    context_mib: Optional[float] = None,
-) -> list[str]:
-    """What would fit on this GPU instead: the same model at 8-bit or 4-bit, a model half the
-    size, freeing the fewest listed holders (largest first), or a wider tensor-parallel group."""
-    total, free, util = result.total_gib, result.free_gib, result.util
-    rest = need.activations_gib + need.non_torch_gib
-    out: list[str] = []
-    # Scale the weights actually given (27.57 GiB for a nominal "14B" at fp16 is 14.8e9
-    # parameters in truth), not the nominal count; the count only names the smaller model.
-    for bpp, label in ((1.0, "8-bit (1 byte/param)"), (0.5, "4-bit (0.5 byte/param)")):
-        if need.bytes_per_param > bpp:
-            weights = need.weights_per_gpu_gib * bpp / need.bytes_per_param
-            text = _alt_text(f"same model at {label}, {_gib(weights)} GiB weights per GPU",
-                             total, free, weights + rest, util)
-            if text:
-                out.append(text)
-    weights = need.weights_per_gpu_gib / 2
-    text = _alt_text(f"a {format_params(need.param_count / 2)} model at {_bpp_name(need.bytes_per_param)}, "
-                     f"{_gib(weights)} GiB weights per GPU", total, free, weights + rest, util)
-    if text:
-        out.append(text)
-
-    known = sorted((h for h in holders if h.used_mib is not None and h.used_mib > 0),
-                   key=lambda h: (-h.used_mib, h.pid))
-    if known and not result.capacity_limited:
-        freed, chosen = 0.0, []
-        for holder in known:
-            chosen.append(holder)
-            freed += holder.used_mib / MIB_PER_GIB
-            text = _alt_text(f"free {len(chosen)} holder{'s' if len(chosen) > 1 else ''}: "
-                             f"{_holders_text(chosen)}", total, min(total, free + freed),
-                             result.non_kv_gib, util)
-            if text:
-                out.append(text)
-                break
-        else:
-            out.append(f"freeing all {len(chosen)} listed holders ({freed:.2f} GiB) is not enough")
-
-    for tp in (2, 4, 8):
-        if tp <= need.tp:
-            continue
-        context = default_context_mib(tp) if context_mib is None else context_mib
-        wider_free = max(0.0, result.free_host_gib - context / MIB_PER_GIB)
-        weights = need.weights_gib / tp
-        text = _alt_text(f"--tp {tp} ({_gib(weights)} GiB weights per GPU) on GPUs like this one",
-                         total, wider_free, weights + rest, util)
-        if text:
-            out.append(text)
-            break
-    if not out:
-        out.append("nothing smaller tried here fits this GPU")
-    return out
-
-
-def check_fleet(
-    gpus: Sequence[GpuMemory],
-    need: ModelNeed,
-    util: float = DEFAULT_UTIL,
-    context_mib: Optional[float] = None,
-    holders_by_index: Optional[dict[int, Sequence[HolderUse]]] = None,
-) -> tuple[FitResult, ...]:
-    """check_fit on each selected GPU of one host, after checking the tp grouping."""
-    validate_need(need)
-    check_tp(len(gpus), need.tp)
-    holders_by_index = holders_by_index or {}
-    return tuple(
-        check_fit(gpu, need, util, context_mib, holders_by_index.get(gpu.index, ()))
-        for gpu in gpus
-    )
+def _notes(need: ModelNeed, context: float, context_mib: Optional[float]) -> tuple[str, ...]:
+    notes = []
+    if need.activations_gib == 0 and need.non_torch_gib == 0:
+        notes.append("activations not given (0 GiB assumed): the KV cache figure is an upper bound")
+    if context:
+        what = "CUDA context and NCCL buffers" if need.tp > 1 and context_mib is None else "CUDA context"
+        notes.append(f"vLLM sees the free memory nvidia-smi reports less its own {what} "
+                     f"({context:.0f} MiB, --context-mib)")
+    return tuple(notes)
 
 
 def exit_code(results: Iterable[FitResult]) -> int:
@@ -527,9 +432,10 @@ def exit_code(results: Iterable[FitResult]) -> int:
 
 
 __all__ = [
-    "DEFAULT_CONTEXT_MIB", "DEFAULT_NCCL_MIB", "DEFAULT_UTIL", "DTYPE_BYTES",
-    "FitResult", "GpuMemory", "HolderUse", "ModelNeed",
-    "check_fit", "check_fleet", "check_tp", "default_context_mib", "dtype_bytes", "exit_code",
-    "format_params", "max_util_startup", "min_util_kv", "parse_params", "suggest_alternatives",
-    "validate_util", "vllm_startup_error", "weights_gib_from_params",
+    "BYTES_PER_GIB", "DEFAULT_CONTEXT_MIB", "DEFAULT_NCCL_MIB", "DEFAULT_UTIL", "DTYPE_BYTES",
+    "MIB_PER_GIB", "FitResult", "GpuMemory", "HolderUse", "ModelNeed", "UtilWindow",
+    "check_tp", "default_context_mib", "dtype_bytes", "exit_code", "format_params", "gib_text",
+    "kv_cache", "max_util_startup", "min_util_kv", "parse_params", "range_text", "replay",
+    "util_window", "validate_gpu", "validate_need", "validate_util", "vllm_startup_error",
+    "weights_gib_from_params",
 ]

@@ -1,33 +1,66 @@
-"""`gpufleet fit` without click: snapshots in, table rows / JSON document / exit code out (pure).
+"""`gpufleet fit` without click or rendering: snapshots in, per-host results, detail lines, the
+JSON document and the exit code out (pure).
 
-The click command (wired elsewhere) collects one snapshot per host, builds a ``ModelNeed``
-(``need_from_options``) and calls ``fit_report``. All arithmetic is in ``gpufleet.fit``.
+The CLI (gpufleet.cli.fit_cmd) collects one snapshot per host, builds a ``ModelNeed``
+(``need_from_options``) and calls ``fit_report``; gpufleet.render.fit draws the table. The
+per-GPU arithmetic is in gpufleet.core.fit.arithmetic, the alternatives in .suggestions.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Optional, Sequence
 
-from gpufleet.errors import EXIT_FAILED, EXIT_OK, UsageError
-from gpufleet.core.fit import (
+from gpufleet.core.fit.arithmetic import (
     DEFAULT_UTIL,
     FitResult,
     GpuMemory,
     HolderUse,
     ModelNeed,
-    check_fleet,
+    check_tp,
     dtype_bytes,
     exit_code,
     parse_params,
+    replay,
     validate_need,
     validate_util,
     weights_gib_from_params,
 )
+from gpufleet.core.fit.suggestions import suggest_alternatives
+from gpufleet.core.gpus import parse_gpu_list
 from gpufleet.core.model import HostResult, Snapshot
-from gpufleet.config.selection import parse_gpu_list
+from gpufleet.errors import EXIT_FAILED, EXIT_OK, UsageError
 
-HEADERS = ["HOST", "GPU", "TOTAL", "FREE", "VLLM FREE", "REQUESTED", "START-UP", "KV CACHE",
-           "MAX UTIL", "MIN UTIL", "VERDICT"]
+
+def check_fit(
+    gpu: GpuMemory,
+    need: ModelNeed,
+    util: float = DEFAULT_UTIL,
+    context_mib: Optional[float] = None,
+    holders: Iterable[HolderUse] = (),
+) -> FitResult:
+    """``replay`` on one GPU, plus what would fit instead when nothing does at any --util.
+    ``holders`` feed the "free N holders" suggestion."""
+    result = replay(gpu, need, util, context_mib)
+    if not result.feasible:
+        result = replace(result, suggestions=tuple(suggest_alternatives(result, need, holders, context_mib)))
+    return result
+
+
+def check_fleet(
+    gpus: Sequence[GpuMemory],
+    need: ModelNeed,
+    util: float = DEFAULT_UTIL,
+    context_mib: Optional[float] = None,
+    holders_by_index: Optional[dict[int, Sequence[HolderUse]]] = None,
+) -> tuple[FitResult, ...]:
+    """check_fit on each selected GPU of one host, after checking the tp grouping."""
+    validate_need(need)
+    check_tp(len(gpus), need.tp)
+    holders_by_index = holders_by_index or {}
+    return tuple(
+        check_fit(gpu, need, util, context_mib, holders_by_index.get(gpu.index, ()))
+        for gpu in gpus
+    )
 
 
 def parse_gpus(spec: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -58,7 +91,7 @@ def need_from_options(
                                    bytes_per_param=bpp))
 
 
-def holders_on(snapshot: Snapshot, index: int) -> list[HolderUse]:
+def holder_uses(snapshot: Snapshot, index: int) -> list[HolderUse]:
     """Processes nvidia-smi attributes memory to on GPU ``index``, named as operators know them."""
     out = []
     for app in snapshot.apps_on(index):
@@ -102,9 +135,10 @@ class HostFit:
 
 @dataclass(frozen=True)
 class FitReport:
+    """Every host's results; ``details``: vLLM errors, suggestions, then notes (once each),
+    the lines under the table."""
+
     hosts: tuple[HostFit, ...]
-    headers: list[str]
-    rows: list[list[Any]]
     details: list[str]  # vLLM errors, suggestions, then notes (once each), under the table
     document: dict[str, Any]
     exit_code: int = EXIT_OK
@@ -112,10 +146,6 @@ class FitReport:
 
 def _g(value: Optional[float], digits: int = 2) -> Optional[float]:
     return None if value is None else round(value, digits)
-
-
-def _cell(value: Optional[float], fmt: str = "{:.2f}") -> str:
-    return "n/a" if value is None else fmt.format(value)
 
 
 def result_dict(r: FitResult) -> dict[str, Any]:
@@ -165,7 +195,7 @@ def fit_host(
         memories = gpus_from_snapshot(snapshot, gpus)
     except ValueError as exc:
         return HostFit(result.host, error=str(exc))
-    holders = {m.index: holders_on(snapshot, m.index) for m in memories}
+    holders = {m.index: holder_uses(snapshot, m.index) for m in memories}
     try:
         results = check_fleet(memories, need, util, context_mib, holders)
     except UsageError as exc:
@@ -180,25 +210,15 @@ def fit_report(
     context_mib: Optional[float] = None,
     gpus: Optional[Sequence[int]] = None,
 ) -> FitReport:
-    """Table rows, detail lines, the JSON document and the exit code (0 fits everywhere, 1 not)."""
+    """Per-host results, detail lines, the JSON document and the exit code (0 fits everywhere,
+    1 not); gpufleet.render.fit makes the table from it."""
     util = validate_util(util)
     validate_need(need)
     fits = tuple(fit_host(r, need, util, context_mib, gpus) for r in host_results)
-    rows: list[list[Any]] = []
     details: list[str] = []
     notes: list[str] = []
     for hf in fits:
-        if hf.error is not None:
-            rows.append([hf.host, "-", "", "", "", "", "", "", "", "", f"error: {hf.error}"])
-            continue
         for r in hf.results:
-            rows.append([
-                hf.host, r.index, _cell(r.total_gib), _cell(r.free_host_gib), _cell(r.free_gib),
-                _cell(r.requested_gib), "pass" if r.startup_ok else "FAIL",
-                # in parentheses: what vLLM would compute, were start-up not to stop it first
-                _cell(r.kv_cache_gib, "{:.2f}" if r.startup_ok else "({:.2f})"),
-                _cell(r.max_util_startup, "{:.3f}"), _cell(r.min_util_kv, "{:.3f}"), r.verdict,
-            ])
             prefix = f"{hf.host} GPU {r.index}"
             if r.vllm_error:
                 details.append(f"{prefix}: vLLM would say: {r.vllm_error}")
@@ -207,7 +227,14 @@ def fit_report(
             notes.extend(n for n in r.notes if n not in notes)
     details.extend(f"note: {n}" for n in notes)
     code = EXIT_OK if fits and all(hf.ok for hf in fits) else EXIT_FAILED
-    document = {
+    return FitReport(hosts=fits, details=details, document=_document(fits, need, util, context_mib, code),
+                     exit_code=code)
+
+
+def _document(fits: Sequence[HostFit], need: ModelNeed, util: float, context_mib: Optional[float],
+              code: int) -> dict[str, Any]:
+    """The JSON document of `gpufleet fit --json` (docs: README, "fit")."""
+    return {
         "command": "fit",
         "util": util,
         "context_mib": context_mib,
@@ -228,17 +255,7 @@ def fit_report(
         "ok": code == EXIT_OK,
         "exit_code": code,
     }
-    return FitReport(hosts=fits, headers=list(HEADERS), rows=rows, details=details,
-                     document=document, exit_code=code)
 
 
-def render_text(report: FitReport) -> str:
-    """The table, then one line per suggestion / note."""
-    from tabulate import tabulate
-
-    text = tabulate(report.rows, headers=report.headers, disable_numparse=True)
-    return text + ("\n\n" + "\n".join(report.details) if report.details else "")
-
-
-__all__ = ["FitReport", "HostFit", "HEADERS", "fit_host", "fit_report", "gpus_from_snapshot",
-           "holders_on", "need_from_options", "parse_gpus", "render_text", "result_dict"]
+__all__ = ["FitReport", "HostFit", "check_fit", "check_fleet", "fit_host", "fit_report",
+           "gpus_from_snapshot", "holder_uses", "need_from_options", "parse_gpus", "result_dict"]
