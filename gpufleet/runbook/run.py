@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
-from gpufleet.runbook.load import Runbook, Step, describe
+from gpufleet.runbook.kinds import describe
+from gpufleet.runbook.model import Runbook, Step
 from gpufleet.runbook.checks import (
     StepFailed,
     check_conditions,
@@ -24,13 +25,13 @@ from gpufleet.runbook.checks import (
     memory_holders,
     report_lines,
 )
-from gpufleet.runbook.steps import EXECUTORS, MARGIN_S, WAIT_HTTP_SOURCE, _HostRun
+from gpufleet.runbook.steps import EXECUTORS, MARGIN_S, _HostRun, wait_http_source
 
 __all__ = [
     "DETAIL_MAX", "EXECUTORS", "FAILED", "MARGIN_S", "OK", "PLANNED", "SKIPPED",
-    "WAIT_HTTP_SOURCE", "HostRun", "StepFailed", "StepResult", "check_conditions", "document",
+    "HostRun", "StepFailed", "StepResult", "check_conditions", "document",
     "gpu_metrics", "holders_on", "memory_holders", "plan_host", "report_lines", "run_host",
-    "run_runbook", "run_steps", "table",
+    "run_runbook", "run_steps", "table", "wait_http_source",
 ]
 
 OK, FAILED, SKIPPED, PLANNED = "ok", "failed", "skipped", "planned"

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
 from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snapshot
-from gpufleet.runbook.load import Step
+from gpufleet.runbook.model import Step
 from gpufleet.runbook.checks import StepFailed, _chosen, check_conditions, gpu_metrics, report_lines
 from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
 
@@ -25,35 +25,15 @@ MARGIN_S = 5.0  # the controller waits this much longer than a host-side bound
 
 # --------------------------------------------------------------------------- host-side probes
 
-# Runs ON the host (Python 3.6+, stdlib): polls a URL until it answers the wanted status.
-# Everything variable arrives as JSON on stdin; proxies are ignored (the URL is the host's own).
-WAIT_HTTP_SOURCE = r"""
-import json, sys, time, urllib.request, urllib.error
-r = json.loads(sys.stdin.read())
-end = time.monotonic() + r["wait_s"]
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-n, last = 0, None
-while True:
-    n += 1
-    code = None
-    try:
-        left = max(0.2, min(r["attempt_s"], end - time.monotonic()))
-        with opener.open(r["url"], timeout=left) as resp:
-            code = resp.getcode()
-    except urllib.error.HTTPError as e:
-        code = e.code
-    except Exception as e:
-        last = (type(e).__name__ + ": " + str(e))[:200]
-    if code is not None:
-        last = "HTTP %d" % code
-    if code == r["status"]:
-        print(json.dumps({"ok": True, "attempts": n, "last": last}))
-        break
-    if time.monotonic() + r["interval"] >= end:
-        print(json.dumps({"ok": False, "attempts": n, "last": last}))
-        break
-    time.sleep(r["interval"])
-"""
+WAIT_HTTP_FILE = "wait_http.py"  # beside the agent in gpufleet/remote/
+
+
+def wait_http_source() -> str:
+    """The `wait_http` probe (gpufleet/remote/wait_http.py), read at send time like the agent:
+    it runs on the host as ``PYTHON -c SOURCE``, its request as JSON on stdin."""
+    from importlib import resources
+
+    return resources.files("gpufleet.remote").joinpath(WAIT_HTTP_FILE).read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- execution
@@ -286,7 +266,7 @@ def _step_wait_http(ctx: _HostRun, step: Step, end: float) -> str:
     request = {"url": p["url"], "status": p["status"], "interval": p["interval"],
                "attempt_s": max(1.0, min(10.0, p["interval"] * 2)), "wait_s": wait_s}
     started = time.monotonic()
-    code, out, err = ctx.argv([ctx.host.python, "-c", WAIT_HTTP_SOURCE], left,
+    code, out, err = ctx.argv([ctx.host.python, "-c", wait_http_source()], left,
                               stdin=json.dumps(request).encode())
     if code != 0:
         raise StepFailed(f"probe exited {code}: {_last_line(err, out) or 'no output'}")
