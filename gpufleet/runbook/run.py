@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
+from gpufleet.errors import first_line
 from gpufleet.runbook.kinds import describe
 from gpufleet.runbook.model import Runbook, Step
 from gpufleet.runbook.checks import (
@@ -77,8 +78,7 @@ def _short(text: Any, width: int = DETAIL_MAX) -> str:
 
 
 def _exc_text(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return _short(text.splitlines()[0] if text else type(exc).__name__)
+    return _short(first_line(exc))
 
 
 # --------------------------------------------------------------------------- dry run

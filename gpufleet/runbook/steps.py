@@ -19,8 +19,10 @@ from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snaps
 from gpufleet.runbook.model import Step
 from gpufleet.runbook.checks import StepFailed, _chosen, check_conditions, gpu_metrics, report_lines
 from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
-
-MARGIN_S = 5.0  # the controller waits this much longer than a host-side bound
+# The controller waits MARGIN_S longer than a host-side bound; a snapshot's agent ends itself
+# DEADLINE_MARGIN_S inside its bound: one definition each, in the ops that own them.
+from gpufleet.ops.clean import AGENT_MARGIN_S as MARGIN_S
+from gpufleet.ops.collect import DEADLINE_MARGIN_S
 
 
 # --------------------------------------------------------------------------- host-side probes
@@ -58,7 +60,7 @@ class _HostRun:
 
         request = snapshot_request(self.host)
         bound = max(1.0, min(float(self.host.command_timeout), timeout))
-        request["deadline_s"] = max(1.0, bound - 2.0)
+        request["deadline_s"] = max(1.0, bound - DEADLINE_MARGIN_S)
         request["smi_timeout_s"] = max(1.0, min(request["smi_timeout_s"], bound / 2))
         reply = self.session.run_agent(request, timeout=bound)
         if not reply.ok or reply.doc is None:
