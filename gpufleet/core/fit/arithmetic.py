@@ -407,11 +407,12 @@ def _verdict(ok: bool, startup: bool, window: UtilWindow, util: float, free: flo
         why = (f"start-up fails (free {gib_text(free)} < requested {gib_text(requested)} GiB)" if not startup
                else f"no room for a KV cache ({gib_text(kv)} GiB)")
         return f"{why} at --util {util:g}; use {range_text(window)}"
+    shortfall = window.shortfall_gib or 0.0  # always set when infeasible
     if window.capacity_limited:
-        return (f"infeasible at any utilization: needs {gib_text(window.shortfall_gib)} GiB more "
+        return (f"infeasible at any utilization: needs {gib_text(shortfall)} GiB more "
                 f"than this GPU's {gib_text(total)} GiB (weights {gib_text(need.weights_per_gpu_gib)} + "
                 f"activations {gib_text(need.activations_gib + need.non_torch_gib)} GiB)")
-    return (f"infeasible at any utilization: needs {gib_text(window.shortfall_gib)} GiB more free "
+    return (f"infeasible at any utilization: needs {gib_text(shortfall)} GiB more free "
             f"memory (at --util {window.min_util:.3f}, free {gib_text(free)} GiB)")
 
 

@@ -8,7 +8,7 @@ per-GPU arithmetic is in gpufleet.core.fit.arithmetic, the alternatives in .sugg
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from gpufleet.core.fit.arithmetic import (
     DEFAULT_UTIL,
@@ -51,7 +51,7 @@ def check_fleet(
     need: ModelNeed,
     util: float = DEFAULT_UTIL,
     context_mib: Optional[float] = None,
-    holders_by_index: Optional[dict[int, Sequence[HolderUse]]] = None,
+    holders_by_index: Optional[Mapping[int, Sequence[HolderUse]]] = None,
 ) -> tuple[FitResult, ...]:
     """check_fit on each selected GPU of one host, after checking the tp grouping."""
     validate_need(need)

@@ -24,9 +24,10 @@ from gpufleet.core.fit.arithmetic import (
 
 def _alt_text(label: str, total: float, free: float, non_kv: float, util: float) -> Optional[str]:
     window = util_window(total, free, non_kv)
-    if not window.feasible:
+    lo, hi = window.min_util, window.max_util
+    if not window.feasible or lo is None or hi is None:  # a feasible window has both ends
         return None
-    at = util if window.min_util <= util <= window.max_util else window.max_util
+    at = util if lo <= util <= hi else hi
     return f"{label}: fits with {range_text(window)} (KV cache {gib_text(kv_cache(at, total, non_kv))} GiB at {at:g})"
 
 
@@ -80,14 +81,14 @@ def _smaller_models(result: FitResult, need: ModelNeed) -> list[str]:
 def _free_holders(result: FitResult, holders: Iterable[HolderUse]) -> list[str]:
     """The fewest listed holders (largest first) whose memory would make the model fit."""
     total, free, util = result.total_gib, result.free_gib, result.util
-    known = sorted((h for h in holders if h.used_mib is not None and h.used_mib > 0),
-                   key=lambda h: (-h.used_mib, h.pid))
+    known = sorted(((h.used_mib, h) for h in holders if h.used_mib is not None and h.used_mib > 0),
+                   key=lambda uh: (-uh[0], uh[1].pid))
     if not known:
         return []
     freed, chosen = 0.0, []
-    for holder in known:
+    for used_mib, holder in known:
         chosen.append(holder)
-        freed += holder.used_mib / MIB_PER_GIB
+        freed += used_mib / MIB_PER_GIB
         text = _alt_text(f"free {len(chosen)} holder{'s' if len(chosen) > 1 else ''}: "
                          f"{_holders_text(chosen)}", total, min(total, free + freed),
                          result.non_kv_gib, util)
