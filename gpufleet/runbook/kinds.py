@@ -1,9 +1,10 @@
 """Runbook step kinds: what each kind accepts, the rules between its fields, and its one-line plan.
 
-Internal to gpufleet.runbook (import from there). ``KIND_FIELDS`` is the schema the loader
-checks every step against; the ``assert`` vocabulary (metrics, bounds, GPU sets) is validated
-here into ``{gpus, bounds, sets}``, the shape gpufleet.runner checks; ``describe`` is what
-``gpufleet run --dry-run`` prints for a step.
+``KIND_FIELDS`` is the schema the loader (gpufleet.runbook.load) checks every step against,
+each field wired to a validator of gpufleet.config.validators (or gpufleet.runbook.values);
+the ``assert`` vocabulary (metrics, bounds, GPU sets) is validated here into ``{gpus, bounds,
+sets}``, the shape gpufleet.runbook.checks checks; ``describe`` is what ``gpufleet run
+--dry-run`` prints for a step.
 """
 from __future__ import annotations
 
