@@ -22,3 +22,14 @@ class UsageError(GpufleetError):
     """Bad input: command line, inventory, runbook. Exit 2, nothing signalled."""
 
     exit_code = EXIT_USAGE
+
+
+def one_line(text: str) -> str:
+    """Any message as ONE line: runs of whitespace (newlines too) become one space."""
+    return " ".join(str(text).split())
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's text, or its type name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

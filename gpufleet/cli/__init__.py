@@ -5,7 +5,6 @@ error (nothing was done); 130 interrupted.
 """
 from __future__ import annotations
 
-import re
 import os
 import sys
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import click
 
 from gpufleet.errors import EXIT_INTERRUPTED, EXIT_USAGE, GpufleetError, UsageError
+from gpufleet.render.common import terminal_safe  # the one definition; commands import it from here
 
 
 @dataclass
@@ -36,17 +36,6 @@ class AppContext:
         from gpufleet.config.selection import select
 
         return select(self.inventory(), hosts=list(hosts), groups=list(groups), tags=list(tags), all_=all_)
-
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def terminal_safe(text: str) -> str:
-    """Text for a terminal with control characters shown, never interpreted: process titles
-    are chosen by whoever runs the process, and an ESC sequence in one could clear or repaint
-    the operator's screen (click strips them only when stdout is not a terminal). Tabs and
-    newlines stay; JSON output escapes everything itself."""
-    return _CONTROL.sub(lambda m: "\\x%02x" % ord(m.group()), text)
 
 
 def selection_options(func: Callable) -> Callable:
@@ -74,7 +63,7 @@ def _register() -> None:
     from gpufleet.cli import hosts_cmd, status_cmd  # noqa: F401  (importing registers the commands)
     del hosts_cmd, status_cmd
 
-    for optional in ("clean_cmd", "fit_click", "run_cmd", "trust_cmd"):
+    for optional in ("clean_cmd", "fit_cmd", "run_cmd", "trust_cmd"):
         try:
             __import__(f"{__name__}.{optional}")
         except ImportError as exc:

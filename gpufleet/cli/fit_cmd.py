@@ -1,244 +1,43 @@
-"""`gpufleet fit` without click: snapshots in, table rows / JSON document / exit code out (pure).
-
-The click command (wired elsewhere) collects one snapshot per host, builds a ``ModelNeed``
-(``need_from_options``) and calls ``fit_report``. All arithmetic is in ``gpufleet.fit``.
-"""
+"""`gpufleet fit`: will this model fit here? vLLM's start-up arithmetic on live numbers."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional
 
-from gpufleet.errors import EXIT_FAILED, EXIT_OK, UsageError
-from gpufleet.core.fit import (
-    DEFAULT_UTIL,
-    FitResult,
-    GpuMemory,
-    HolderUse,
-    ModelNeed,
-    check_fleet,
-    dtype_bytes,
-    exit_code,
-    parse_params,
-    validate_need,
-    validate_util,
-    weights_gib_from_params,
-)
-from gpufleet.core.model import HostResult, Snapshot
-from gpufleet.config.selection import parse_gpu_list
+import click
 
-HEADERS = ["HOST", "GPU", "TOTAL", "FREE", "VLLM FREE", "REQUESTED", "START-UP", "KV CACHE",
-           "MAX UTIL", "MIN UTIL", "VERDICT"]
+from gpufleet.cli import AppContext, cli, selection_options
+from gpufleet.core.fit import DEFAULT_UTIL, fit_report, need_from_options, parse_gpus
+from gpufleet.render.common import to_json
+from gpufleet.render.fit import render_text
 
 
-def parse_gpus(spec: Optional[str]) -> Optional[tuple[int, ...]]:
-    """'all' or None -> None (every GPU); otherwise the shared --gpus syntax (0-3, 0,2,5)."""
-    if spec is None:
-        return None
-    return parse_gpu_list(str(spec))
+@cli.command()
+@selection_options
+@click.option("--gpus", "gpus_spec", default="all", show_default=True, help="GPUs: 0-3, 0,2,5 or all.")
+@click.option("--weights-gib", type=float, default=None, help="Model weights in GiB (whole model).")
+@click.option("--params", default=None, help="Parameter count: 14e9, 14B, 7b (with --dtype).")
+@click.option("--dtype", default=None, help="fp32, fp16, bf16, fp8, int8, int4, fp4 (with --params).")
+@click.option("--activations-gib", type=float, default=0.0, show_default=True,
+              help="Peak activation memory per GPU (vLLM's non-KV memory minus weights).")
+@click.option("--non-torch-gib", type=float, default=0.0, show_default=True,
+              help="Non-torch memory growth after vLLM's snapshot (cuBLAS, late NCCL buffers).")
+@click.option("--util", type=float, default=DEFAULT_UTIL, show_default=True, help="gpu_memory_utilization.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size: weights split evenly.")
+@click.option("--context-mib", type=float, default=None,
+              help="CUDA context taken from the free memory the host reports (default: measured, see docs).")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON document.")
+@click.pass_obj
+def fit(app: AppContext, hosts, groups, tags, all_, gpus_spec: str, weights_gib: Optional[float],
+        params: Optional[str], dtype: Optional[str], activations_gib: float, non_torch_gib: float,
+        util: float, tp: int, context_mib: Optional[float], as_json: bool) -> int:
+    """Will this model fit on the selected GPUs? Exit 0 fits everywhere, 1 not somewhere, 2 usage."""
+    from gpufleet.ops.collect import snapshot_hosts
 
-
-def need_from_options(
-    weights_gib: Optional[float] = None,
-    params: Optional[str] = None,
-    dtype: Optional[str] = None,
-    activations_gib: float = 0.0,
-    non_torch_gib: float = 0.0,
-    tp: int = 1,
-) -> ModelNeed:
-    """--weights-gib, or --params with --dtype (default fp16); both -> --weights-gib wins for the
-    arithmetic and --params names the smaller-model suggestion."""
-    count = parse_params(params) if params is not None else None
-    bpp = dtype_bytes(dtype) if dtype is not None else 2.0
-    if weights_gib is None:
-        if count is None:
-            raise UsageError("give --weights-gib, or --params (with --dtype)")
-        weights_gib = weights_gib_from_params(count, dtype or "fp16")
-    return validate_need(ModelNeed(weights_gib=weights_gib, activations_gib=activations_gib,
-                                   non_torch_gib=non_torch_gib, tp=tp, params=count,
-                                   bytes_per_param=bpp))
-
-
-def holders_on(snapshot: Snapshot, index: int) -> list[HolderUse]:
-    """Processes nvidia-smi attributes memory to on GPU ``index``, named as operators know them."""
-    out = []
-    for app in snapshot.apps_on(index):
-        proc = snapshot.processes.get(app.pid)
-        name = proc.name if proc is not None else (app.process_name or "?")
-        out.append(HolderUse(pid=app.pid, name=name, used_mib=app.used_mib))
-    return out
-
-
-def gpus_from_snapshot(snapshot: Snapshot, indices: Optional[Sequence[int]]) -> list[GpuMemory]:
-    """The selected GPUs as GpuMemory; a missing index or n/a memory raises ValueError (a host
-    problem, reported on that host's row)."""
-    by_index = {g.index: g for g in snapshot.gpus}
-    wanted = sorted(by_index) if indices is None else list(indices)
-    missing = [i for i in wanted if i not in by_index]
-    if missing:
-        raise ValueError(f"no GPU {', '.join(map(str, missing))} on this host "
-                         f"(it has {', '.join(map(str, sorted(by_index))) or 'none'})")
-    if not wanted:
-        raise ValueError("no GPUs on this host")
-    out = []
-    for i in wanted:
-        gpu = by_index[i]
-        if gpu.memory_total_mib is None or gpu.memory_free_mib is None:
-            raise ValueError(f"GPU {i}: memory total/free n/a, cannot check")
-        out.append(GpuMemory(index=i, total_mib=gpu.memory_total_mib, free_mib=gpu.memory_free_mib,
-                             reserved_mib=gpu.memory_reserved_mib or 0))
-    return out
-
-
-@dataclass(frozen=True)
-class HostFit:
-    host: str
-    results: tuple[FitResult, ...] = ()
-    error: Optional[str] = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and exit_code(self.results) == EXIT_OK
-
-
-@dataclass(frozen=True)
-class FitReport:
-    hosts: tuple[HostFit, ...]
-    headers: list[str]
-    rows: list[list[Any]]
-    details: list[str]  # vLLM errors, suggestions, then notes (once each), under the table
-    document: dict[str, Any]
-    exit_code: int = EXIT_OK
-
-
-def _g(value: Optional[float], digits: int = 2) -> Optional[float]:
-    return None if value is None else round(value, digits)
-
-
-def _cell(value: Optional[float], fmt: str = "{:.2f}") -> str:
-    return "n/a" if value is None else fmt.format(value)
-
-
-def result_dict(r: FitResult) -> dict[str, Any]:
-    """One GPU of the JSON document; GiB rounded to 3 decimals, utils on the 0.001 grid."""
-    return {
-        "index": r.index,
-        "total_gib": _g(r.total_gib, 3),
-        "free_gib": _g(r.free_host_gib, 3),
-        "context_gib": _g(r.context_gib, 3),
-        "vllm_free_gib": _g(r.free_gib, 3),
-        "util": r.util,
-        "requested_gib": _g(r.requested_gib, 3),
-        "startup_ok": r.startup_ok,
-        "weights_gib": _g(r.weights_gib, 3),
-        "activations_gib": _g(r.activations_gib, 3),
-        "non_torch_gib": _g(r.non_torch_gib, 3),
-        "non_kv_gib": _g(r.non_kv_gib, 3),
-        "kv_cache_gib": _g(r.kv_cache_gib, 3),
-        "ok": r.ok,
-        "max_util_startup": r.max_util_startup,
-        "min_util_kv": r.min_util_kv,
-        "feasible": r.feasible,
-        "shortfall_gib": _g(r.shortfall_gib, 3),
-        "capacity_limited": r.capacity_limited,
-        "verdict": r.verdict,
-        "vllm_error": r.vllm_error,
-        "suggestions": list(r.suggestions),
-        "notes": list(r.notes),
-    }
-
-
-def fit_host(
-    result: HostResult,
-    need: ModelNeed,
-    util: float = DEFAULT_UTIL,
-    context_mib: Optional[float] = None,
-    gpus: Optional[Sequence[int]] = None,
-) -> HostFit:
-    """One host: an unreachable host or unusable numbers are an error value (exit 1); a --tp
-    that the selected GPUs cannot hold is a UsageError naming the host (exit 2)."""
-    if not result.ok or result.snapshot is None:
-        return HostFit(result.host, error=result.error or "no snapshot")
-    snapshot = result.snapshot
-    if not snapshot.nvidia_smi_ok:
-        return HostFit(result.host, error=f"nvidia-smi failed: {snapshot.nvidia_smi_error or 'unknown error'}")
-    try:
-        memories = gpus_from_snapshot(snapshot, gpus)
-    except ValueError as exc:
-        return HostFit(result.host, error=str(exc))
-    holders = {m.index: holders_on(snapshot, m.index) for m in memories}
-    try:
-        results = check_fleet(memories, need, util, context_mib, holders)
-    except UsageError as exc:
-        raise UsageError(f"{result.host}: {exc}") from None
-    return HostFit(result.host, results=results)
-
-
-def fit_report(
-    host_results: Sequence[HostResult],
-    need: ModelNeed,
-    util: float = DEFAULT_UTIL,
-    context_mib: Optional[float] = None,
-    gpus: Optional[Sequence[int]] = None,
-) -> FitReport:
-    """Table rows, detail lines, the JSON document and the exit code (0 fits everywhere, 1 not)."""
-    util = validate_util(util)
-    validate_need(need)
-    fits = tuple(fit_host(r, need, util, context_mib, gpus) for r in host_results)
-    rows: list[list[Any]] = []
-    details: list[str] = []
-    notes: list[str] = []
-    for hf in fits:
-        if hf.error is not None:
-            rows.append([hf.host, "-", "", "", "", "", "", "", "", "", f"error: {hf.error}"])
-            continue
-        for r in hf.results:
-            rows.append([
-                hf.host, r.index, _cell(r.total_gib), _cell(r.free_host_gib), _cell(r.free_gib),
-                _cell(r.requested_gib), "pass" if r.startup_ok else "FAIL",
-                # in parentheses: what vLLM would compute, were start-up not to stop it first
-                _cell(r.kv_cache_gib, "{:.2f}" if r.startup_ok else "({:.2f})"),
-                _cell(r.max_util_startup, "{:.3f}"), _cell(r.min_util_kv, "{:.3f}"), r.verdict,
-            ])
-            prefix = f"{hf.host} GPU {r.index}"
-            if r.vllm_error:
-                details.append(f"{prefix}: vLLM would say: {r.vllm_error}")
-            for s in r.suggestions:
-                details.append(f"{prefix}: instead: {s}")
-            notes.extend(n for n in r.notes if n not in notes)
-    details.extend(f"note: {n}" for n in notes)
-    code = EXIT_OK if fits and all(hf.ok for hf in fits) else EXIT_FAILED
-    document = {
-        "command": "fit",
-        "util": util,
-        "context_mib": context_mib,
-        "need": {
-            "weights_gib": _g(need.weights_gib, 3),
-            "weights_per_gpu_gib": _g(need.weights_per_gpu_gib, 3),
-            "activations_gib": _g(need.activations_gib, 3),
-            "non_torch_gib": _g(need.non_torch_gib, 3),
-            "tp": need.tp,
-            "params": need.params,
-            "bytes_per_param": need.bytes_per_param,
-        },
-        "hosts": [
-            {"host": hf.host, "ok": hf.ok, "error": hf.error,
-             "gpus": [result_dict(r) for r in hf.results]}
-            for hf in fits
-        ],
-        "ok": code == EXIT_OK,
-        "exit_code": code,
-    }
-    return FitReport(hosts=fits, headers=list(HEADERS), rows=rows, details=details,
-                     document=document, exit_code=code)
-
-
-def render_text(report: FitReport) -> str:
-    """The table, then one line per suggestion / note."""
-    from tabulate import tabulate
-
-    text = tabulate(report.rows, headers=report.headers, disable_numparse=True)
-    return text + ("\n\n" + "\n".join(report.details) if report.details else "")
-
-
-__all__ = ["FitReport", "HostFit", "HEADERS", "fit_host", "fit_report", "gpus_from_snapshot",
-           "holders_on", "need_from_options", "parse_gpus", "render_text", "result_dict"]
+    gpus = parse_gpus(gpus_spec)
+    need = need_from_options(weights_gib=weights_gib, params=params, dtype=dtype,
+                             activations_gib=activations_gib, non_torch_gib=non_torch_gib, tp=tp)
+    selected = app.select(hosts, groups, tags, all_)
+    results = snapshot_hosts(selected, forks=app.forks)
+    report = fit_report(results, need, util=util, context_mib=context_mib, gpus=gpus)
+    click.echo(to_json(report.document) if as_json else render_text(report))
+    return report.exit_code

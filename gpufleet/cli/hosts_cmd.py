@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from gpufleet.render.status import to_json
+from gpufleet.render.common import to_json
 from gpufleet.cli import AppContext, cli, selection_options
 
 

@@ -7,8 +7,8 @@ from typing import Optional
 import click
 
 from gpufleet.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from gpufleet.render.status import to_json
-from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
+from gpufleet.cli import AppContext, cli, selection_options
+from gpufleet.render.common import terminal_safe, to_json
 
 
 @cli.command("run")
@@ -32,7 +32,8 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
     no --yes in a non-interactive run (nothing done).
     """
     from gpufleet.ops import audit
-    from gpufleet.runbook.load import load_runbook, parse_extra_vars
+    from gpufleet.runbook.load import load_runbook
+    from gpufleet.runbook.template import parse_extra_vars
     from gpufleet.runbook.run import FAILED, document, plan_host, run_runbook, table
 
     # Everything is validated before anything is contacted.

@@ -11,16 +11,17 @@ The format is documented (and kept stable) in docs/inventory.md.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
-from gpufleet.errors import UsageError
-from gpufleet.config.yamlsource import (LineMap, LineSeq, describe, did_you_mean, has_control, load_yaml,
-                                  one_line, plain_string, read_source)
+from gpufleet.config import validators
+from gpufleet.config.validators import (MAX_NAME, PROGRAM_WORD, Fail, describe, did_you_mean, has_control,
+                                        plain_string)
+from gpufleet.config.yamlsource import LineMap, LineSeq, load_yaml, read_source
+from gpufleet.errors import UsageError, one_line
 
 ENV_VAR = "GPUFLEET_INVENTORY"
 LOCAL_FILENAME = "fleet.yaml"
@@ -45,11 +46,6 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
 _ADDRESS_RE = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9._:%-]*\Z")
 # POSIX portable user names (letters, digits, . _ -), not starting with '-'.
 _USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
-# The remote interpreter is shlex-quoted into the one constant command; keep it one plain word.
-_PYTHON_RE = re.compile(r"[A-Za-z0-9_./+][A-Za-z0-9_./+-]*\Z")
-_MAX_NAME = 255
-_MAX_TIMEOUT = 86400.0
-_MAX_MIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -202,12 +198,9 @@ def load_inventory(path: Optional[os.PathLike | str], display: Optional[str] = N
     return parse_inventory(text, source=source, base_dir=path.parent, path=path)
 
 
-Fail = Callable[[str], NoReturn]
-
-
 def _check_name(value: Any, fail: Fail, what: str) -> str:
     text = plain_string(value, fail, what)
-    if len(text) > _MAX_NAME or not _NAME_RE.match(text):
+    if len(text) > MAX_NAME or not _NAME_RE.match(text):
         fail(f"invalid {what} {text!r}: use letters, digits, '.', '_' and '-' "
              "(not starting with '.' or '-')")
     return text
@@ -219,7 +212,7 @@ def _v_address(value: Any, fail: Fail, ctx: "_Ctx") -> str:
         fail(f"address {text!r} contains '@': put the user in 'user:' instead")
     if text.count(":") == 1 and text.rsplit(":", 1)[1].isdigit():
         fail(f"address {text!r} looks like HOST:PORT: put the port in 'port:' instead")
-    if len(text) > _MAX_NAME or not _ADDRESS_RE.match(text):
+    if len(text) > MAX_NAME or not _ADDRESS_RE.match(text):
         fail(f"invalid address {text!r}: a host name, IP address or ~/.ssh/config alias "
              "(no spaces, quotes or shell characters)")
     return text
@@ -237,7 +230,7 @@ def _v_user(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
     if value is None:
         return None
     text = plain_string(value, fail, "a user name")
-    if len(text) > _MAX_NAME or not _USER_RE.match(text) or text.isdigit():
+    if len(text) > MAX_NAME or not _USER_RE.match(text) or text.isdigit():
         fail(f"invalid user name {text!r}: letters, digits, '.', '_' and '-' "
              "(not starting with '-' or '.', not all digits)")
     return text
@@ -263,48 +256,21 @@ def _v_remote_path(value: Any, fail: Fail, ctx: "_Ctx") -> Optional[str]:
     return text
 
 
-def _v_enum(choices: Sequence[str]) -> Callable[..., str]:
-    def check(value: Any, fail: Fail, ctx: "_Ctx") -> str:
-        expected = " or ".join(repr(c) for c in choices)
-        if not isinstance(value, str):
-            fail(f"expected {expected}, got {describe(value)}")
-        if value not in choices:
-            fail(f"invalid value {value!r}: expected {expected}{did_you_mean(value, choices)}")
-        return value
+def _shared(check: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """A validator of gpufleet.config.validators, in this module's (value, fail, ctx) shape."""
+    def adapted(value: Any, fail: Fail, ctx: "_Ctx") -> Any:
+        return check(value, fail, **options)
 
-    return check
-
-
-def _v_timeout(value: Any, fail: Fail, ctx: "_Ctx") -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 < value <= _MAX_TIMEOUT
-    ):
-        fail(f"expected a positive number of seconds (at most {int(_MAX_TIMEOUT)}), "
-             f"got {describe(value)}")
-    return float(value)
-
-
-def _v_bool(value: Any, fail: Fail, ctx: "_Ctx") -> bool:
-    if not isinstance(value, bool):
-        fail(f"expected true or false, got {describe(value)}")
-    return value
+    return adapted
 
 
 def _v_python(value: Any, fail: Fail, ctx: "_Ctx") -> str:
+    """The remote interpreter is shlex-quoted into the one constant command: one plain word."""
     text = plain_string(value, fail, "an interpreter name or path")
-    if len(text) > 4096 or not _PYTHON_RE.match(text):
+    if len(text) > 4096 or not PROGRAM_WORD.match(text):
         fail(f"invalid interpreter {text!r}: one command name or path "
              "(letters, digits, '/', '.', '_', '+', '-'; no spaces or arguments)")
     return text
-
-
-def _v_mib(value: Any, fail: Fail, ctx: "_Ctx") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_MIB:
-        fail(f"expected a whole number of MiB >= 0, got {describe(value)}")
-    return value
 
 
 def _list_of(
@@ -339,14 +305,14 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "user": _v_user,
     "identity_file": _v_local_path,
     "known_hosts_file": _v_local_path,
-    "host_key_policy": _v_enum(HOST_KEY_POLICIES),
-    "connect_timeout": _v_timeout,
-    "command_timeout": _v_timeout,
-    "connection": _v_enum(CONNECTIONS),
-    "sudo": _v_bool,
+    "host_key_policy": _shared(validators.choice(HOST_KEY_POLICIES)),
+    "connect_timeout": _shared(validators.timeout, one_message=True),
+    "command_timeout": _shared(validators.timeout, one_message=True),
+    "connection": _shared(validators.choice(CONNECTIONS)),
+    "sudo": _shared(validators.boolean),
     "python": _v_python,
     "nvidia_smi": _v_remote_path,
-    "unattributed_mib": _v_mib,
+    "unattributed_mib": _shared(validators.mib, one_message=True),
     "protect": _list_of(_glob, "glob strings"),
     "tags": _list_of(_tag, "tags", names=True),
 }

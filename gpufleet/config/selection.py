@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import re
 from typing import Iterable, Optional, Sequence
 
-from gpufleet.errors import UsageError
 from gpufleet.config.inventory import Host, Inventory
+from gpufleet.core.gpus import MAX_GPU_INDEX, parse_gpu_list
+from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
+from gpufleet.errors import UsageError
 
-MAX_GPU_INDEX = 1023  # bounds `0-99999999` before it is expanded
+# GPU lists are parsed and formatted in gpufleet.core.gpus; these names stay importable here
+# for callers the refactor has not reached yet (ops/clean.py, cli/clean_cmd.py).
+__all__ = ["MAX_GPU_INDEX", "format_gpu_list", "parse_gpu_list", "select"]
 
 
 def _split(values: Optional[Iterable[str]]) -> list[str]:
@@ -90,61 +93,3 @@ def select(
     if all_ or not (host_globs or group_names or tag_names):
         return list(inventory.hosts)
     return [h for h in inventory.hosts if h.name in chosen]
-
-
-_GPU_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?\Z")
-
-
-def format_gpu_list(indices: Iterable[int]) -> str:
-    """Compact ranges: ``[0, 1, 2, 3, 5]`` -> ``"0-3,5"`` (the syntax ``--gpus`` reads)."""
-    parts: list[str] = []
-    ordered = sorted(set(indices))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
-def parse_gpu_list(
-    text: str,
-    available: Optional[Iterable[int]] = None,
-    host: Optional[str] = None,
-) -> Optional[tuple[int, ...]]:
-    """Parse ``--gpus``: ``all`` -> None (every GPU); ``0-3``, ``0,2,5``, ``0-1,4`` -> sorted
-    unique indices. With ``available`` (the host's nvidia-smi indices), an index the host does
-    not have is an error naming ``host``.
-    """
-    if not isinstance(text, str):
-        raise UsageError(f"--gpus: expected text like 0-3, 0,2,5 or all, got {text!r}")
-    stripped = text.strip()
-    if stripped.lower() == "all":
-        return None
-    if not stripped:
-        raise UsageError("--gpus: empty GPU list (use e.g. 0-3, 0,2,5 or all)")
-    found: set[int] = set()
-    for part in stripped.split(","):
-        item = part.strip()
-        m = _GPU_ITEM.match(item)
-        if not m:
-            raise UsageError(f"--gpus: invalid GPU list {text!r} at {item!r} "
-                             "(use e.g. 0-3, 0,2,5, 0-1,4 or all)")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
-        if hi < lo:
-            raise UsageError(f"--gpus: reversed range {item!r} (write {hi}-{lo})")
-        if hi > MAX_GPU_INDEX:
-            raise UsageError(f"--gpus: GPU index {hi} is too large (at most {MAX_GPU_INDEX})")
-        found.update(range(lo, hi + 1))
-    result = tuple(sorted(found))
-    if available is not None:
-        have = set(available)
-        where = f" on {host}" if host else ""
-        has = f"has {format_gpu_list(have)}" if have else "has no GPUs"
-        for index in result:
-            if index not in have:
-                raise UsageError(f"GPU {index} does not exist{where} ({has})")
-    return result

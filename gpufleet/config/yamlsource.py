@@ -6,14 +6,13 @@ traceback. Duplicate keys, which PyYAML silently collapses, are errors here.
 """
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any
 
 import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-from gpufleet.errors import UsageError
+from gpufleet.errors import UsageError, one_line
 
 
 class LoadError(Exception):
@@ -136,10 +135,6 @@ def yaml_error_line(exc: yaml.YAMLError, text: str) -> int:
     return 0
 
 
-def one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def check_duplicates(node: Any, where: str, seen: set) -> None:
     """Refuse duplicate keys (PyYAML silently keeps the last), naming where they are."""
     if id(node) in seen:  # aliases: visit each node once
@@ -200,31 +195,6 @@ def load_yaml(text: str, source: str) -> Any:
 
 
 
-def describe(value: Any) -> str:
-    if value is None:
-        return "nothing (null)"
-    if isinstance(value, bool):
-        return f"the boolean {'true' if value else 'false'}"
-    if isinstance(value, int):
-        return f"the integer {value}"
-    if isinstance(value, float):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        if len(value) > 80:
-            return f"a string of {len(value)} characters"
-        return f"the string {value!r}"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    return f"a {type(value).__name__} value"
-
-
-def did_you_mean(word: str, choices: Sequence[str]) -> str:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 def read_source(path: Path, source: str, what: str, max_bytes: int) -> str:
     """The text of an operator's YAML file, or one UsageError line saying why not."""
     a_what = ("an " if what[:1] in "aeiou" else "a ") + what
@@ -244,19 +214,3 @@ def read_source(path: Path, source: str, what: str, max_bytes: int) -> str:
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise UsageError(f"{source}:{line}: not valid UTF-8") from None
-
-
-def has_control(text: str) -> bool:
-    """C0/C1 control characters (NUL, newline, ESC, ...): never valid in an operator's value."""
-    return any(ord(c) < 32 or ord(c) == 127 or 0x80 <= ord(c) < 0xA0 for c in text)
-
-
-def plain_string(value: Any, fail: Callable[[str], NoReturn], what: str = "a string") -> str:
-    """A non-empty string without control characters, or ``fail`` says what was expected."""
-    if not isinstance(value, str):
-        fail(f"expected {what}, got {describe(value)}")
-    if value == "":
-        fail(f"expected {what}, got an empty string")
-    if has_control(value):
-        fail(f"control characters (NUL, newline, ...) are not allowed: {value!r}")
-    return value

@@ -5,7 +5,7 @@ from typing import Any, Optional, Sequence
 
 
 from gpufleet.core.plan import Plan
-from gpufleet.config.selection import format_gpu_list
+from gpufleet.core.gpus import format_gpu_ranges
 
 CLEAN_HEADERS = ["HOST", "GPUS", "SIGNALLED", "REFUSED", "FREED (MiB)", "LEFT (MiB)", "VERDICT", "TIME"]
 
@@ -18,12 +18,12 @@ def _short(text: str, width: int = 60) -> str:
 def plan_text(plan: Plan) -> str:
     """What would be signalled, what is refused and why: the heart of --dry-run."""
     from tabulate import tabulate  # imported when a table is drawn: --json skips ~30 ms
-    lines = [f"{plan.host}: GPUs {format_gpu_list(plan.scope) or '-'}"
+    lines = [f"{plan.host}: GPUs {format_gpu_ranges(plan.scope) or '-'}"
              f"{' (every GPU)' if plan.full_scope else ''}"]
     for unit in plan.units_to_stop:
         lines.append(f"  stop unit {unit.unit}{' and disable it' if unit.disable else ''} first")
     if plan.targets:
-        rows = [[t.pid, _short(t.name, 28), format_gpu_list(t.gpus) or "-", t.evidence,
+        rows = [[t.pid, _short(t.name, 28), format_gpu_ranges(t.gpus) or "-", t.evidence,
                  "root" if t.wave == 0 else f"child of {t.family_root}",
                  "-" if t.used_mib is None else t.used_mib, _short(t.cmdline, 50)]
                 for t in sorted(plan.targets, key=lambda t: (t.wave, t.pid))]
@@ -51,7 +51,7 @@ def outcome_rows(results: Sequence[Any]) -> list[list[Any]]:
     rows = []
     for r in results:
         plan = r.plan
-        gpus = format_gpu_list(plan.scope) if plan else "-"
+        gpus = format_gpu_ranges(plan.scope) if plan else "-"
         refused = len(plan.refused) if plan else "-"
         detail = r.verdict_detail or {}
         freed = detail.get("freed_mib", "-") if detail else "-"

@@ -4,33 +4,19 @@ The JSON keys are a contract (README "status --json"); more keys may be added, n
 """
 from __future__ import annotations
 
-import json
-import re
 from typing import Any, Iterable, Optional, Sequence
 
 
 from gpufleet.core import policy
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
+from gpufleet.render.common import NA, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
-NA = "n/a"
 BUSY_TOLERANCE_MIB = 64  # same default as clean's --tolerance-mib
 
 
-def fmt_mib(value: Optional[int]) -> str:
-    if value is None:
-        return NA
-    if value >= 10240:
-        return f"{value / 1024:.1f}GiB"
-    return f"{value}MiB"
-
-
-_CELL_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
 def cell_text(text: str) -> str:
-    """A process-supplied string as ONE table line: its newlines and tabs are shown escaped,
-    so a hostile title cannot fake another holder line in a multi-line cell."""
-    return _CELL_CONTROL.sub(lambda m: "\\x%02x" % ord(m.group()), text)
+    """A process-supplied string as ONE table line (``terminal_safe(text, one_line=True)``)."""
+    return terminal_safe(text, one_line=True)
 
 
 def _process_name(snapshot: Snapshot, pid: int, fallback: str) -> str:
@@ -54,7 +40,7 @@ def unlisted_holders_text(snapshot: Snapshot, expected_mib: int = 0,
     every /dev/nvidiaN, so repeating them on each GPU row would claim memory they may not hold.
     ``role``: the possible memory holders (the `fd` row) or the GPU clients (`clients` row,
     monitors and exporters with no evidence of memory; gpufleet.core.policy.holder_role)."""
-    from gpufleet.config.selection import format_gpu_list
+    from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
 
     parts = []
     roles = policy.holder_roles(snapshot, expected_mib + BUSY_TOLERANCE_MIB)
@@ -251,6 +237,3 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
 def status_document(results: Iterable[HostResult], expected: dict[str, int]) -> dict[str, Any]:
     return {"hosts": [host_doc(r, expected.get(r.host, 0)) for r in results]}
 
-
-def to_json(doc: Any) -> str:
-    return json.dumps(doc, indent=2, sort_keys=False)

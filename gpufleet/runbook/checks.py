@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from gpufleet.core.model import Snapshot, ledger
-from gpufleet.config.selection import format_gpu_list
+from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
 
 
 # Here, the lowest of the runner modules, because report_lines raises it too.

@@ -1,9 +1,10 @@
 """Runbook step kinds: what each kind accepts, the rules between its fields, and its one-line plan.
 
-Internal to gpufleet.runbook (import from there). ``KIND_FIELDS`` is the schema the loader
-checks every step against; the ``assert`` vocabulary (metrics, bounds, GPU sets) is validated
-here into ``{gpus, bounds, sets}``, the shape gpufleet.runner checks; ``describe`` is what
-``gpufleet run --dry-run`` prints for a step.
+``KIND_FIELDS`` is the schema the loader (gpufleet.runbook.load) checks every step against,
+each field wired to a validator of gpufleet.config.validators (or gpufleet.runbook.values);
+the ``assert`` vocabulary (metrics, bounds, GPU sets) is validated here into ``{gpus, bounds,
+sets}``, the shape gpufleet.runbook.checks checks; ``describe`` is what ``gpufleet run
+--dry-run`` prints for a step.
 """
 from __future__ import annotations
 
@@ -11,36 +12,13 @@ import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from gpufleet.runbook.values import (
-    Fail,
-    _number,
-    _sub_fail,
-    _v_argv,
-    _v_bool,
-    _v_command,
-    _v_dtype,
-    _v_exit_codes,
-    _v_fraction,
-    _v_gib,
-    _v_gpus,
-    _v_mib,
-    _v_params,
-    _v_positive_int,
-    _v_program,
-    _v_seconds,
-    _v_status,
-    _v_timeout,
-    _v_unit,
-    _v_units,
-    _v_url,
-    _v_globs,
-)
-from gpufleet.config.selection import format_gpu_list
-from gpufleet.config.yamlsource import did_you_mean
-from gpufleet.config.yamlsource import describe as describe_value
+from gpufleet.config import validators
+from gpufleet.config.validators import Fail, describe as describe_value, did_you_mean, sub_fail
+from gpufleet.core.gpus import format_gpu_ranges
+from gpufleet.runbook.values import v_dtype, v_gib, v_params, v_positive_int
 
 if TYPE_CHECKING:
-    from gpufleet.runbook.load import Step
+    from gpufleet.runbook.model import Step
 
 KINDS = ("stop_units", "clean", "wait_free", "fit", "clear_shm", "start_unit", "wait_http",
          "shell", "assert", "report")
@@ -66,11 +44,11 @@ ASSERT_KEYS = ("gpus",) + METRICS + tuple(SHORTHANDS) + GPU_SETS
 
 def _v_bound(metric: str, value: Any, fail: Fail) -> float:
     if metric == "free_fraction":
-        v = _number(value, fail, "a fraction between 0 and 1")
+        v = validators.number(value, fail, "a fraction between 0 and 1")
         if not 0 <= v <= 1:
             fail(f"expected a fraction 0 <= x <= 1, got {value!r}")
         return float(v)
-    return _v_mib(value, fail)
+    return validators.mib(value, fail)
 
 
 def _v_conditions(raw: Any, fail: Fail, line_of: Callable[[Any], int],
@@ -82,15 +60,15 @@ def _v_conditions(raw: Any, fail: Fail, line_of: Callable[[Any], int],
     bounds: dict[str, list] = {}
     sets: dict[str, tuple[int, ...]] = {}
     for key, value in raw.items():
-        kfail = _sub_fail(fail_at(line_of(key)), f"that.{key}")
+        kfail = sub_fail(fail_at(line_of(key)), f"that.{key}")
         if key not in ASSERT_KEYS:
             fail_at(line_of(key))(f"unknown condition {key!r}{did_you_mean(str(key), ASSERT_KEYS)}"
                                   f" (conditions: {', '.join(METRICS + GPU_SETS)}, "
                                   "with {min: X, max: Y} or the _min/_max shorthands)")
         if key == "gpus":
-            gpus = _v_gpus(value, kfail)
+            gpus = validators.gpu_list(value, kfail)
         elif key in GPU_SETS:
-            chosen = _v_gpus(value, kfail)
+            chosen = validators.gpu_list(value, kfail)
             if chosen is None:
                 kfail("name the GPUs (e.g. 4-7); 'all' is not allowed here")
             sets[key] = chosen
@@ -135,61 +113,61 @@ class _Field:
 # Keys of each kind (besides name, kind, timeout). `clean` mirrors `gpufleet clean`'s options.
 KIND_FIELDS: dict[str, dict[str, _Field]] = {
     "stop_units": {
-        "units": _Field(_v_units, required=True),
-        "disable": _Field(_v_bool, default=False),
-        "user": _Field(_v_bool, default=False),
-        "systemctl": _Field(_v_program, default="systemctl"),
+        "units": _Field(validators.units, required=True),
+        "disable": _Field(validators.boolean, default=False),
+        "user": _Field(validators.boolean, default=False),
+        "systemctl": _Field(validators.program, default="systemctl"),
     },
     "clean": {
-        "gpus": _Field(_v_gpus, default=None),
-        "grace": _Field(_v_seconds, default=10.0),
-        "tolerance_mib": _Field(_v_mib, default=64),
-        "protect": _Field(_v_globs, default=()),
-        "include_spanning": _Field(_v_bool, default=False),
-        "stop_units": _Field(_v_bool, default=False),
-        "disable_units": _Field(_v_bool, default=False),
-        "shm": _Field(_v_bool, default=False),
-        "reset": _Field(_v_bool, default=False),
+        "gpus": _Field(validators.gpu_list, default=None),
+        "grace": _Field(validators.seconds, default=10.0),
+        "tolerance_mib": _Field(validators.mib, default=64),
+        "protect": _Field(validators.globs, default=()),
+        "include_spanning": _Field(validators.boolean, default=False),
+        "stop_units": _Field(validators.boolean, default=False),
+        "disable_units": _Field(validators.boolean, default=False),
+        "shm": _Field(validators.boolean, default=False),
+        "reset": _Field(validators.boolean, default=False),
     },
     "wait_free": {
-        "gpus": _Field(_v_gpus, default=None),
-        "min_free_mib": _Field(_v_mib),
-        "min_free_fraction": _Field(_v_fraction),
-        "poll": _Field(_v_timeout, default=1.0),
+        "gpus": _Field(validators.gpu_list, default=None),
+        "min_free_mib": _Field(validators.mib),
+        "min_free_fraction": _Field(validators.fraction),
+        "poll": _Field(validators.timeout, default=1.0),
     },
     # `gpufleet fit`'s options: weights_gib, or params (+ dtype); the measured extras.
     "fit": {
-        "params": _Field(_v_params),
-        "dtype": _Field(_v_dtype, default=None),
-        "weights_gib": _Field(_v_gib),
-        "activations_gib": _Field(_v_gib, default=0.0),
-        "non_torch_gib": _Field(_v_gib, default=0.0),
-        "tp": _Field(_v_positive_int, default=1),
-        "util": _Field(_v_fraction, default=0.9),
-        "context_mib": _Field(_v_mib, default=None),
-        "gpus": _Field(_v_gpus, default=None),
+        "params": _Field(v_params),
+        "dtype": _Field(v_dtype, default=None),
+        "weights_gib": _Field(v_gib),
+        "activations_gib": _Field(v_gib, default=0.0),
+        "non_torch_gib": _Field(v_gib, default=0.0),
+        "tp": _Field(v_positive_int, default=1),
+        "util": _Field(validators.fraction, default=0.9),
+        "context_mib": _Field(validators.mib, default=None),
+        "gpus": _Field(validators.gpu_list, default=None),
     },
     "clear_shm": {},
     "start_unit": {
-        "unit": _Field(_v_unit, required=True),
-        "user": _Field(_v_bool, default=False),
-        "systemctl": _Field(_v_program, default="systemctl"),
+        "unit": _Field(validators.unit, required=True),
+        "user": _Field(validators.boolean, default=False),
+        "systemctl": _Field(validators.program, default="systemctl"),
     },
     "wait_http": {
-        "url": _Field(_v_url, required=True),
-        "status": _Field(_v_status, default=200),
-        "interval": _Field(_v_timeout, default=2.0),
+        "url": _Field(validators.url, required=True),
+        "status": _Field(validators.http_status, default=200),
+        "interval": _Field(validators.timeout, default=2.0),
     },
     "shell": {
-        "command": _Field(_v_command),
-        "argv": _Field(_v_argv),
-        "expect_exit": _Field(_v_exit_codes, default=(0,)),
+        "command": _Field(validators.shell_command),
+        "argv": _Field(validators.argv),
+        "expect_exit": _Field(validators.exit_codes, default=(0,)),
     },
     "assert": {
         "that": _Field(lambda v, f: v, required=True),  # validated by _v_conditions
     },
     "report": {
-        "gpus": _Field(_v_gpus, default=None),
+        "gpus": _Field(validators.gpu_list, default=None),
     },
 }
 
@@ -223,8 +201,8 @@ def _check_step(kind: str, params: dict[str, Any], timeout: float, fail: Fail) -
 
 
 def _gpus_text(gpus: Optional[Sequence[int]]) -> str:
-    return "all GPUs" if gpus is None else f"GPU {format_gpu_list(gpus)}" if len(gpus) == 1 \
-        else f"GPUs {format_gpu_list(gpus)}"
+    return "all GPUs" if gpus is None else f"GPU {format_gpu_ranges(gpus)}" if len(gpus) == 1 \
+        else f"GPUs {format_gpu_ranges(gpus)}"
 
 
 def _conditions_text(that: Mapping[str, Any]) -> str:

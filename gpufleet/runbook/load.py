@@ -1,4 +1,5 @@
-"""Runbooks: load, validate and substitute a YAML list of steps (pure: no I/O but reading the file).
+"""Runbooks: read, validate and substitute a YAML list of steps into a ``Runbook`` (pure: no
+I/O but reading the file).
 
 A runbook is operator input that later stops units, signals processes and runs commands, so
 everything is checked before anything runs, and every mistake is ONE line naming the file, the
@@ -6,110 +7,37 @@ line and the step (``model-swap.yaml:14: step 2 'clean' (clean): unknown key 'gr
 mean 'grace'?)``), raised as ``UsageError`` (exit 2).
 
 Variables are ``{{ NAME }}`` (NAME = letters, digits, ``_``), given by ``vars:`` and ``-e
-NAME=VALUE`` (``-e`` wins). They are substituted as DATA: into plain fields as text, then
-validated like any typed value (a unit name stays a unit name, a GPU list a GPU list); into a
-``shell`` step's ``command`` (run by ``sh -c``) as ONE shlex-quoted word, and a reference
-inside quotes there is refused (``'{{ X }}'`` would unquote the value). An undefined variable
-is a validation error. The format is documented in docs/runbooks.md.
-
-The step kinds (their fields, rules and ``describe``) live in gpufleet.runbook_kinds, the value
-validators in gpufleet.runbook_values; import them from here.
+NAME=VALUE`` (``-e`` wins); an undefined variable is a validation error. How they are
+substituted (as DATA) is gpufleet.runbook.template. The step kinds (their fields, rules and
+``describe``) live in gpufleet.runbook.kinds, the model in gpufleet.runbook.model. The format
+is documented in docs/runbooks.md.
 """
 from __future__ import annotations
 
-import re
-import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Optional
 
-from gpufleet.errors import UsageError
-from gpufleet.runbook.kinds import (
-    ASSERT_KEYS,
-    DEFAULT_TIMEOUT_S,
-    GPU_SETS,
-    KIND_FIELDS,
-    KINDS,
-    METRICS,
-    MUTATING,
-    SHORTHANDS,
-    _check_step,
-    _v_conditions,
-    describe,
-    params_text,
-)
-from gpufleet.runbook.values import (
-    MAX_TIMEOUT_S,
-    UNIT_SUFFIXES,
-    Fail,
-    _Templated,
-    _v_bool,
-    _v_timeout,
-    unit_name,
-)
-from gpufleet.config.yamlsource import LineMap, LineSeq, did_you_mean, load_yaml, plain_string, read_source
-from gpufleet.config.yamlsource import describe as describe_value
+from gpufleet.config import validators
+from gpufleet.config.validators import Fail, did_you_mean, plain_string
+from gpufleet.config.validators import describe as describe_value
+from gpufleet.config.yamlsource import LineMap, LineSeq, load_yaml, read_source
+from gpufleet.errors import UsageError, one_line
+from gpufleet.runbook.kinds import DEFAULT_TIMEOUT_S, KIND_FIELDS, KINDS, _check_step, _v_conditions
+from gpufleet.runbook.model import Runbook, Step
+from gpufleet.runbook.template import REF, VAR_NAME, references, substitute, substitute_shell
 
-__all__ = [
-    "ASSERT_KEYS", "COMMON_KEYS", "DEFAULT_TIMEOUT_S", "GPU_SETS", "KIND_FIELDS", "KINDS",
-    "MAX_FILE_BYTES", "MAX_STEPS", "MAX_TIMEOUT_S", "METRICS", "MUTATING", "SHORTHANDS",
-    "TOP_LEVEL_KEYS", "UNIT_SUFFIXES", "VAR_NAME", "Fail", "Runbook", "Step", "describe",
-    "load_runbook", "one_line", "params_text", "parse_extra_vars", "parse_runbook",
-    "references", "substitute", "substitute_shell", "unit_name",
-]
+__all__ = ["COMMON_KEYS", "MAX_FILE_BYTES", "MAX_STEPS", "TOP_LEVEL_KEYS", "load_runbook", "parse_runbook"]
 
 MAX_FILE_BYTES = 1 << 20
 MAX_STEPS = 500
 TOP_LEVEL_KEYS = ("name", "description", "vars", "steps")
 COMMON_KEYS = ("name", "kind", "timeout", "continue_on_failure")
 
-VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_REF = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
-
-
-# --------------------------------------------------------------------------- model
-
-
-@dataclass(frozen=True)
-class Step:
-    """One validated step; ``params`` holds the kind's typed fields (variables substituted)."""
-
-    index: int  # 1-based position in the runbook
-    name: str
-    kind: str
-    timeout: float
-    line: int
-    params: Mapping[str, Any] = field(default_factory=dict)
-    continue_on_failure: bool = False  # a failure is reported, the host goes on (preflights)
-
-    @property
-    def mutating(self) -> bool:
-        return self.kind in MUTATING
-
-    @property
-    def label(self) -> str:
-        return f"step {self.index} {self.name!r} ({self.kind})"
-
-
-@dataclass(frozen=True)
-class Runbook:
-    source: str
-    name: str
-    description: str
-    vars: Mapping[str, str]
-    steps: tuple[Step, ...]
-
-    @property
-    def mutating(self) -> bool:
-        return any(s.mutating for s in self.steps)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 def _line(container: Any, key: Any = None) -> int:
@@ -118,103 +46,7 @@ def _line(container: Any, key: Any = None) -> int:
     return getattr(container, "line", 0)
 
 
-# --------------------------------------------------------------------------- substitution
-
-
-def references(value: Any) -> list[str]:
-    """Every variable name referenced in a (nested) value, in order."""
-    if isinstance(value, str):
-        return _REF.findall(value)
-    if isinstance(value, dict):
-        return [n for v in value.values() for n in references(v)]
-    if isinstance(value, list):
-        return [n for v in value for n in references(v)]
-    return []
-
-
-def substitute(value: Any, variables: Mapping[str, str]) -> Any:
-    """Replace ``{{ NAME }}`` with the value's text, once (a value is never re-expanded).
-
-    A string that is exactly one reference becomes a ``_Templated`` string, so typed fields
-    (numbers, booleans) may come from variables. Missing names raise KeyError.
-    """
-    if isinstance(value, str):
-        whole = _REF.fullmatch(value.strip()) if value.strip() == value else None
-        if whole:
-            return _Templated(variables[whole.group(1)])
-        return _REF.sub(lambda m: variables[m.group(1)], value)
-    if isinstance(value, dict):
-        out = LineMap({k: substitute(v, variables) for k, v in value.items()})
-        out.line = getattr(value, "line", 0)
-        out.lines = getattr(value, "lines", {})
-        return out
-    if isinstance(value, list):
-        seq = LineSeq(substitute(v, variables) for v in value)
-        seq.line = getattr(value, "line", 0)
-        seq.lines = getattr(value, "lines", [])
-        return seq
-    return value
-
-
-def _quote_context(command: str) -> list[tuple[int, str, str]]:
-    """(offset, name, quoting) of each reference in shell text; quoting is '', "'" or '"'.
-
-    A small POSIX sh scanner: enough to know whether a reference sits inside quotes, where a
-    shlex-quoted value would come OUT of its quotes.
-    """
-    refs = {m.start(): m for m in _REF.finditer(command)}
-    out = []
-    state = ""
-    i = 0
-    while i < len(command):
-        if i in refs:
-            m = refs[i]
-            out.append((i, m.group(1), state))
-            i = m.end()
-            continue
-        c = command[i]
-        if state == "'":
-            if c == "'":
-                state = ""
-        elif c == "\\":
-            i += 1
-        elif state == '"':
-            if c == '"':
-                state = ""
-        elif c in "'\"":
-            state = c
-        i += 1
-    return out
-
-
-def substitute_shell(command: str, variables: Mapping[str, str], fail: Fail) -> str:
-    """``{{ X }}`` -> ``shlex.quote(value)``: always exactly one word of data, never code."""
-    for _, name, quoting in _quote_context(command):
-        if quoting:
-            fail(f"command: {{{{ {name} }}}} is inside {quoting}quotes{quoting}: write it bare, "
-                 "it is quoted for you (a quoted value would be unquoted)")
-        if name not in variables:
-            fail(f"command: undefined variable {name!r}{did_you_mean(name, list(variables))}")
-    return _REF.sub(lambda m: shlex.quote(variables[m.group(1)]), command)
-
-
 # --------------------------------------------------------------------------- parsing
-
-
-def parse_extra_vars(pairs: Sequence[str]) -> dict[str, str]:
-    """``-e KEY=VALUE`` (repeatable) -> dict; the last one for a key wins."""
-    out: dict[str, str] = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq:
-            raise UsageError(f"-e {pair!r}: expected KEY=VALUE")
-        if not VAR_NAME.match(key):
-            raise UsageError(f"-e {pair!r}: invalid variable name {key!r} "
-                             "(letters, digits and '_', not starting with a digit)")
-        if "\0" in value:
-            raise UsageError(f"-e {key}: NUL character in value")
-        out[key] = value
-    return out
 
 
 def _scalar_text(value: Any) -> Optional[str]:
@@ -288,7 +120,7 @@ def parse_runbook(text: str, source: str = "<string>",
             text_value = _scalar_text(value)
             if text_value is None:
                 vfail(f"expected a plain value (text or number), got {describe_value(value)}")
-            if _REF.search(text_value):
+            if REF.search(text_value):
                 vfail("a variable's value cannot refer to other variables")
             declared[key] = text_value
     extra = dict(extra_vars or {})
@@ -383,10 +215,10 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
         params[key] = spec.check(substitute(value, variables), key_fail(key))
     timeout = DEFAULT_TIMEOUT_S[kind]
     if "timeout" in raw:
-        timeout = _v_timeout(substitute(raw["timeout"], variables), key_fail("timeout"))
+        timeout = validators.timeout(substitute(raw["timeout"], variables), key_fail("timeout"))
     go_on = False
     if "continue_on_failure" in raw:
-        go_on = _v_bool(substitute(raw["continue_on_failure"], variables), key_fail("continue_on_failure"))
+        go_on = validators.boolean(substitute(raw["continue_on_failure"], variables), key_fail("continue_on_failure"))
     _check_step(kind, params, timeout, fail_at(line, where))
     return Step(index=index, name=name, kind=kind, timeout=timeout, line=line,
                 params=MappingProxyType(params), continue_on_failure=go_on)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
-from gpufleet.runbook.load import Runbook, Step, describe
+from gpufleet.errors import first_line
+from gpufleet.runbook.kinds import describe
+from gpufleet.runbook.model import Runbook, Step
 from gpufleet.runbook.checks import (
     StepFailed,
     check_conditions,
@@ -24,13 +26,13 @@ from gpufleet.runbook.checks import (
     memory_holders,
     report_lines,
 )
-from gpufleet.runbook.steps import EXECUTORS, MARGIN_S, WAIT_HTTP_SOURCE, _HostRun
+from gpufleet.runbook.steps import EXECUTORS, MARGIN_S, _HostRun, wait_http_source
 
 __all__ = [
     "DETAIL_MAX", "EXECUTORS", "FAILED", "MARGIN_S", "OK", "PLANNED", "SKIPPED",
-    "WAIT_HTTP_SOURCE", "HostRun", "StepFailed", "StepResult", "check_conditions", "document",
+    "HostRun", "StepFailed", "StepResult", "check_conditions", "document",
     "gpu_metrics", "holders_on", "memory_holders", "plan_host", "report_lines", "run_host",
-    "run_runbook", "run_steps", "table",
+    "run_runbook", "run_steps", "table", "wait_http_source",
 ]
 
 OK, FAILED, SKIPPED, PLANNED = "ok", "failed", "skipped", "planned"
@@ -76,8 +78,7 @@ def _short(text: Any, width: int = DETAIL_MAX) -> str:
 
 
 def _exc_text(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return _short(text.splitlines()[0] if text else type(exc).__name__)
+    return _short(first_line(exc))
 
 
 # --------------------------------------------------------------------------- dry run

@@ -16,44 +16,26 @@ from typing import Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
 from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snapshot
-from gpufleet.runbook.load import Step
+from gpufleet.runbook.model import Step
 from gpufleet.runbook.checks import StepFailed, _chosen, check_conditions, gpu_metrics, report_lines
-from gpufleet.config.selection import format_gpu_list
-
-MARGIN_S = 5.0  # the controller waits this much longer than a host-side bound
+from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
+# The controller waits MARGIN_S longer than a host-side bound; a snapshot's agent ends itself
+# DEADLINE_MARGIN_S inside its bound: one definition each, in the ops that own them.
+from gpufleet.ops.clean import AGENT_MARGIN_S as MARGIN_S
+from gpufleet.ops.collect import DEADLINE_MARGIN_S
 
 
 # --------------------------------------------------------------------------- host-side probes
 
-# Runs ON the host (Python 3.6+, stdlib): polls a URL until it answers the wanted status.
-# Everything variable arrives as JSON on stdin; proxies are ignored (the URL is the host's own).
-WAIT_HTTP_SOURCE = r"""
-import json, sys, time, urllib.request, urllib.error
-r = json.loads(sys.stdin.read())
-end = time.monotonic() + r["wait_s"]
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-n, last = 0, None
-while True:
-    n += 1
-    code = None
-    try:
-        left = max(0.2, min(r["attempt_s"], end - time.monotonic()))
-        with opener.open(r["url"], timeout=left) as resp:
-            code = resp.getcode()
-    except urllib.error.HTTPError as e:
-        code = e.code
-    except Exception as e:
-        last = (type(e).__name__ + ": " + str(e))[:200]
-    if code is not None:
-        last = "HTTP %d" % code
-    if code == r["status"]:
-        print(json.dumps({"ok": True, "attempts": n, "last": last}))
-        break
-    if time.monotonic() + r["interval"] >= end:
-        print(json.dumps({"ok": False, "attempts": n, "last": last}))
-        break
-    time.sleep(r["interval"])
-"""
+WAIT_HTTP_FILE = "wait_http.py"  # beside the agent in gpufleet/remote/
+
+
+def wait_http_source() -> str:
+    """The `wait_http` probe (gpufleet/remote/wait_http.py), read at send time like the agent:
+    it runs on the host as ``PYTHON -c SOURCE``, its request as JSON on stdin."""
+    from importlib import resources
+
+    return resources.files("gpufleet.remote").joinpath(WAIT_HTTP_FILE).read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- execution
@@ -78,7 +60,7 @@ class _HostRun:
 
         request = snapshot_request(self.host)
         bound = max(1.0, min(float(self.host.command_timeout), timeout))
-        request["deadline_s"] = max(1.0, bound - 2.0)
+        request["deadline_s"] = max(1.0, bound - DEADLINE_MARGIN_S)
         request["smi_timeout_s"] = max(1.0, min(request["smi_timeout_s"], bound / 2))
         reply = self.session.run_agent(request, timeout=bound)
         if not reply.ok or reply.doc is None:
@@ -250,9 +232,8 @@ def _step_clear_shm(ctx: _HostRun, step: Step, end: float) -> str:
 
 
 def _step_fit(ctx: _HostRun, step: Step, end: float) -> str:
-    from gpufleet.cli.fit_cmd import fit_host
     from gpufleet.errors import UsageError
-    from gpufleet.core.fit import ModelNeed, dtype_bytes, validate_need, weights_gib_from_params
+    from gpufleet.core.fit import ModelNeed, dtype_bytes, fit_host, validate_need, weights_gib_from_params
 
     p = step.params
     dtype = p["dtype"] or "fp16"
@@ -287,7 +268,7 @@ def _step_wait_http(ctx: _HostRun, step: Step, end: float) -> str:
     request = {"url": p["url"], "status": p["status"], "interval": p["interval"],
                "attempt_s": max(1.0, min(10.0, p["interval"] * 2)), "wait_s": wait_s}
     started = time.monotonic()
-    code, out, err = ctx.argv([ctx.host.python, "-c", WAIT_HTTP_SOURCE], left,
+    code, out, err = ctx.argv([ctx.host.python, "-c", wait_http_source()], left,
                               stdin=json.dumps(request).encode())
     if code != 0:
         raise StepFailed(f"probe exited {code}: {_last_line(err, out) or 'no output'}")

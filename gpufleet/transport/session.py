@@ -32,18 +32,12 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import paramiko
 
-from gpufleet.transport.run import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP, _exec, _Raw, _run_local
+from gpufleet.transport.run import KILL_AFTER_S, _exec, _Raw, _run_local
 from gpufleet.transport.connection import (
-    MAX_HOPS,
-    Predial,
     TransportError,
-    TrustResult,
     _Connection,
     _reason,
     connection_for,
-    fetch_host_key,
-    predial,
-    trust,
 )
 
 

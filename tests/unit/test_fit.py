@@ -1,4 +1,4 @@
-"""gpufleet.core.fit: vLLM's start-up arithmetic, and gpufleet.cli.fit_cmd's rows/JSON/exit code."""
+"""gpufleet.core.fit: vLLM's start-up arithmetic and per-host report; gpufleet.render.status.fit's rows."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from gpufleet.cli.fit_cmd import fit_report, need_from_options, parse_gpus, render_text
+from gpufleet.core.fit import fit_report, need_from_options, parse_gpus
+from gpufleet.render.fit import render_text, table_rows
 from gpufleet.errors import UsageError
 from gpufleet.core.fit import (
     DEFAULT_CONTEXT_MIB,
@@ -373,8 +374,8 @@ def test_report_rows_document_and_exit_code():
     need = need_from_options(params="14B", dtype="bf16", activations_gib=3)
     report = fit_report([idle, busy, down], need, util=0.9, gpus=parse_gpus("0"))
     assert report.exit_code == 1
-    assert [row[0] for row in report.rows] == ["idle", "busy", "down"]
-    idle_row, busy_row, down_row = report.rows
+    assert [row[0] for row in table_rows(report)] == ["idle", "busy", "down"]
+    idle_row, busy_row, down_row = table_rows(report)
     assert idle_row[1] == 0 and idle_row[6] == "pass" and idle_row[10].startswith("fits")
     assert busy_row[6] == "FAIL" and busy_row[10].startswith("infeasible at any utilization")
     assert idle_row[7] == f"{0.9 * (143771 - 616) / 1024 - 14e9 * 2 / 2**30 - 3:.2f}"
@@ -394,15 +395,15 @@ def test_report_rows_document_and_exit_code():
     assert "busy" in render_text(report)
 
     only_idle = fit_report([idle], need, util=0.9)
-    assert only_idle.exit_code == 0 and len(only_idle.rows) == 2
+    assert only_idle.exit_code == 0 and len(table_rows(only_idle)) == 2
 
 
 def test_report_host_problems():
     na = host("wsl", snapshot_doc([(0, 32607, None, None)]))
     report = fit_report([na], ModelNeed(1), gpus=[0])
-    assert report.exit_code == 1 and "n/a" in report.rows[0][-1]
+    assert report.exit_code == 1 and "n/a" in table_rows(report)[0][-1]
     missing = fit_report([host("one", snapshot_doc([(0, 100, 100, 0)]))], ModelNeed(1), gpus=[3])
-    assert "no GPU 3 on this host" in missing.rows[0][-1]
+    assert "no GPU 3 on this host" in table_rows(missing)[0][-1]
     with pytest.raises(UsageError, match="^four: --tp 8 needs 8 GPUs, only 4 selected$"):
         fit_report([host("four", snapshot_doc([(i, 143771, 143156, 616) for i in range(4)]))],
                    ModelNeed(547, tp=8))

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from gpufleet.ops.clean import HostClean
-from gpufleet.cli.fit_cmd import fit_report, need_from_options, parse_gpus
+from gpufleet.core.fit import fit_report, need_from_options, parse_gpus
 from gpufleet.core.model import HostResult, ledger, parse_snapshot
 from gpufleet.core.plan import make_plan, to_request
 from gpufleet.remote import agent

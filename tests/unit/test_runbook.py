@@ -12,16 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufleet.errors import UsageError
-from gpufleet.runbook.load import (
-    KIND_FIELDS,
-    KINDS,
-    MUTATING,
-    describe,
-    load_runbook,
-    parse_extra_vars,
-    parse_runbook,
-    unit_name,
-)
+from gpufleet.config.validators import unit_name
+from gpufleet.runbook.kinds import KIND_FIELDS, KINDS, MUTATING, describe
+from gpufleet.runbook.load import load_runbook, parse_runbook
+from gpufleet.runbook.template import parse_extra_vars
 
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 
