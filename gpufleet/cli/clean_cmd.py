@@ -60,7 +60,10 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     fan = dict(forks=app.forks, on_interrupt=_on_interrupt(interrupted), make_error=_not_run)
 
     if dry_run:
-        results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=True), **fan)
+        # every TCP connect starts now, outside the forks bound, as for a real clean
+        with predial(selected, app.forks) as dials:
+            results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=True, dial=dials.take(h)),
+                                **fan)
     else:
         # Plan everywhere first, holding each connection; act only when every host's plan is
         # valid (nothing is signalled on the strength of input that failed validation, e.g.
