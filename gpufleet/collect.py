@@ -57,14 +57,17 @@ def _short(exc: BaseException) -> str:
 
 
 def snapshot_hosts(hosts: Sequence[Host], forks: int = 32,
-                   fn: Optional[Callable[[Host], HostResult]] = None) -> list[HostResult]:
+                   fn: Optional[Callable[[Host], HostResult]] = None,
+                   **callbacks: Any) -> list[HostResult]:
     """Every host's snapshot, at most ``forks`` SSH sessions at a time; every TCP connect
-    starts at once (transport.predial), so unreachable hosts cost one connect_timeout in all."""
+    starts at once (transport.predial), so unreachable hosts cost one connect_timeout in all.
+    ``callbacks``: run_hosts's ``on_start`` / ``on_result`` (progress.HostProgress.callbacks)."""
     if fn is not None:
-        out = run_hosts(hosts, fn, forks=forks)
+        out = run_hosts(hosts, fn, forks=forks, **callbacks)
     else:
         with predial(hosts, forks) as dials:
-            out = run_hosts(hosts, lambda h: snapshot_host(h, dials.take(h)), forks=forks)
+            out = run_hosts(hosts, lambda h: snapshot_host(h, dials.take(h)), forks=forks,
+                            **callbacks)
     return [
         r if isinstance(r, HostResult) else HostResult(host=h.name, ok=False, error=str(r))
         for h, r in zip(hosts, out)
