@@ -3,8 +3,9 @@
 A clean can take grace + memory wait (a minute or more) and a status over a large fleet waits
 for its slowest host; without this nothing shows until every host is done. The line says how
 many hosts are done, which are still running (by name, cut to the terminal's width) and the
-seconds elapsed; it is redrawn in place (``\\r`` + clear line) at most ``1 / interval_s``
-times a second and erased before the caller prints its table.
+seconds elapsed; it appears once the work has taken ``delay_s`` (0.5 s), is redrawn in place
+(``\\r`` + clear line) at most ``1 / interval_s`` times a second and is erased before the
+caller prints its table.
 
 Only on a terminal: when stderr is not a tty nothing at all is written (scripts, CI, pipes),
 and stdout / ``--json`` are never touched. It plugs into ``fanout.run_hosts`` through its
@@ -21,6 +22,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, TextIO
 
 CLEAR_LINE = "\r\x1b[K"
 INTERVAL_S = 0.25  # at most 4 redraws a second
+DELAY_S = 0.5  # nothing for work that ends sooner (a quick status would only flicker)
 DEFAULT_WIDTH = 80
 
 
@@ -117,11 +119,12 @@ class HostProgress:
 
     def __init__(self, items: Iterable[Any], label: str, stream: Optional[TextIO] = None,
                  interval_s: float = INTERVAL_S, clock: Callable[[], float] = time.monotonic,
-                 width: Optional[int] = None) -> None:
+                 width: Optional[int] = None, delay_s: float = DELAY_S) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.label = label
         self.names = [_name_of(i) for i in items]
         self.interval_s = max(0.05, float(interval_s))
+        self.delay_s = max(0.0, float(delay_s))
         self._clock = clock
         self._width = width
         self._started_at = clock()
@@ -200,6 +203,8 @@ class HostProgress:
             return DEFAULT_WIDTH
 
     def _tick(self) -> None:
+        if self.delay_s and self._wake.wait(self.delay_s):
+            return
         while not self._wake.wait(self.interval_s):
             text = self.line()
             with self._lock:

@@ -87,7 +87,7 @@ def test_the_line_always_fits_and_is_inert(names, width, done, label) -> None:
 
 def test_not_a_terminal_writes_nothing() -> None:
     pipe = Pipe()
-    with HostProgress(["a", "b"], "status", stream=pipe, interval_s=0.05) as p:
+    with HostProgress(["a", "b"], "status", stream=pipe, interval_s=0.05, delay_s=0) as p:
         assert not p.enabled
         p.started("a")
         time.sleep(0.2)
@@ -98,7 +98,7 @@ def test_not_a_terminal_writes_nothing() -> None:
 def test_on_a_terminal_it_redraws_in_place_and_clears() -> None:
     tty = Tty()
     hosts = ["fast", "slow"]
-    with HostProgress(hosts, "clean", stream=tty, interval_s=0.05, width=100) as p:
+    with HostProgress(hosts, "clean", stream=tty, interval_s=0.05, width=100, delay_s=0) as p:
         out = fanout.run_hosts(hosts, lambda h: time.sleep(0.6 if h == "slow" else 0.05) or h,
                                forks=2, **p.callbacks())
         assert out == hosts
@@ -114,7 +114,7 @@ def test_on_a_terminal_it_redraws_in_place_and_clears() -> None:
 def test_redraws_are_rate_limited() -> None:
     tty = Tty()
     names = ["h%d" % i for i in range(500)]
-    with HostProgress(names, "status", stream=tty, interval_s=0.25, width=100) as p:
+    with HostProgress(names, "status", stream=tty, interval_s=0.25, width=100, delay_s=0) as p:
         end = time.monotonic() + 1.0
         i = 0
         while time.monotonic() < end:  # the state changes all the time
@@ -128,7 +128,7 @@ def test_redraws_are_rate_limited() -> None:
 
 def test_print_above_keeps_messages_out_of_the_line() -> None:
     tty = Tty()
-    with HostProgress(["a"], "clean", stream=tty, interval_s=0.05, width=80) as p:
+    with HostProgress(["a"], "clean", stream=tty, interval_s=0.05, width=80, delay_s=0) as p:
         p.started("a")
         time.sleep(0.15)
         p.print_above("gpufleet: interrupted: waiting for 1 host(s)")
@@ -142,6 +142,16 @@ def test_print_above_keeps_messages_out_of_the_line() -> None:
 
 def test_no_hosts_no_thread() -> None:
     tty = Tty()
-    with HostProgress([], "status", stream=tty, interval_s=0.05) as p:
+    with HostProgress([], "status", stream=tty, interval_s=0.05, delay_s=0) as p:
         assert not p.enabled
+    assert tty.getvalue() == ""
+
+
+def test_quick_work_shows_nothing() -> None:
+    """Done before the delay: no line ever drawn (a one-host status would only flicker)."""
+    tty = Tty()
+    with HostProgress(["a"], "status", stream=tty, interval_s=0.05, delay_s=0.5) as p:
+        p.started("a")
+        time.sleep(0.2)
+        p.finished("a")
     assert tty.getvalue() == ""
