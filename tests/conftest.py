@@ -20,6 +20,9 @@ RECORDED_DIR = REPO_ROOT.parent / "shared" / "recorded"
 
 if str(LAB_DIR) not in sys.path:
     sys.path.insert(0, str(LAB_DIR))
+# Subprocesses (the CLI, the lab's tools) import this checkout's gpufleet, whichever is installed.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 _unavailable: dict[str, str] = {}
 
