@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import unicodedata
-from typing import Any, Callable, Iterable, Optional, Sequence, TextIO
+from typing import Any, Callable, Iterable, Optional, Sequence, TextIO, TypedDict
 
 CLEAR_LINE = "\r\x1b[K"
 INTERVAL_S = 0.25  # at most 4 redraws a second
@@ -101,6 +101,13 @@ def progress_line(label: str, done: int, total: int, running: Sequence[str], ela
     return short if text_width(short) <= room else cut(head, room)
 
 
+class Callbacks(TypedDict):
+    """fanout.run_hosts's progress keywords."""
+
+    on_start: Callable[[Any], None]
+    on_result: Callable[[Any, Any], None]
+
+
 def _name_of(item: Any) -> str:
     """fanout's work items: inventory Hosts (``.name``) or per-host results (``.host``)."""
     for attr in ("name", "host"):
@@ -143,7 +150,7 @@ class HostProgress:
 
     # ---- fanout callbacks (any thread)
 
-    def callbacks(self) -> dict[str, Callable[..., None]]:
+    def callbacks(self) -> Callbacks:
         return {"on_start": self.started, "on_result": self.finished}
 
     def started(self, item: Any) -> None:
