@@ -43,6 +43,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     """
     from gpufleet.ops.clean import CleanOptions, clean_host, execute_plan, plan_host
     from gpufleet.ops.fanout import run_hosts
+    from gpufleet.cli.progress import HostProgress
     from gpufleet.config.selection import parse_gpu_list
     from gpufleet.transport import open_session, predial
 
@@ -57,10 +58,18 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
                         disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log)
     interactive = sys.stdin.isatty() and not as_json
     interrupted: list = []
-    fan = dict(forks=app.forks, on_interrupt=_on_interrupt(interrupted), make_error=_not_run)
+    phase: list = []  # the progress line (stderr, terminal only) of the fan-out running now
+    fan = dict(forks=app.forks, on_interrupt=_on_interrupt(interrupted, phase), make_error=_not_run)
+
+    def progress(items, label: str) -> HostProgress:
+        phase[:] = [HostProgress(items, label)]
+        return phase[0]
 
     if dry_run:
-        results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=True), **fan)
+        # every TCP connect starts now, outside the forks bound, as for a real clean
+        with predial(selected, app.forks) as dials, progress(selected, "clean: planning") as p:
+            results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=True, dial=dials.take(h)),
+                                **fan, **p.callbacks())
     else:
         # Plan everywhere first, holding each connection; act only when every host's plan is
         # valid (nothing is signalled on the strength of input that failed validation, e.g.
@@ -76,8 +85,9 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
         try:
             # every TCP connect starts now, outside the forks bound (unreachable hosts cost
             # one connect_timeout in all); handshakes and plans stay inside it
-            with predial(selected, app.forks) as dials:
-                results = run_hosts(selected, _as_value(lambda h: plan_only(h, dials)), **fan)
+            with predial(selected, app.forks) as dials, progress(selected, "clean: planning") as p:
+                results = run_hosts(selected, _as_value(lambda h: plan_only(h, dials)), **fan,
+                                    **p.callbacks())
             if interrupted:  # Ctrl-C while planning: nothing is signalled anywhere
                 results = [_value(h, r) for h, r in zip(selected, results)]
                 click.echo(terminal_safe(outcome_table(results)))
@@ -103,10 +113,11 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
                     click.echo("nothing signalled")
                     return EXIT_USAGE
             by_host = {h.name: h for h in selected}
-            results = run_hosts(
-                [_value(h, r) for h, r in zip(selected, results)],
-                lambda r: execute_plan(by_host[r.host], sessions[r.host], r, opts) if r.host in sessions else r,
-                **fan)
+            with progress(selected, "clean") as p:
+                results = run_hosts(
+                    [_value(h, r) for h, r in zip(selected, results)],
+                    lambda r: execute_plan(by_host[r.host], sessions[r.host], r, opts) if r.host in sessions else r,
+                    **fan, **p.callbacks())
         finally:
             for session in sessions.values():
                 try:
@@ -141,15 +152,18 @@ def _show_plans(results, as_json: bool) -> None:
             click.echo("")
 
 
-def _on_interrupt(flag: list):
+def _on_interrupt(flag: list, phase: list):
     """Ctrl-C: say what is still being waited for (a clean in flight must report what it
-    signalled); fanout starts no new host."""
+    signalled); fanout starts no new host. ``phase``: the progress line to keep clear of."""
+    from gpufleet.cli.progress import echo_err
+
     def say(in_flight) -> None:
         flag.append(True)
         names = ", ".join(getattr(h, "host", None) or getattr(h, "name", "?") for h in in_flight)
-        click.echo(f"gpufleet: interrupted: waiting for {len(in_flight)} host(s) already running"
-                   f"{' (' + names + ')' if names else ''} to finish; no new host is started "
-                   "(Ctrl-C again to stop waiting)", err=True)
+        echo_err(phase[0] if phase else None)(
+            f"gpufleet: interrupted: waiting for {len(in_flight)} host(s) already running"
+            f"{' (' + names + ')' if names else ''} to finish; no new host is started "
+            "(Ctrl-C again to stop waiting)")
 
     return say
 

@@ -31,13 +31,15 @@ def fit(app: AppContext, hosts, groups, tags, all_, gpus_spec: str, weights_gib:
         params: Optional[str], dtype: Optional[str], activations_gib: float, non_torch_gib: float,
         util: float, tp: int, context_mib: Optional[float], as_json: bool) -> int:
     """Will this model fit on the selected GPUs? Exit 0 fits everywhere, 1 not somewhere, 2 usage."""
+    from gpufleet.cli.progress import HostProgress
     from gpufleet.ops.collect import snapshot_hosts
 
     gpus = parse_gpus(gpus_spec)
     need = need_from_options(weights_gib=weights_gib, params=params, dtype=dtype,
                              activations_gib=activations_gib, non_torch_gib=non_torch_gib, tp=tp)
     selected = app.select(hosts, groups, tags, all_)
-    results = snapshot_hosts(selected, forks=app.forks)
+    with HostProgress(selected, "fit") as progress:  # stderr, on a terminal only
+        results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
     report = fit_report(results, need, util=util, context_mib=context_mib, gpus=gpus)
     click.echo(to_json(report.document) if as_json else render_text(report))
     return report.exit_code

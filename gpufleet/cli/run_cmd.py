@@ -58,14 +58,18 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
             click.echo("nothing done")
             return EXIT_USAGE
 
-    def progress(host: str, step, result) -> None:
-        click.echo(terminal_safe(
-            f"{host}: step {step.index} {step.name!r} {result.outcome} "
-            f"({result.seconds:.1f}s){': ' + result.detail if result.outcome == FAILED else ''}"),
-            err=True)
+    from gpufleet.cli.progress import HostProgress, echo_err
 
-    runs = run_runbook(runbook, selected, forks=app.forks, operator=audit.operator_name(),
-                       audit_log=audit_log, on_step=progress)
+    with HostProgress(selected, f"run {runbook.name}") as line:  # stderr, on a terminal only
+        say = echo_err(line)
+
+        def progress(host: str, step, result) -> None:
+            say(terminal_safe(
+                f"{host}: step {step.index} {step.name!r} {result.outcome} "
+                f"({result.seconds:.1f}s){': ' + result.detail if result.outcome == FAILED else ''}"))
+
+        runs = run_runbook(runbook, selected, forks=app.forks, operator=audit.operator_name(),
+                           audit_log=audit_log, on_step=progress, **line.callbacks())
     if as_json:
         click.echo(to_json(document(runbook, runs, dry_run=False)))
     else:

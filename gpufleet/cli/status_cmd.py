@@ -21,10 +21,12 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
     Exit 0 when every host answered, 1 when some host failed, 2 on usage errors.
     """
     from gpufleet.ops.collect import snapshot_hosts
+    from gpufleet.cli.progress import HostProgress
 
     selected = app.select(hosts, groups, tags, all_)
     started = time.monotonic()
-    results = snapshot_hosts(selected, forks=app.forks)
+    with HostProgress(selected, "status") as progress:  # stderr, on a terminal only
+        results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
     expected = {h.name: int(h.unattributed_mib or 0) for h in selected}
     if as_json:
         doc = status_document(results, expected)

@@ -24,28 +24,31 @@ def trust(app: AppContext, names, path: Optional[str], yes: bool) -> int:
     import sys
 
     from gpufleet.transport.hostkeys import HostKeyError
-    from gpufleet.transport import TransportError, fetch_host_key, trust as record
+    from gpufleet.transport import TransportError, fetch_host_key, predial, trust as record
 
     hosts = app.select(list(names), [], [], False)
     failed = False
-    for host in hosts:
-        if host.is_local:
-            click.echo(f"{host.name}: connection: local, no host key")
-            continue
-        try:
-            keytype, fingerprint, _key = fetch_host_key(host)
-            click.echo(f"{host.name}: {keytype} {fingerprint}")
-            if not yes:
-                if not sys.stdin.isatty():
-                    raise UsageError("not a terminal: verify the fingerprint above, then pass --yes")
-                if not click.confirm(f"Record this key for {host.name}?", default=False):
-                    failed = True
-                    continue
-            result = record(host, path)
-        except (HostKeyError, TransportError) as exc:
-            click.echo(f"{host.name}: {exc}", err=True)
-            failed = True
-            continue
-        state = "recorded in" if result.added else "already known in"
-        click.echo(f"{host.name}: {result.name} {result.keytype} {result.fingerprint} {state} {result.path}")
+    # Every TCP connect starts now (transport.predial): a dead host among many costs one
+    # connect_timeout in all, not one more for each host after it.
+    with predial(hosts, app.forks) as dials:
+        for host in hosts:
+            if host.is_local:
+                click.echo(f"{host.name}: connection: local, no host key")
+                continue
+            try:
+                fetched = fetch_host_key(host, dials.take(host))
+                click.echo(f"{host.name}: {fetched[0]} {fetched[1]}")
+                if not yes:
+                    if not sys.stdin.isatty():
+                        raise UsageError("not a terminal: verify the fingerprint above, then pass --yes")
+                    if not click.confirm(f"Record this key for {host.name}?", default=False):
+                        failed = True
+                        continue
+                result = record(host, path, fetched)  # the key shown above, not a new fetch
+            except (HostKeyError, TransportError) as exc:
+                click.echo(f"{host.name}: {exc}", err=True)
+                failed = True
+                continue
+            state = "recorded in" if result.added else "already known in"
+            click.echo(f"{host.name}: {result.name} {result.keytype} {result.fingerprint} {state} {result.path}")
     return 1 if failed else 0

@@ -324,6 +324,26 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
         raise SnapshotError(f"malformed agent document: {exc}") from None
 
 
+# The driver's own memory for the processes on a GPU, which nvidia-smi counts in memory.used
+# but lists under no process. Measured on H200s (driver 580.159.04), memory.used minus the sum
+# of the listed used_memory, by number of CUDA processes N on the GPU:
+#   N=1: 9 MiB (17149 - 17140, 621 - 612: tests/fixtures/real-h200/smi-background-*.csv,
+#        smi-probe-gpu0-*.csv; 5647 - 5638: ../shared/recorded/h200-single-gpu.log);
+#   N=2: 15 MiB (26651 - 26636: h200-single-gpu.log; 9243 - 9228: h200-two-gpus.log;
+#        17767 - 17752: smi-probe-gpu1-*.csv);  N=3: 20 MiB (docs/real-gpu.md);
+#   N=4: 26 MiB (12708 - 12682: smi-round1-pre-*.csv);  N=0: 0 (every idle capture).
+# About 2 MiB + 6 MiB per process; 3 + 6 N bounds every capture.
+DRIVER_BASE_MIB = 3
+DRIVER_PER_PROCESS_MIB = 6
+
+
+def driver_allowance_mib(processes: int) -> int:
+    """Unattributed MiB the driver itself keeps for ``processes`` listed processes on one GPU
+    (not hidden memory): 0 with none, else DRIVER_BASE_MIB + DRIVER_PER_PROCESS_MIB each."""
+    n = int(processes)
+    return 0 if n <= 0 else DRIVER_BASE_MIB + DRIVER_PER_PROCESS_MIB * n
+
+
 @dataclass(frozen=True)
 class GpuLedger:
     """Where one GPU's memory went: used = attributed + unattributed."""
@@ -334,12 +354,16 @@ class GpuLedger:
     attributed_mib: Optional[int]
     unattributed_mib: Optional[int]
     expected_unattributed_mib: int
+    driver_allowance_mib: int = 0  # the driver's per-process share (driver_allowance_mib)
 
     @property
     def unexpected_mib(self) -> Optional[int]:
+        """Unattributed beyond what the host is expected to have and what the driver keeps
+        for the listed processes themselves."""
         if self.unattributed_mib is None:
             return None
-        return max(0, self.unattributed_mib - self.expected_unattributed_mib)
+        return max(0, self.unattributed_mib - self.expected_unattributed_mib
+                   - self.driver_allowance_mib)
 
 
 def ledger(snapshot: Snapshot, expected_unattributed_mib: int = 0) -> tuple[GpuLedger, ...]:
@@ -365,6 +389,7 @@ def ledger(snapshot: Snapshot, expected_unattributed_mib: int = 0) -> tuple[GpuL
                 attributed_mib=attributed,
                 unattributed_mib=unattributed,
                 expected_unattributed_mib=expected_unattributed_mib,
+                driver_allowance_mib=driver_allowance_mib(len({a.pid for a in apps})),
             )
         )
     return tuple(rows)

@@ -319,7 +319,8 @@ def unexplained_mib(snapshot: Snapshot, gpus: tuple[int, ...], threshold_mib: in
         for app in snapshot.apps_on(i):
             if app.pid not in snapshot.processes:
                 hidden = None if hidden is None or app.used_mib is None else hidden + app.used_mib
-        if hidden is None or hidden > threshold_mib:
+        # the driver's own share for the listed processes explains itself (model.ledger)
+        if hidden is None or hidden > threshold_mib + row.driver_allowance_mib:
             out[i] = hidden
     return out
 

@@ -2,7 +2,8 @@
 before snapshot (pure).
 
 ``clean`` means every scope GPU's memory.used is at or below its threshold (the host's expected
-unattributed memory + tolerance) in the agent's after-snapshot; anything else is ``dirty``, with
+unattributed memory + tolerance + the driver's share for listed processes the plan leaves
+there: ``plan.threshold_mib``) in the agent's after-snapshot; anything else is ``dirty``, with
 a reason that says what is left, who holds it, where unattributed memory most likely went, and
 whether a GPU reset is possible on this host. Memory is the proof, not the signals: a process
 can be gone while the driver still holds its memory, and a zombie holds none (measured).

@@ -168,13 +168,14 @@ def _record_signals(host: Host, planned: HostClean, opts: CleanOptions) -> None:
         started_at=float(started_at) if isinstance(started_at, (int, float)) else None))
 
 
-def clean_host(host: Host, opts: CleanOptions, dry_run: bool) -> HostClean:
-    """Plan and (unless dry_run) execute on one connection: the `--yes` fast path."""
+def clean_host(host: Host, opts: CleanOptions, dry_run: bool, dial: Optional[Any] = None) -> HostClean:
+    """Plan and (unless dry_run) execute on one connection: the `--yes` fast path.
+    ``dial``: the host's pre-dialled connection (transport.predial)."""
     from gpufleet.transport import open_session
 
     started = time.monotonic()
     try:
-        with open_session(host) as session:
+        with open_session(host, dial) as session:
             planned = plan_host(host, session, opts)
             if dry_run or not planned.ok:
                 return planned

@@ -57,14 +57,18 @@ def _short(exc: BaseException) -> str:
 
 
 def snapshot_hosts(hosts: Sequence[Host], forks: int = 32,
-                   fn: Optional[Callable[[Host], HostResult]] = None) -> list[HostResult]:
+                   fn: Optional[Callable[[Host], HostResult]] = None,
+                   on_start: Optional[Callable[[Host], None]] = None,
+                   on_result: Optional[Callable[[Host, Any], None]] = None) -> list[HostResult]:
     """Every host's snapshot, at most ``forks`` SSH sessions at a time; every TCP connect
-    starts at once (transport.predial), so unreachable hosts cost one connect_timeout in all."""
+    starts at once (transport.predial), so unreachable hosts cost one connect_timeout in all.
+    ``on_start`` / ``on_result``: run_hosts's (progress.HostProgress.callbacks)."""
     if fn is not None:
-        out = run_hosts(hosts, fn, forks=forks)
+        out = run_hosts(hosts, fn, forks=forks, on_start=on_start, on_result=on_result)
     else:
         with predial(hosts, forks) as dials:
-            out = run_hosts(hosts, lambda h: snapshot_host(h, dials.take(h)), forks=forks)
+            out = run_hosts(hosts, lambda h: snapshot_host(h, dials.take(h)), forks=forks,
+                            on_start=on_start, on_result=on_result)
     return [
         r if isinstance(r, HostResult) else HostResult(host=h.name, ok=False, error=str(r))
         for h, r in zip(hosts, out)

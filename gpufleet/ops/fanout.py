@@ -53,11 +53,13 @@ def run_hosts(
     on_interrupt: Optional[Callable[[list], None]] = None,
     on_result: Optional[Callable[[H, Any], None]] = None,
     make_error: Callable[[H, str], Any] = error_result,
+    on_start: Optional[Callable[[H], None]] = None,
 ) -> list:
     """``[fn(h) for h in hosts]``, at most ``forks`` at a time, in ``hosts`` order.
 
     ``on_interrupt(in_flight_hosts)`` is called on Ctrl-C (to tell the operator what is still
-    being waited for); ``on_result(host, value)`` as each host finishes (progress display).
+    being waited for); ``on_start(host)`` as a host's work begins and ``on_result(host,
+    value)`` as it finishes (the progress display, gpufleet.progress; their errors are ignored).
     Hosts never started are ``make_error(host, NOT_STARTED)``; after a second Ctrl-C, the
     still-running ones are ``make_error(host, ABANDONED)`` (their threads end on their own
     timeouts). Returns the list; never raises for a host's failure.
@@ -80,6 +82,11 @@ def run_hosts(
             if state["stop"]:
                 return
             started[i] = True
+        if on_start is not None:
+            try:
+                on_start(hosts[i])
+            except Exception:
+                pass
         try:
             value = fn(hosts[i])
         except Exception as exc:  # a failed host is a value

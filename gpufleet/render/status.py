@@ -202,6 +202,7 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
                 "unattributed_mib": row.unattributed_mib,
                 "expected_unattributed_mib": row.expected_unattributed_mib,
                 "unexpected_unattributed_mib": row.unexpected_mib,
+                "driver_allowance_mib": row.driver_allowance_mib,
                 "utilization_pct": gpu.utilization_pct,
                 "processes": [
                     _process_doc(snap, a.pid, a.process_name, a.used_mib) for a in snap.apps_on(gpu.index)

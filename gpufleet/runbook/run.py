@@ -173,8 +173,10 @@ def run_host(runbook: Runbook, host: Host, operator: str = "gpufleet", audit_log
 def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operator: str = "gpufleet",
                 audit_log: Optional[str] = None,
                 on_step: Optional[Callable[[str, Step, StepResult], None]] = None,
-                open_session: Optional[Callable[[Host], Any]] = None) -> list[HostRun]:
-    """Hosts in parallel (at most ``forks``), results in host order."""
+                open_session: Optional[Callable[[Host], Any]] = None,
+                **callbacks: Any) -> list[HostRun]:
+    """Hosts in parallel (at most ``forks``), results in host order. ``callbacks``:
+    run_hosts's ``on_start`` / ``on_result`` (progress.HostProgress.callbacks)."""
     from gpufleet.ops.fanout import run_hosts
 
     def make_error(host: Host, message: str) -> HostRun:
@@ -185,14 +187,15 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
         return run_host(runbook, h, operator, audit_log, on_step, opener)
 
     if open_session is not None:
-        return run_hosts(hosts, lambda h: run(h, open_session), forks=forks, make_error=make_error)
+        return run_hosts(hosts, lambda h: run(h, open_session), forks=forks, make_error=make_error,
+                         **callbacks)
     # Every TCP connect starts now, outside the forks bound (unreachable hosts cost one
     # connect_timeout in all); each host's session, steps and all, stays inside it.
     from gpufleet.transport import open_session as default_open, predial
 
     with predial(hosts, forks) as dials:
         return run_hosts(hosts, lambda h: run(h, lambda host: default_open(host, dials.take(host))),
-                         forks=forks, make_error=make_error)
+                         forks=forks, make_error=make_error, **callbacks)
 
 
 # --------------------------------------------------------------------------- output (pure)

@@ -605,16 +605,32 @@ def predial(hosts: Iterable[Any], forks: int = 32) -> Predial:
 # --------------------------------------------------------------------------- host keys
 
 
-def fetch_host_key(host: Any) -> tuple[str, str, paramiko.PKey]:
+def _from_dial(dial: Optional[cf.Future]) -> Optional[_Connection]:
+    """The connection a :func:`predial` Future holds; None: build one (not pre-dialled, or
+    given up); the dial's own failure is raised as the host's error."""
+    if dial is None:
+        return None
+    try:
+        return dial.result()  # bounded: the dial has the host's connect_timeout
+    except cf.CancelledError:
+        return None
+    except (TransportError, hostkeys.HostKeyError):
+        raise
+    except Exception as exc:
+        raise TransportError(_reason(exc)) from None
+
+
+def fetch_host_key(host: Any, dial: Optional[cf.Future] = None) -> tuple[str, str, paramiko.PKey]:
     """(keytype, SHA256 fingerprint, key) the host presents, for `gpufleet trust`.
 
     Uses the same route as a real connection (ssh_config, ProxyJump: jump hops must pass the
     host key policy); only the key exchange is done, no authentication. Known key types for
-    the name are asked for first. Raises TransportError / HostKeyError.
+    the name are asked for first. ``dial``: the host's :func:`predial` Future (its TCP
+    connect started with the command). Raises TransportError / HostKeyError.
     """
     if getattr(host, "connection", "ssh") == "local":
         raise TransportError(f"{host.name} uses connection: local; it has no SSH host key")
-    conn = connection_for(host)
+    conn = _from_dial(dial) or connection_for(host)
     sock = None
     transport = None
     try:
@@ -622,7 +638,8 @@ def fetch_host_key(host: Any) -> tuple[str, str, paramiko.PKey]:
             if conn.gateway:
                 sock = conn.open_gateway()
             else:
-                sock = _dial(conn.host, int(conn.port), conn._gf.connect_timeout)
+                sock = conn._take_predialed() or _dial(conn.host, int(conn.port),
+                                                       conn._gf.connect_timeout)
             transport = paramiko.Transport(sock)
             transport.banner_timeout = conn._gf.connect_timeout
             known = [e.keytype for e in hostkeys.known_keys(conn.key_name, conn._files)]
@@ -657,14 +674,16 @@ class TrustResult:
     added: bool  # False: it was already known
 
 
-def trust(host: Any, path: Optional[os.PathLike] = None) -> TrustResult:
+def trust(host: Any, path: Optional[os.PathLike] = None,
+          fetched: Optional[tuple[str, str, paramiko.PKey]] = None) -> TrustResult:
     """Record the key ``host`` presents now in ``path`` (default ~/.config/gpufleet/known_hosts).
 
-    Refuses (HostKeyError) when a different key is already recorded for it anywhere: a
-    changed key is never overwritten; the operator removes the old line first.
+    ``fetched``: what :func:`fetch_host_key` returned (the key the operator was shown); None
+    fetches it here. Refuses (HostKeyError) when a different key is already recorded for it
+    anywhere: a changed key is never overwritten; the operator removes the old line first.
     """
     target = Path(path) if path else hostkeys.gpufleet_known_hosts()
-    keytype, fp, key = fetch_host_key(host)
+    keytype, fp, key = fetched if fetched is not None else fetch_host_key(host)
     conn = connection_for(host)
     name = conn.key_name
     files = list(dict.fromkeys([*conn._files, target]))

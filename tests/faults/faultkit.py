@@ -87,6 +87,9 @@ class CliRun:
 def cli_env(home: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     env["HOME"] = str(home)
+    # this checkout first: the CLI runs from HOME, where another installed gpufleet would win
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 
 

@@ -20,8 +20,10 @@ from typing import Any, Optional
 
 import pytest
 
-_REPO = str(Path(__file__).resolve().parents[2])
 GPUFLEET = [sys.executable, "-c", "from gpufleet.cli import main; main()"]
+# The checkout under test comes first on the child's path (the CLI runs from HOME, where an
+# installed gpufleet from another checkout would otherwise be imported).
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Variables that would point the CLI at the machine's own files instead of the test's.
 _SCRUB = ("GPUFLEET_INVENTORY", "GPUFLEET_AUDIT_LOG", "SSH_AUTH_SOCK", "SSH_AGENT_PID")
 
@@ -61,8 +63,7 @@ def run_gpufleet(home: Path, inventory: Optional[Path], *args: str, timeout: flo
     """`gpufleet -i INVENTORY ARGS...` with HOME=home; stdin is not a terminal."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     env["HOME"] = str(home)
-    # this checkout's gpufleet, not whichever one is installed (cwd is HOME here)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     argv = (["-i", str(inventory)] if inventory is not None else []) + [str(a) for a in args]
     started = time.monotonic()
     res = subprocess.run(GPUFLEET + argv, capture_output=True, text=True, env=env, timeout=timeout,

@@ -231,7 +231,7 @@ def test_pre_train_cleans_0_3_and_proves_4_7_untouched(lab: Any, make_host: Any)
 
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
-    assert outcomes(doc, host.name) == ["ok"] * 5
+    assert outcomes(doc, host.name) == ["ok"] * 4
     # Every process with GPU evidence is gone (the API server holds none; a clean leaves it).
     assert all(not host.alive(p) for p in vllm.family()[1:])
     assert host.alive(train)
@@ -253,23 +253,49 @@ def test_pre_train_refuses_a_process_spanning_the_line(lab: Any, make_host: Any)
 
     assert res.returncode == 1, res.stdout + res.stderr
     doc = json.loads(res.stdout)
-    assert outcomes(doc, host.name) == ["ok", "failed", "skipped", "skipped", "skipped"]
+    assert outcomes(doc, host.name) == ["failed", "skipped", "skipped", "skipped"]
     detail = step(doc, host.name, "free GPUs")["detail"]
     assert detail.startswith("dirty:")
     assert f"{int(spanning)} eval_job" in detail and "spans GPUs 3,4" in detail
     assert host.alive(spanning) and host.alive(train)
 
 
-def test_pre_train_without_training_cleans_nothing(lab: Any, make_host: Any) -> None:
+def test_pre_train_without_training_still_cleans(lab: Any, make_host: Any) -> None:
+    """Nothing on 4-7 at the start: nothing there can be lost, so `holders_alive_on: 4-7`
+    holds (it used to fail the run) and 0-3 are freed."""
     host = make_host("node-idle", gpus=8)
     vllm = host.spawn_vllm(gpus=[0, 1, 2, 3], mib=20000, via="exec")
     inv = lab.inventory_yaml([host])
 
-    res = gpufleet(inv, "run", str(PLAYBOOKS / "pre-train.yaml"), "--host", host.name, "--yes")
+    res = gpufleet(inv, "run", str(PLAYBOOKS / "pre-train.yaml"), "--host", host.name, "--yes",
+                   "--json")
 
-    assert res.returncode == 1
-    assert "nothing held these GPUs at the start" in res.stdout + res.stderr
-    assert all(host.alive(p) for p in vllm.family())
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert outcomes(doc, host.name) == ["ok"] * 4
+    assert step(doc, host.name, "training untouched")["detail"] == (
+        "holders alive on 4-7: ok (nothing held these GPUs at the start)")
+    assert all(not host.alive(p) for p in vllm.family()[1:])
+    assert host.gpu_used() == [0] * 8
+
+
+def test_wait_free_fraction_leaves_the_reservation_out(lab: Any, make_host: Any,
+                                                        tmp_path: Path) -> None:
+    """A GPU with 4000 of 49140 MiB reserved is idle: free 45140 is all it can ever have, so
+    `min_free_fraction: 0.99` holds at once (free / total was 0.919: it waited, then failed)."""
+    host = make_host("rb-reserved", gpus=2, total_mib=49140, reserved_mib=4000)
+    inv = lab.inventory_yaml([host])
+    book = tmp_path / "free.yaml"
+    book.write_text("steps:\n  - {name: idle, kind: wait_free, min_free_fraction: 0.99, "
+                    "poll: 0.5, timeout: 3}\n  - {name: proof, kind: assert, that: "
+                    "{free_fraction_min: 0.99}}\n")
+
+    res = gpufleet(inv, "run", str(book), "--host", host.name, "--json")
+
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert outcomes(doc, host.name) == ["ok", "ok"]
+    assert "free after" in step(doc, host.name, "idle")["detail"]
 
 
 # ----------------------------------------------------------------------------- wsl2-preflight

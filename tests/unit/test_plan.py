@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from gpufleet.core import plan as planmod
 from gpufleet.core import policy
 from gpufleet.errors import UsageError
-from gpufleet.core.model import Snapshot, parse_snapshot
+from gpufleet.core.model import Snapshot, driver_allowance_mib, parse_snapshot
 from gpufleet.core.plan import Plan, UnitStop, make_plan, to_request
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
@@ -138,7 +138,9 @@ def test_targets_never_depend_on_names() -> None:
 
 def test_threshold_is_expected_unattributed_plus_tolerance() -> None:
     plan = make_plan(load("train-node"), (2, 5), unattributed_mib=300, tolerance_mib=32)
-    assert plan.threshold_mib == {2: 332, 5: 332}
+    # + the driver's share for the one listed process the plan leaves on GPU 2 (4341, refused)
+    assert plan.refusal(4341) is not None
+    assert plan.threshold_mib == {2: 332 + driver_allowance_mib(1), 5: 332}
 
 
 @pytest.mark.parametrize("scope,words", [((), "empty"), ((0, 8), "no GPU 8"), ((-1,), "negative"),
@@ -422,7 +424,10 @@ def test_request_rejects_bad_times(grace, timeout, kw) -> None:
 def test_plan_as_dict_is_json() -> None:
     plan = make_plan(load("shared-node"), (0, 1, 2, 3))
     d = json.loads(json.dumps(plan.as_dict()))
-    assert d["threshold_mib"] == {"0": 64, "1": 64, "2": 64, "3": 64}
+    # GPUs 1 and 3 keep one listed process each that the plan does not signal (6100: bob's;
+    # 5120: spans 3,4): the driver's share for it stays
+    assert d["threshold_mib"] == {"0": 64, "1": 64 + driver_allowance_mib(1), "2": 64,
+                                 "3": 64 + driver_allowance_mib(1)}
     assert {t["pid"] for t in d["targets"]} == {5300, 5400}
 
 

@@ -228,3 +228,33 @@ def test_descriptor_budget_bounds_the_sockets_held(listeners, monkeypatch) -> No
     assert all(server_sees_eof(s) for s in servers)
     for s in servers:
         s.close()
+
+
+def test_fetch_host_key_uses_the_predialled_socket(listeners) -> None:
+    """`gpufleet trust` hands fetch_host_key its pre-dialled connection: the key exchange
+    starts on that socket (the client's SSH banner arrives there) and no second connect is
+    made; a server that never answers makes it fail within its own connect_timeout."""
+    (ls,) = listeners(1)
+    h = host("h0", port_of(ls), connect_timeout=1.0)
+    with Predial([h]) as dials:
+        server = accept(ls)  # the pre-dial
+        dial = dials.take(h)
+        with pytest.raises(TransportError):
+            sshconnect.fetch_host_key(h, dial)
+    server.settimeout(5)
+    assert server.recv(8) == b"SSH-2.0-"
+    assert not accepted_now(ls)
+    server.close()
+
+
+def test_fetch_host_key_reports_the_dial_failure() -> None:
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    try:
+        h = host("dead", dead.getsockname()[1])
+        with Predial([h]) as dials:
+            with pytest.raises(TransportError, match="connection refused by 127.0.0.1:%d"
+                               % dead.getsockname()[1]):
+                sshconnect.fetch_host_key(h, dials.take(h))
+    finally:
+        dead.close()

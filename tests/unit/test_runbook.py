@@ -84,10 +84,10 @@ def test_pre_train_cleans_0_3_and_guards_4_7() -> None:
     assert clean.params["gpus"] == (0, 1, 2, 3)
     assert clean.params["stop_units"] is False
     asserts = [s.params["that"] for s in rb.steps if s.kind == "assert"]
-    assert asserts[0]["sets"] == {"holders_alive_on": (4, 5, 6, 7)}
+    assert len(asserts) == 2
     assert asserts[-1]["sets"] == {"holders_alive_on": (4, 5, 6, 7)}
-    assert asserts[1]["sets"] == {"no_holders_on": (0, 1, 2, 3)}
-    assert asserts[1]["bounds"] == {"unexpected_unattributed_mib": (None, 0)}
+    assert asserts[0]["sets"] == {"no_holders_on": (0, 1, 2, 3)}
+    assert asserts[0]["bounds"] == {"unexpected_unattributed_mib": (None, 0)}
     rb2 = load_runbook(PLAYBOOKS / "pre-train.yaml", {"STOP_UNITS": "true"})
     assert next(s for s in rb2.steps if s.kind == "clean").params["stop_units"] is True
 
@@ -502,9 +502,12 @@ def test_holders_alive_needs_the_same_identity() -> None:
     reused = _snap(EIGHT_FREE, apps=[(50, 4, 30000)], procs={50: {}, 51: {"starttime": 999}})
     found = runner.check_conditions(that, reused, before)
     assert _held(found) == [False] and "p51 51" in found[0][1] and "p50" not in found[0][1]
+    # Nothing held them at the start: nothing can have been lost (it used to fail).
     empty = _snap(EIGHT_FREE)
     found = runner.check_conditions(that, empty, empty)
-    assert _held(found) == [False] and "nothing held" in found[0][1]
+    assert _held(found) == [True] and "ok (nothing held these GPUs at the start)" in found[0][1]
+    # ... also when something holds them now: only the start's holders are guarded
+    assert _held(runner.check_conditions(that, before, empty)) == [True]
     assert _held(runner.check_conditions(that, before, None)) == [False]
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufleet.core import verdict as V
-from gpufleet.core.model import parse_snapshot
+from gpufleet.core.model import driver_allowance_mib, parse_snapshot
 from gpufleet.core.plan import make_plan
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
@@ -256,20 +256,29 @@ def test_clean_iff_every_scope_gpu_at_or_below_threshold(used, scope, expected) 
     after = after_doc("train-node", gone=VLLM + [4520, 4521, 4522, 4523],
                       used=dict(enumerate(used)))
     v = V.make_verdict(plan, clean_doc(after), before)
-    ok = all(used[i] <= expected + 64 for i in scope)
+    # expected + tolerance, + the driver's share for listed processes the plan leaves there
+    left = {i: {a.pid for a in before.apps_on(i)} - plan.target_pids for i in scope}
+    assert plan.threshold_mib == {i: expected + 64 + driver_allowance_mib(len(left[i])) for i in scope}
+    ok = all(used[i] <= plan.threshold_mib[i] for i in scope)
     assert v.clean == ok
     assert v.left_mib == sum(used[i] for i in scope)
     before_used = {g.index: g.memory_used_mib for g in before.gpus}
     assert v.freed_mib == sum(before_used[i] for i in scope) - v.left_mib
     if not ok:
         assert all(f"GPU {i}: {used[i]} MiB left" in v.reason
-                   for i in scope if used[i] > expected + 64)
+                   for i in scope if used[i] > plan.threshold_mib[i])
 
 
-@pytest.mark.parametrize("left,clean", [(64, True), (65, False), (0, True)])
+# GPU 0's threshold: the 64 MiB tolerance + the driver's share for the one listed process the
+# plan leaves there (4340, refused: it would end a worker on GPU 1)
+GPU0_THRESHOLD = 64 + driver_allowance_mib(1)
+
+
+@pytest.mark.parametrize("left,clean", [(GPU0_THRESHOLD, True), (GPU0_THRESHOLD + 1, False), (0, True)])
 def test_threshold_boundary(left: int, clean: bool) -> None:
     before = parse_snapshot(doc("train-node"))
     plan = make_plan(before, (0,))
+    assert plan.threshold_mib == {0: GPU0_THRESHOLD}
     v = V.make_verdict(plan, clean_doc(after_doc("train-node", gone=VLLM, used={0: left})),
                        before)
     assert v.clean is clean

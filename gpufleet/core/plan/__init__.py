@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from gpufleet.core import policy
 from gpufleet.errors import UsageError
-from gpufleet.core.model import ProcessInfo, Snapshot, ledger
+from gpufleet.core.model import ProcessInfo, Snapshot, driver_allowance_mib, ledger
 
 EVIDENCE_SMI = "nvidia-smi"
 EVIDENCE_DEVICE = "device-file"
@@ -568,8 +568,8 @@ def make_plan(
     fd_note = unreadable_fds_note(snapshot)
     if fd_note is not None:
         notes.append(fd_note)
-    for row in ledger(snapshot):
-        if row.index in in_scope and (row.unattributed_mib or 0) > threshold:
+    for row in ledger(snapshot):  # the driver's share for listed processes is not unattributed
+        if row.index in in_scope and (row.unattributed_mib or 0) > threshold + row.driver_allowance_mib:
             notes.append(
                 f"GPU {row.index}: {row.unattributed_mib} MiB used that nvidia-smi attributes to "
                 "no process (other PID namespace, WSL2, display clients or a driver leak)"
@@ -628,7 +628,9 @@ def make_plan(
         refused=tuple(sorted(refused.values(), key=lambda r: r.pid)),
         units_to_stop=tuple(units),
         invisible=invisible,
-        threshold_mib={i: threshold for i in scope_t},
+        # what stays after the clean: the driver's share for the listed processes not signalled
+        threshold_mib={i: threshold + driver_allowance_mib(len(
+            {a.pid for a in snapshot.apps_on(i)} - set(targets))) for i in scope_t},
         notes=tuple(notes),
         clients=tuple(sorted(clients.values(), key=lambda c: c.pid)),
     )
