@@ -7,7 +7,8 @@ times when the driver gives memory back. It prints one JSON line per change of
 "pids": [[pid..]..]}``; the first line is ``{"ready": true, ...}``. It runs until stdin closes.
 
 It holds the NVIDIA device files like any monitoring tool (nvtop, dcgm-exporter): the
-scenario checks that a partial-scope clean refuses it rather than signalling it.
+scenario checks that a clean shows it as a GPU client (it maps no GPU device) and never
+signals it.
 Uses pynvml (nvidia-ml-py) when present, else libnvidia-ml through ctypes (memory only).
 """
 import ctypes

@@ -634,9 +634,10 @@ class Scenario:
             self.check(tag + "SIGTERM-ignoring holder got TERM then KILL", sig == [("TERM", "sent"), ("KILL", "sent")], sig)
         refused = {r["pid"]: r for r in host.get("refused", [])}
         rec["refused"] = list(refused.values())
-        self.check(tag + "NVML poller refused, not signalled",
-                   m["poller"] not in targets and refused.get(m["poller"], {}).get("kind") == "ambiguous",
-                   refused.get(m["poller"]))
+        clients = {c["pid"]: c for c in host.get("clients", [])}
+        self.check(tag + "NVML poller is a GPU client, not signalled",  # maps no GPU device
+                   m["poller"] not in targets and m["poller"] in clients and m["poller"] not in refused,
+                   {"client": clients.get(m["poller"]), "refused": refused.get(m["poller"])})
         self.check(tag + "NVML poller alive", self.poller.proc.poll() is None)
         after0 = next((x["memory_used_mib"] for x in host.get("after", []) if x["index"] == 0), None)
         self.check(tag + "reported GPU 0 memory after == nvidia-smi", after0 == post["gpus"][0]["memory_used_mib"],
