@@ -13,7 +13,6 @@ second less per host (bench/README.md).
 """
 from __future__ import annotations
 
-import ast
 import functools
 import json
 import zlib
@@ -46,25 +45,32 @@ def piece_source(name: str) -> str:
 
 
 def join_pieces(pieces: Sequence[Tuple[str, str]]) -> str:
-    """(name, source) pairs -> one source: each piece's marked imports of other pieces are
-    dropped (in the joined source those names are already global). An import of a piece
-    that is not marked, or not at the top level, is an error rather than a payload that
-    fails on a host."""
+    """(name, source) pairs -> one source: each piece's imports of other pieces (a line
+    ``from .piece import ...  # joined`` at column 0, parenthesised ones to their closing
+    parenthesis) are dropped, as in the joined source those names are already global. An
+    import of a piece that is not marked, or not at the top level, is an error rather than a
+    payload that fails on a host. A plain line scan: this runs in every controller process."""
     out = ["# gpufleet remote agent (gpufleet/remote/, joined). Standard library only; "
            "must run on Python 3.6+.\n"]
     for name, text in pieces:
-        lines = text.splitlines(keepends=True)
-        drop: set[int] = set()
-        for node in ast.walk(ast.parse(text, name + ".py")):
-            if not isinstance(node, ast.ImportFrom) or not node.level:
-                continue
-            span = range(node.lineno - 1, node.end_lineno or node.lineno)
-            if node.col_offset or not any(JOINED_MARK in lines[i] for i in span):
-                raise ValueError("%s.py line %d: an import of another agent piece must be at "
-                                 "the top level and marked %r" % (name, node.lineno, JOINED_MARK))
-            drop.update(span)
         out.append("# ---- %s.py\n" % name)
-        out.extend(line for i, line in enumerate(lines) if i not in drop)
+        lines = text.splitlines(keepends=True)
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            if not line.lstrip().startswith("from ."):
+                out.append(line)
+                i += 1
+                continue
+            if line[0].isspace() or JOINED_MARK not in line:
+                raise ValueError("%s.py line %d: an import of another agent piece must be at "
+                                 "the top level and marked %r" % (name, i + 1, JOINED_MARK))
+            if "(" in line.split("#")[0]:
+                while ")" not in lines[i].split("#")[0]:
+                    i += 1
+                    if i == len(lines):
+                        raise ValueError("%s.py: unclosed import" % name)
+            i += 1
     return "".join(out)
 
 

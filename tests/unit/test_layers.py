@@ -185,15 +185,15 @@ def test_remote_programs_are_python36_stdlib(name: str) -> None:
     top = {a.name.split(".")[0] for n in absolute if isinstance(n, ast.Import) for a in n.names}
     top |= {n.module.split(".")[0] for n in absolute if isinstance(n, ast.ImportFrom) and n.module}
     assert top and top <= set(sys.stdlib_module_names), sorted(top - set(sys.stdlib_module_names))
-    # Another piece only as `from .piece import name  # joined`, at the top level, of a piece
-    # joined BEFORE this one, naming what that piece defines: the joiner drops exactly these
-    # lines, and the joined source (one namespace) then has every name it needs, in time.
+    # Another piece only as `from .piece import name  # joined` (the mark on its first line),
+    # at the top level, of a piece joined BEFORE this one, naming what that piece defines: the
+    # joiner drops exactly these lines, and the joined source (one namespace) then has every
+    # name it needs, in time.
     earlier = AGENT_PIECES[: AGENT_PIECES.index(piece)] if piece in AGENT_PIECES else ()
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom) or not node.level:
             continue
-        span = lines[node.lineno - 1 : node.end_lineno]
-        assert node in tree.body and any(JOINED_MARK in line for line in span), \
+        assert node in tree.body and JOINED_MARK in lines[node.lineno - 1], \
             "%s line %d: not a top-level import marked %r" % (name, node.lineno, JOINED_MARK)
         assert node.level == 1 and node.module in earlier, \
             "%s line %d: imports %s, not a piece joined before it" % (
