@@ -14,13 +14,28 @@ import socket
 import stat as stat_mod
 import time
 
-from .parse import CMDLINE_MAX, ParseError, check_complete, first_line, format_cmdline  # joined
-from .parse import has_exited, is_kernel_thread, parse_gpu_csv, parse_stat  # joined
-from .jobs import find_nvidia_smi, read_bytes, read_bytes_bounded, read_text, run_cmd  # joined
-from .jobs import smi_failure, which  # joined
+from .jobs import (  # joined
+    find_nvidia_smi,
+    read_bytes,
+    read_bytes_bounded,
+    read_text,
+    run_cmd,
+    smi_failure,
+    which,
+)
+from .parse import (  # joined
+    CMDLINE_MAX,
+    ParseError,
+    check_complete,
+    first_line,
+    format_cmdline,
+    has_exited,
+    is_kernel_thread,
+    parse_gpu_csv,
+    parse_stat,
+)
 from .procfs import PROC, read_stat, scan_fds, self_context  # joined
 from .snapshot import snapshot  # joined
-
 
 SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")
 DEFAULT_LOCK = "/tmp/gpufleet-clean.lock"

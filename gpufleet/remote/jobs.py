@@ -12,7 +12,6 @@ import time
 
 from .parse import first_line  # joined
 
-
 SMI_FALLBACKS = (
     "/usr/bin/nvidia-smi",
     "/usr/local/nvidia/bin/nvidia-smi",

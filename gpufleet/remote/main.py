@@ -22,10 +22,10 @@ import sys
 import time
 import traceback
 
-from .parse import AGENT_VERSION  # joined
-from .jobs import Deadline  # joined
-from .snapshot import snapshot  # joined
 from .clean import clean  # joined
+from .jobs import Deadline  # joined
+from .parse import AGENT_VERSION  # joined
+from .snapshot import snapshot  # joined
 
 
 class AgentDeadline(BaseException):

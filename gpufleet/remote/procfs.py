@@ -7,12 +7,22 @@ import os
 import pwd
 import re
 
-from .parse import CMDLINE_MAX, DEVICE_RE, ParseError, container_from_cgroup_text  # joined
-from .parse import format_cmdline, is_kernel_thread, normalize_bus_id, parse_cgroup  # joined
-from .parse import parse_maps_devices, parse_proc_information, parse_stat  # joined
-from .parse import parse_status_uid, unit_of  # joined
 from .jobs import read_bytes, read_bytes_bounded, read_text  # joined
-
+from .parse import (  # joined
+    CMDLINE_MAX,
+    DEVICE_RE,
+    ParseError,
+    container_from_cgroup_text,
+    format_cmdline,
+    is_kernel_thread,
+    normalize_bus_id,
+    parse_cgroup,
+    parse_maps_devices,
+    parse_proc_information,
+    parse_stat,
+    parse_status_uid,
+    unit_of,
+)
 
 PROC = "/proc"
 DEV = "/dev"

@@ -8,15 +8,41 @@ import socket
 import sys
 import time
 
-from .parse import AGENT_VERSION, APP_FIELDS, GPU_DEVICE_RE, GPU_FIELDS, GPU_KEYS  # joined
-from .parse import INVALID_FIELD_RE, OPTIONAL_GPU_FIELDS, ParseError, REQUIRED_GPU_FIELDS  # joined
-from .parse import check_complete, normalize_bus_id, parse_apps_csv, parse_gpu_csv  # joined
-from .parse import parse_q_minors, parse_versions  # joined
 from .jobs import Job, find_nvidia_smi, run_cmd, smi_failure  # joined
-from .procfs import DEV, PROC, container_facts, denied_reasons, denied_warning  # joined
-from .procfs import device_target, gpu_minors_from_proc, hidepid_active, is_wsl2  # joined
-from .procfs import mapped_devices, process_entry, read_stat, scan_fds, self_context  # joined
-from .procfs import user_name  # joined
+from .parse import (  # joined
+    AGENT_VERSION,
+    APP_FIELDS,
+    GPU_DEVICE_RE,
+    GPU_FIELDS,
+    GPU_KEYS,
+    INVALID_FIELD_RE,
+    OPTIONAL_GPU_FIELDS,
+    REQUIRED_GPU_FIELDS,
+    ParseError,
+    check_complete,
+    normalize_bus_id,
+    parse_apps_csv,
+    parse_gpu_csv,
+    parse_q_minors,
+    parse_versions,
+)
+from .procfs import (  # joined
+    DEV,
+    PROC,
+    container_facts,
+    denied_reasons,
+    denied_warning,
+    device_target,
+    gpu_minors_from_proc,
+    hidepid_active,
+    is_wsl2,
+    mapped_devices,
+    process_entry,
+    read_stat,
+    scan_fds,
+    self_context,
+    user_name,  # joined
+)
 
 
 def query_gpus(smi, req, deadline, first_job=None):
