@@ -20,12 +20,34 @@ from pathlib import Path
 import pytest
 
 from gpufleet.core.model import parse_snapshot
-from gpufleet.remote import bootstrap_command, encode_request
+from gpufleet.remote import AGENT_PIECES, agent_source, bootstrap_command, encode_request
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "recorded"
-PY36 = "/root/.pyenv/versions/3.6.15/bin/python3"
-PYTHONS = [sys.executable] + ([PY36] if os.access(PY36, os.X_OK) else [])
+
+
+def find_python36():
+    """A real Python 3.6 to run the agent under, where this machine has one ($GPUFLEET_PY36,
+    python3.6 on PATH, a pyenv build); None elsewhere, and then only the ast checks of
+    tests/unit/test_layers.py guard the agent's 3.6 grammar."""
+    candidates = [os.environ.get("GPUFLEET_PY36"), shutil.which("python3.6")]
+    candidates += [str(p) for p in sorted(Path.home().glob(".pyenv/versions/3.6*/bin/python3"))]
+    for cand in candidates:
+        if not cand or not os.access(cand, os.X_OK):
+            continue
+        try:
+            out = subprocess.run([cand, "-c", "import sys; print(sys.version_info[:2])"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.strip() == b"(3, 6)":
+            return cand
+    return None
+
+
+PY36 = find_python36()
+PYTHONS = [sys.executable] + ([PY36] if PY36 else [])
 
 GPU0_UUID = "GPU-b6867955-3f5c-7ad9-b674-7a2248eb9a7f"  # h200-single-gpu.log
 GPU1_UUID = "GPU-b226c03d-98d5-aaff-f57c-8cd874d83c3e"  # h200-two-gpus.log
@@ -717,7 +739,6 @@ def test_clean_survives_sighup_and_a_dropped_session(tmp_path, children):
         [("TERM", "sent"), ("KILL", "sent")]
 
 
-AGENT_PATH = REPO / "gpufleet" / "remote" / "agent.py"
 STUCK = r"""
 import importlib.util, sys, time
 spec = importlib.util.spec_from_file_location("gfagent", sys.argv[1])
@@ -737,15 +758,39 @@ agent.main(b'{"mode": "snapshot", "deadline_s": 1}')
 
 
 @pytest.mark.parametrize("how", ["unwinds", "stubborn"])
-def test_alarm_is_the_last_resort_bound(how):
+def test_alarm_is_the_last_resort_bound(how, tmp_path):
+    agent_path = tmp_path / "agent.py"  # the joined payload, as a host gets it
+    agent_path.write_bytes(agent_source())
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", STUCK, str(AGENT_PATH), how],
+    out = subprocess.run([sys.executable, "-c", STUCK, str(agent_path), how],
                          stdout=subprocess.PIPE, timeout=30).stdout
     assert time.monotonic() - t0 < 10
     doc = json.loads(out)
     assert doc["error"].startswith("agent deadline exceeded")
     assert doc["nvidia_smi"]["ok"] is False
     parse_snapshot(doc)
+
+
+COMPILE_ALL = """
+import sys
+for path in sys.argv[1:]:
+    with open(path, "rb") as f:
+        compile(f.read(), path, "exec")
+"""
+
+
+def test_pieces_and_payload_compile_under_a_real_python36(tmp_path):
+    """What ast.parse(feature_version=(3, 6)) cannot promise (it misses some newer syntax on
+    newer Pythons), a real 3.6 compiler can: every piece, wait_http and the joined payload."""
+    if PY36 is None:
+        pytest.skip("no Python 3.6 here: only the ast checks of test_layers.py guard 3.6")
+    remote = REPO / "gpufleet" / "remote"
+    payload = tmp_path / "agent.py"
+    payload.write_bytes(agent_source())
+    files = [str(remote / (name + ".py")) for name in AGENT_PIECES + ("wait_http",)]
+    r = subprocess.run([PY36, "-c", COMPILE_ALL] + files + [str(payload)],
+                       stderr=subprocess.PIPE, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
 
 
 def test_clean_as_other_user_reports_permission_denied(tmp_path, children):

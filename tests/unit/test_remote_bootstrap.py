@@ -1,6 +1,8 @@
-"""gpufleet.remote: the constant bootstrap argv of docs/DESIGN.md and the stdin framing."""
+"""gpufleet.remote: the constant bootstrap argv of docs/DESIGN.md, the stdin framing, and the
+agent's pieces joined into the one payload a host execs."""
 from __future__ import annotations
 
+import ast
 import json
 import shlex
 import subprocess
@@ -8,7 +10,10 @@ import sys
 import zlib
 from pathlib import Path
 
-from gpufleet.remote import agent_source, bootstrap_command, encode_request
+import pytest
+
+from gpufleet.remote import (AGENT_PIECES, JOINED_MARK, agent_source, bootstrap_command,
+                             encode_request, join_pieces, piece_source)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,8 +37,86 @@ def test_argv_is_exactly_the_design():
     assert bootstrap_command() == ["python3"] + design[1:]
 
 
-def test_agent_source_is_the_file():
-    assert agent_source() == (REPO / "gpufleet" / "remote" / "agent.py").read_bytes()
+# Every public function and class of gpufleet/remote/agent.py before it was split into pieces
+# (issue 11), and its public constants: the joined payload still defines them all.
+SINGLE_FILE_FUNCTIONS = (
+    "AgentDeadline", "Auditor", "CmdResult", "Deadline", "Job", "ParseError", "acquire_lock",
+    "ancestors_of", "attach_minors", "check_complete", "classify_survivor", "clean", "clean_shm",
+    "container_facts", "container_from_cgroup_text", "container_of", "denied_reasons",
+    "denied_warning", "device_target", "emit", "empty_clean_doc", "exited", "find_nvidia_smi",
+    "first_line", "fmt_seconds", "format_cmdline", "gpu_minors_from_proc", "gpu_query_argv",
+    "has_exited", "hidepid_active", "is_kernel_thread", "is_wsl2", "leader_gone_fd_dirs", "main",
+    "mapped_devices", "na", "normalize_bus_id", "parse_apps_csv", "parse_cgroup", "parse_gpu_csv",
+    "parse_int", "parse_maps_devices", "parse_proc_information", "parse_q_minors",
+    "parse_request", "parse_stat", "parse_status_uid", "parse_versions", "process_entry",
+    "python_too_old", "query_gpus", "query_used", "read_bytes", "read_bytes_bounded", "read_stat",
+    "read_text", "refusal", "reset_gpus", "reset_refusal", "run_cmd", "scan_fds", "self_context",
+    "send_signal", "smi_failure", "snapshot", "split_row", "stop_units", "stuck_thread",
+    "unit_of", "user_name", "valid_unit", "wait_exit", "wait_memory", "which",
+)
+SINGLE_FILE_CONSTANTS = (
+    "AGENT_VERSION", "APP_FIELDS", "BUS_RE", "CMDLINE_MAX", "CUDA_RE", "DEFAULT_LOCK", "DEV",
+    "DEVICE_RE", "DRIVER_RE", "GPU_DEVICE_RE", "GPU_FIELDS", "GPU_KEYS", "INT_FIELDS", "INT_RE",
+    "INVALID_FIELD_RE", "MAPS_LIMIT", "MAPS_TIMEOUT_S", "OPTIONAL_GPU_FIELDS", "PF_KTHREAD",
+    "PROC", "Q_HEADER_RE", "Q_KV_RE", "REQUIRED_GPU_FIELDS", "SHM_LEFTOVER_RE", "SMI_FALLBACKS",
+    "SYSTEMCTL_FALLBACKS", "UNIT_RE",
+)
+
+
+def payload_tree() -> ast.Module:
+    return ast.parse(agent_source().decode("utf-8"), "gpufleet-agent")
+
+
+def test_payload_compiles_and_defines_everything_the_single_file_did():
+    compile(agent_source(), "gpufleet-agent", "exec")
+    tree = payload_tree()
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assigned = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+    assert sorted(set(SINGLE_FILE_FUNCTIONS) - defined) == []
+    assert sorted(set(SINGLE_FILE_CONSTANTS) - assigned) == []
+
+
+def test_payload_has_no_import_of_a_piece_left():
+    tree = payload_tree()
+    relative = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+    modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    modules += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    ours = [m for m in modules if m.split(".")[0] in ("gpufleet",) + AGENT_PIECES]
+    assert relative == [] and ours == []
+    assert JOINED_MARK.encode() not in agent_source()
+
+
+def test_payload_is_the_pieces_in_order_without_their_marked_imports():
+    text = agent_source().decode("utf-8")
+    at = 0
+    for name in AGENT_PIECES:
+        source = piece_source(name)
+        imports = [range(n.lineno - 1, n.end_lineno or n.lineno) for n in ast.parse(source).body
+                   if isinstance(n, ast.ImportFrom) and n.level]
+        kept = "".join(line for i, line in enumerate(source.splitlines(keepends=True))
+                       if not any(i in span for span in imports))
+        i = text.find(kept, at)
+        assert i >= 0, "%s.py is not in the payload after the pieces before it" % name
+        at = i + len(kept)
+    assert agent_source() is agent_source()  # joined once per process (lru_cache)
+
+
+@pytest.mark.parametrize("source", [
+    "from .parse import first_line\n",  # not marked
+    "def f():\n    from .parse import first_line  # joined\n",  # not at the top level
+])
+def test_joiner_refuses_an_import_it_would_not_drop(source):
+    with pytest.raises(ValueError, match="marked"):
+        join_pieces([("parse", "X = 1\n"), ("broken", source)])
+
+
+def test_joiner_drops_marked_imports_also_in_parentheses():
+    joined = join_pieces([("a", "X = 1\n"),
+                          ("b", "from .a import (  # joined\n    X,\n)\nY = X\n")])
+    ns: dict = {}
+    exec(compile(joined, "joined", "exec"), ns)
+    assert ns["Y"] == 1 and "import" not in joined
 
 
 def test_encode_request_framing_keeps_metacharacters_as_data():

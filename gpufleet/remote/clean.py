@@ -1,0 +1,531 @@
+"""The clean mode: lock, stop units, signal by wave with identity checks, wait for memory.
+
+A piece of the remote agent. The controller decides what may be signalled
+(gpufleet/core/policy.py); here are only the last-resort guards (never PID 1, never the own
+session, never a PID whose start time changed) and the evidence of what happened.
+"""
+import errno
+import fcntl
+import json
+import os
+import re
+import signal
+import socket
+import stat as stat_mod
+import time
+
+from .jobs import (  # joined
+    find_nvidia_smi,
+    read_bytes,
+    read_bytes_bounded,
+    read_text,
+    run_cmd,
+    smi_failure,
+    which,
+)
+from .parse import (  # joined
+    CMDLINE_MAX,
+    ParseError,
+    check_complete,
+    first_line,
+    format_cmdline,
+    has_exited,
+    is_kernel_thread,
+    parse_gpu_csv,
+    parse_stat,
+)
+from .procfs import PROC, read_stat, scan_fds, self_context  # joined
+from .snapshot import snapshot  # joined
+
+SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")
+DEFAULT_LOCK = "/tmp/gpufleet-clean.lock"
+
+
+UNIT_RE = re.compile(
+    r"^[A-Za-z0-9_][A-Za-z0-9:_.@\\-]*\."
+    r"(?:service|scope|socket|target|timer|slice|mount|path|swap|automount|device)$"
+)
+SHM_LEFTOVER_RE = re.compile(r"^(?:nccl-|psm_|torch_|vllm)")
+
+
+def valid_unit(name):
+    """Unit names are data passed as argv; still, refuse anything that is not a unit name."""
+    return isinstance(name, str) and len(name) <= 255 and bool(UNIT_RE.match(name))
+
+
+def refusal(pid, self_pid, ancestors):
+    """The agent's last-resort guard; the real policy is controller-side (gpufleet/policy.py)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return "refused: pid <= 1"
+    if pid == self_pid or pid in ancestors:
+        return "refused: own session"
+    return None
+
+
+def classify_survivor(state, wchan, ppid, parent_comm, outcomes, threads=1):
+    """Why a target is still there, in words an operator can act on."""
+    if state == "Z" and threads > 1:
+        return "exiting: main thread gone, %d thread(s) still tearing down" % (threads - 1)
+    if state == "Z":
+        return "zombie: exited, not reaped by parent %s (%s); holds no GPU memory" % (
+            ppid, parent_comm or "?")
+    if state == "D":
+        return ("uninterruptible sleep (D) in %s: stuck in the driver, needs GPU reset or reboot"
+                % (wchan or "?"))
+    for o in outcomes:
+        if o.startswith("refused"):
+            return o
+    if "permission denied" in outcomes:
+        return "permission denied (EPERM): needs root or the process owner"
+    if "sent" in outcomes:
+        return "still running after signals"
+    return "still running"
+
+
+def reset_refusal(is_root, in_container, wsl2, holder_pids):
+    """Why `nvidia-smi --gpu-reset` must not run on a GPU, or None when it may."""
+    if not is_root:
+        return "not root"
+    if wsl2:
+        return "WSL2: GPU reset is done by the Windows host"
+    if in_container:
+        return "in a container: reset the GPU from the host"
+    if holder_pids:
+        return "held by PID %s" % ", ".join(str(p) for p in sorted(holder_pids))
+    return None
+
+
+def acquire_lock(path, wait_s, poll=0.1):
+    """flock on path, polled for up to wait_s; returns the fd or None (busy).
+
+    Opened read-only when it exists (flock needs no write access, and fs.protected_regular
+    refuses O_CREAT on another user's file in /tmp), created exclusively otherwise.
+    """
+    fd = None
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+            break
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                break
+            except FileExistsError:
+                continue
+    if fd is None:
+        raise OSError(errno.EIO, "cannot open lock file %s" % path)
+    end = time.monotonic() + max(0.0, wait_s)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except (OSError, IOError) as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
+        if time.monotonic() + poll > end:
+            os.close(fd)
+            return None
+        time.sleep(poll)
+
+
+class Auditor(object):
+    """Best-effort host-side record of every signal, so a dropped session still leaves one."""
+
+    def __init__(self, operator):
+        self.operator = operator
+        self.path = os.path.join(os.path.expanduser("~"), ".local", "state", "gpufleet",
+                                 "agent-audit.jsonl")
+        self.error = None
+
+    def record(self, pid, starttime, cmdline, sig, outcome):
+        line = json.dumps({
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "epoch": round(time.time(), 3),
+            "operator": self.operator, "host": socket.gethostname(), "pid": pid,
+            "starttime": starttime, "cmdline": cmdline, "signal": sig, "outcome": outcome,
+        }) + "\n"
+        try:
+            d = os.path.dirname(self.path)
+            if not os.path.isdir(d):
+                os.makedirs(d, 0o700)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, line.encode("utf-8"))
+            finally:
+                os.close(fd)
+        except (OSError, IOError) as exc:
+            self.error = "audit file %s: %s" % (self.path, exc)
+
+
+def send_signal(pid, starttime, sig, proc=PROC):
+    """Signal (pid, starttime) only if it still is that process; returns the outcome.
+
+    With pidfd (Linux 5.1+, Python 3.9+) the identity check and the signal target the same
+    process even if the PID is reused in between; otherwise the window is microseconds.
+    """
+    pidfd = None
+    if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return "gone"
+        except OSError:
+            pidfd = None
+    try:
+        st = read_stat(pid, proc)
+        if st is None:
+            return "gone"
+        if st["starttime"] != starttime:
+            return "pid reused"
+        if has_exited(st):
+            return "gone"
+        if is_kernel_thread(st):
+            return "refused: kernel thread"
+        try:
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            return "gone"
+        except PermissionError:
+            return "permission denied"
+        except OSError as exc:
+            return "error: %s" % (exc.strerror or exc)
+        return "sent"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def exited(pid, starttime, proc=PROC):
+    """Gone, reused, or a zombie (which holds no GPU memory) all count as exited."""
+    st = read_stat(pid, proc)
+    return st is None or st["starttime"] != starttime or has_exited(st)
+
+
+def stuck_thread(pid, st, proc=PROC):
+    """(state, wchan) of the process, or of its first thread in D state: after a signal the
+    leader may be a zombie while a worker thread is stuck in the driver."""
+    def wchan_of(path):
+        w = (read_text(path + "/wchan") or "").strip()
+        return w if w not in ("", "0") else None
+
+    base = "%s/%d" % (proc, pid)
+    if st["state"] != "D" and st["num_threads"] > 1:
+        try:
+            tids = sorted(os.listdir(base + "/task"), key=lambda x: (len(x), x))
+        except OSError:
+            tids = []
+        for tid in tids[:512]:
+            tst = read_text("%s/task/%s/stat" % (base, tid))
+            try:
+                tstate = parse_stat(tst)["state"] if tst else None
+            except ParseError:
+                tstate = None
+            if tstate == "D":
+                return "D", wchan_of("%s/task/%s" % (base, tid))
+    return st["state"], wchan_of(base)
+
+
+def wait_exit(targets, seconds, poll, deadline, proc=PROC):
+    """Poll until every (pid, starttime) exited or seconds passed; returns those still there."""
+    end = min(time.monotonic() + seconds, deadline.end)
+    left = list(targets)
+    while True:
+        left = [t for t in left if not exited(t["pid"], t["starttime"], proc)]
+        now = time.monotonic()
+        if not left or now >= end:
+            return left
+        time.sleep(min(poll, end - now))
+
+
+def stop_units(units, req, deadline, reserve, res):
+    systemctl = req.get("systemctl") or which("systemctl", SYSTEMCTL_FALLBACKS)
+    for u in units:
+        name = u.get("unit") if isinstance(u, dict) else None
+        entry = {"unit": name, "ok": False, "error": None}
+        res["units_stopped"].append(entry)
+        if not valid_unit(name):
+            entry["error"] = "invalid unit name"
+            continue
+        if systemctl is None:
+            entry["error"] = "systemctl not found"
+            continue
+        steps = ["stop"] + (["disable"] if u.get("disable") else [])
+        for verb in steps:
+            r = run_cmd([systemctl, "--no-ask-password", verb, name],
+                        max(0.0, deadline.remaining() - reserve), deadline, "systemctl " + verb)
+            fail = smi_failure(r)
+            if fail is not None:
+                entry["error"] = "systemctl %s: %s" % (verb, fail[0])
+                break
+        else:
+            entry["ok"] = True
+
+
+def query_used(smi, req, deadline):
+    """{index: memory.used MiB} for the memory wait; raises ParseError / returns error string."""
+    r = run_cmd([smi, "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                req["smi_timeout_s"], deadline, "nvidia-smi")
+    fail = smi_failure(r)
+    if fail is not None:
+        return None, fail[0]
+    try:
+        check_complete(r.out, "--query-gpu")
+        rows = parse_gpu_csv(r.out, ["index", "memory.used"])
+    except ParseError as exc:
+        return None, "unparsable nvidia-smi output: %s" % exc
+    return dict((g["index"], g["memory_used_mib"]) for g in rows), None
+
+
+def wait_memory(req, scope, end, deadline):
+    """The verdict waits for memory, not for processes: poll memory.used per scope GPU."""
+    t0 = time.monotonic()
+    out = {"ok": False, "seconds": 0.0, "polls": 0, "used_mib": {}, "error": None}
+    if not scope:
+        out["ok"] = True
+        return out
+    smi = find_nvidia_smi(req.get("nvidia_smi"))
+    if smi is None:
+        out["error"] = "nvidia-smi not found"
+        return out
+    thresholds = req.get("threshold_mib") or {}
+    default = req.get("default_threshold_mib", 64)
+    floors = req.get("wait_floor_mib") or {}
+    poll = max(0.05, req["poll_s"])
+    while True:
+        used, error = query_used(smi, req, deadline)
+        out["polls"] += 1
+        if error is not None:
+            out["error"] = error
+            break
+        out["used_mib"] = dict((str(i), used.get(i)) for i in scope)
+        absent = [i for i in scope if i not in used]
+        if absent:  # waiting cannot make a GPU appear
+            out["error"] = "no GPU with index %s" % ", ".join(str(i) for i in absent)
+            break
+        pending = [i for i in scope
+                   if used.get(i) is None or used[i] > thresholds.get(str(i), default)]
+        if not pending:
+            out["ok"] = True
+            break
+        # Memory of processes the plan does not signal will not come back: once only that is
+        # left, waiting longer cannot change the verdict.
+        if floors and all(str(i) in floors and used[i] <= thresholds.get(str(i), default)
+                          + floors[str(i)] for i in pending):
+            out["error"] = "GPU %s still above threshold: held by processes not signalled" % (
+                ", ".join(str(i) for i in pending))
+            out["held_by_others"] = True
+            break
+        if time.monotonic() + poll > min(end, deadline.end):
+            out["error"] = "GPU %s still above threshold" % ", ".join(str(i) for i in pending)
+            break
+        time.sleep(poll)
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def clean_shm(req, res, proc=PROC):
+    """Remove known leftovers (NCCL, PSM, torch, vLLM) in /dev/shm that no live process has
+    open or mapped. Unreadable fds or maps make it conservative, never bolder."""
+    shm_dir = req.get("shm_dir") or "/dev/shm"
+    min_age = float(req.get("shm_min_age_s", 10.0))
+    prefix = shm_dir.rstrip("/") + "/"
+    try:
+        names = sorted(n for n in os.listdir(shm_dir) if SHM_LEFTOVER_RE.match(n))
+    except OSError as exc:
+        res["warnings"].append("shm: cannot list %s: %s" % (shm_dir, exc))
+        return
+    if not names:
+        return
+
+    def strip(path):
+        return path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path
+
+    used, denied = scan_fds(lambda t: strip(t) if t.startswith(prefix) else None, (), proc)
+    in_use = set()
+    for paths in used.values():
+        in_use.update(paths)
+    try:
+        pids = [n for n in os.listdir(proc) if n.isdigit()]
+    except OSError:
+        pids = []
+    for name in pids:
+        path = proc + "/" + name + "/maps"
+        st = read_stat(int(name), proc)
+        if st is not None and st["state"] == "D":
+            raw, timed_out = read_bytes_bounded(path, 1.0, 64 << 20)
+            if timed_out:
+                res["warnings"].append("shm: maps of PID %s unreadable (D state): nothing "
+                                       "removed" % name)
+                return
+        else:
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read()
+            except PermissionError:
+                denied.append(int(name))
+                continue
+            except (OSError, IOError):
+                continue
+        if raw is None:
+            continue
+        for line in raw.decode("utf-8", "replace").splitlines():
+            i = line.find(prefix)
+            if i >= 0:
+                in_use.add(strip(line[i:].rstrip()))
+    euid = os.geteuid()
+    now = time.time()
+    for name in names:
+        path = prefix + name
+        if path in in_use:
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat_mod.S_ISREG(st.st_mode) or now - st.st_mtime < min_age:
+            continue
+        if denied and st.st_uid != euid:
+            continue  # someone we cannot see might use it
+        try:
+            os.unlink(path)
+            res["shm_removed"].append(path)
+        except OSError as exc:
+            res["warnings"].append("shm: cannot remove %s: %s" % (path, exc.strerror))
+
+
+def reset_gpus(req, scope, snap, deadline, res):
+    facts = snap.get("facts") or {}
+    smi = facts.get("nvidia_smi")
+    by_index = dict((g["index"], g) for g in snap.get("gpus") or ())
+    attempted = False
+    for index in scope:
+        entry = {"index": index, "ok": False, "message": None}
+        res["reset"].append(entry)
+        gpu = by_index.get(index)
+        if gpu is None:
+            entry["message"] = "no GPU with index %s" % index
+            continue
+        minor = gpu.get("minor") if gpu.get("minor") is not None else index
+        dev = "/dev/nvidia%d" % minor
+        holders = [h["pid"] for h in snap.get("holders") or () if dev in h["devices"]]
+        why = reset_refusal(bool(facts.get("is_root")), bool(facts.get("in_container")),
+                            bool(facts.get("wsl2")), holders)
+        if why is None and smi is None:
+            why = "nvidia-smi not found"
+        if why is not None:
+            entry["message"] = "not reset: " + why
+            continue
+        attempted = True
+        r = run_cmd([smi, "--gpu-reset", "-i", str(index)], max(req["smi_timeout_s"], 30.0),
+                    deadline, "nvidia-smi --gpu-reset")
+        fail = smi_failure(r)
+        entry["ok"] = fail is None
+        entry["message"] = fail[0] if fail else first_line(r.out, r.err)
+    return attempted
+
+
+def clean(req, deadline, res, proc=PROC):
+    """Lock; stop units; TERM/KILL by wave with identity checks; wait for memory; report."""
+    t0 = time.monotonic()
+    res["started_at"] = round(time.time(), 3)  # signals' "t" count from here (audit times)
+    for name in ("SIGHUP", "SIGPIPE"):  # a dropped SSH session must not cut the sequence
+        try:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        except (ValueError, OSError, AttributeError):
+            pass
+    lock_path = req.get("lock_path") or DEFAULT_LOCK
+    wait_s = min(float(req.get("lock_wait_s", req["timeout_s"])), max(0.0, deadline.remaining()))
+    try:
+        fd = acquire_lock(lock_path, wait_s)
+    except (OSError, IOError) as exc:
+        res["lock"] = "busy"  # not acquired: do nothing, say why
+        res["error"] = "lock %s: %s" % (lock_path, exc)
+        return res
+    if fd is None:
+        res["lock"] = "busy"
+        return res
+    res["lock"] = "acquired"
+    try:
+        _clean_locked(req, deadline, res, t0, proc)
+    finally:
+        os.close(fd)
+    return res
+
+
+def _clean_locked(req, deadline, res, t0, proc):
+    ctx = self_context(proc)
+    auditor = Auditor(req.get("operator"))
+    reserve = min(req["smi_timeout_s"] + 1.0, max(1.0, req["deadline_s"] * 0.15))
+    work_end = time.monotonic() + req["timeout_s"]
+    stop_units(req.get("units") or [], req, deadline, reserve, res)
+
+    targets = []
+    for t in req.get("targets") or []:
+        if not isinstance(t, dict):
+            continue
+        wave = t.get("wave", 1)
+        targets.append({"pid": t.get("pid"), "starttime": t.get("starttime"),
+                        "wave": wave if isinstance(wave, int) and not isinstance(wave, bool) else 1,
+                        "outcomes": [], "cmdline": None})
+
+    def signal_one(t, signame):
+        why = refusal(t["pid"], ctx["self_pid"], ctx["ancestors"])
+        if why is None and (not isinstance(t["starttime"], int) or isinstance(t["starttime"], bool)):
+            why = "refused: no starttime"
+        if why is not None:
+            outcome = why
+        else:
+            if t["cmdline"] is None:  # for the audit line, only once it is known to be ours
+                st = read_stat(t["pid"], proc)
+                if st is not None and st["starttime"] == t["starttime"]:
+                    raw = read_bytes("%s/%d/cmdline" % (proc, t["pid"]), CMDLINE_MAX * 4)
+                    t["cmdline"] = format_cmdline(raw) if raw is not None else ""
+            outcome = send_signal(t["pid"], t["starttime"], getattr(signal, "SIG" + signame), proc)
+        t["outcomes"].append(outcome)
+        res["signals"].append({"pid": t["pid"], "starttime": t["starttime"], "signal": signame,
+                               "outcome": outcome, "t": round(time.monotonic() - t0, 3)})
+        auditor.record(t["pid"], t["starttime"], t["cmdline"], signame, outcome)
+        return outcome
+
+    grace = float(req["grace_s"])
+    poll = max(0.01, float(req["poll_s"]))
+    for wave in sorted(set(t["wave"] for t in targets)):
+        group = [t for t in targets if t["wave"] == wave]
+        termed = [t for t in group if signal_one(t, "TERM") == "sent"]
+        left = wait_exit(termed, grace, poll, deadline, proc)
+        killed = [t for t in left if signal_one(t, "KILL") == "sent"]
+        wait_exit(killed, max(1.0, min(grace, 5.0)), poll, deadline, proc)
+    if auditor.error:
+        res["warnings"].append(auditor.error)
+
+    scope = [i for i in (req.get("scope") or []) if isinstance(i, int)]
+    res["memory_wait"] = wait_memory(req, scope, min(work_end, deadline.end - reserve), deadline)
+
+    for t in targets:
+        if not isinstance(t["pid"], int) or isinstance(t["pid"], bool):
+            continue
+        st = read_stat(t["pid"], proc)
+        if st is None or st["starttime"] != t["starttime"]:
+            continue
+        state, wchan = stuck_thread(t["pid"], st, proc)
+        parent = read_stat(st["ppid"], proc) if st["ppid"] > 0 else None
+        res["survivors"].append({
+            "pid": t["pid"], "starttime": t["starttime"], "state": state, "wchan": wchan,
+            "ppid": st["ppid"], "comm": st["comm"], "threads": st["num_threads"],
+            "reason": classify_survivor(state, wchan, st["ppid"],
+                                        parent["comm"] if parent else None, t["outcomes"],
+                                        st["num_threads"]),
+        })
+
+    if req.get("shm"):
+        clean_shm(req, res, proc)
+
+    after = None
+    if req.get("reset") and scope:
+        pre = snapshot(req, deadline, proc)
+        if not reset_gpus(req, scope, pre, deadline, res):
+            after = pre
+    res["after"] = after if after is not None else snapshot(req, deadline, proc)

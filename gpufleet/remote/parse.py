@@ -1,0 +1,395 @@
+"""What nvidia-smi and /proc print, read into values: the agent's pure parsers (no I/O).
+
+A piece of the remote agent (docs/DESIGN.md, "Running the agent"): standard library only,
+Python 3.6+. Small pure functions, so the unit tests can feed them recorded nvidia-smi output
+(tests/fixtures/recorded/).
+"""
+import re
+
+AGENT_VERSION = 1
+CMDLINE_MAX = 4096
+PF_KTHREAD = 0x00200000
+
+GPU_FIELDS = (
+    "index", "uuid", "name", "pci.bus_id", "memory.used", "memory.total", "memory.free",
+    "utilization.gpu", "driver_version",
+)
+OPTIONAL_GPU_FIELDS = ("memory.reserved",)
+REQUIRED_GPU_FIELDS = ("index", "uuid")
+APP_FIELDS = ("pid", "process_name", "used_memory", "gpu_uuid")
+GPU_KEYS = {
+    "index": "index",
+    "uuid": "uuid",
+    "name": "name",
+    "pci.bus_id": "pci_bus_id",
+    "memory.used": "memory_used_mib",
+    "memory.total": "memory_total_mib",
+    "memory.free": "memory_free_mib",
+    "memory.reserved": "memory_reserved_mib",
+    "utilization.gpu": "utilization_pct",
+    "driver_version": "driver_version",
+}
+INT_FIELDS = frozenset(
+    ["index", "memory.used", "memory.total", "memory.free", "memory.reserved", "utilization.gpu"]
+)
+
+DEVICE_RE = re.compile(
+    r"^/dev/(?:nvidia[0-9]+|nvidiactl|nvidia-uvm|nvidia-uvm-tools|nvidia-caps/[^/]+|dxg)$"
+)
+GPU_DEVICE_RE = re.compile(r"^/dev/nvidia([0-9]+)$")
+INVALID_FIELD_RE = re.compile(r'Field "([^"]+)" is not a valid field to query')
+INT_RE = re.compile(r"^(-?[0-9]+)(?:\s*(?:MiB|%))?$")
+BUS_RE = re.compile(r"^\s*([0-9A-Fa-f]+):([0-9A-Fa-f]+):([0-9A-Fa-f]+)\.([0-9A-Fa-f]+)\s*$")
+Q_HEADER_RE = re.compile(r"^GPU\s+([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*$")
+Q_KV_RE = re.compile(r"^\s*([^:]+?)\s*:\s*(.*?)\s*$")
+CUDA_RE = re.compile(r"CUDA Version\s*:\s*([0-9][0-9.]*)")
+DRIVER_RE = re.compile(r"Driver Version\s*:\s*([0-9][0-9.]*)")
+
+
+class ParseError(ValueError):
+    """Output that is not what nvidia-smi (or /proc) is known to print."""
+
+
+def na(value):
+    """nvidia-smi's "not available" spellings -> None; anything else stripped."""
+    if value is None:
+        return None
+    v = value.strip()
+    if not v or v in ("N/A", "n/a", "Not Supported", "Unknown Error"):
+        return None
+    if v.startswith("[") and v.endswith("]"):  # [N/A], [Not Supported], [GPU requires reset]
+        return None
+    return v
+
+
+def parse_int(value):
+    """A number from nvidia-smi (units tolerated), None when not available; garbage raises."""
+    v = na(value)
+    if v is None:
+        return None
+    m = INT_RE.match(v)
+    if not m:
+        raise ParseError("not a number: %r" % v[:40])
+    return int(m.group(1))
+
+
+def split_row(line, n, free=None):
+    """Split one nvidia-smi CSV row into n fields; field ``free`` may itself contain commas.
+
+    nvidia-smi does not quote, so a process or GPU name with a comma would shift every
+    following column; taking the fixed columns from both ends keeps the free one intact.
+    """
+    if free is None:
+        parts = line.split(",")
+    else:
+        head = line.split(",", free)
+        if len(head) <= free:
+            raise ParseError("expected %d fields, got %d: %r" % (n, len(head), line[:80]))
+        parts = head[:free] + head[free].rsplit(",", n - free - 1)
+    parts = [p.strip() for p in parts]
+    if len(parts) != n:
+        raise ParseError("expected %d fields, got %d: %r" % (n, len(parts), line[:80]))
+    return parts
+
+
+def _data_lines(text):
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("WARNING"):
+            continue
+        yield line
+
+
+def check_complete(text, what):
+    """nvidia-smi ends every CSV row with a newline: output that does not is cut short (a
+    broken pipe, a dying driver), and a cut row can still parse -- as a smaller number or a
+    shorter GPU UUID. Refuse it rather than report a smaller truth."""
+    if text and not text.endswith("\n"):
+        tail = text.rsplit("\n", 1)[-1]
+        raise ParseError("truncated nvidia-smi %s output (no final newline after %r)"
+                         % (what, tail[-40:]))
+
+
+def parse_gpu_csv(text, fields):
+    """Rows of ``--query-gpu=<fields> --format=csv,noheader,nounits`` -> dicts keyed by GPU_KEYS."""
+    fields = list(fields)
+    free = fields.index("name") if "name" in fields else None
+    gpus = []
+    for line in _data_lines(text):
+        parts = split_row(line, len(fields), free)
+        row = {}
+        for f, v in zip(fields, parts):
+            key = GPU_KEYS.get(f, f.replace(".", "_"))
+            row[key] = parse_int(v) if f in INT_FIELDS else na(v)
+        if "index" in fields and row.get("index") is None:
+            raise ParseError("GPU row without index: %r" % line[:80])
+        if "uuid" in fields and not row.get("uuid"):
+            raise ParseError("GPU row without uuid: %r" % line[:80])
+        gpus.append(row)
+    return gpus
+
+
+def parse_apps_csv(text):
+    """Rows of ``--query-compute-apps=pid,process_name,used_memory,gpu_uuid`` -> (apps, skipped).
+
+    Rows without a PID (seen in some containers) are skipped and counted, not fatal.
+    nvidia-smi prints process_name (argv[0]) verbatim: a name holding a newline splits its
+    row, so a line with too few fields is joined with the next (one user's odd process
+    title must not make the whole host unreadable).
+    """
+    apps = []
+    skipped = 0
+    pending = None
+    for line in _data_lines(text):
+        if pending is None and line.strip().lower().startswith("no running"):
+            continue
+        if pending is not None:
+            line = pending + "\n" + line
+            pending = None
+        if line.count(",") < 3:
+            pending = line
+            continue
+        pid_s, name, used, uuid = split_row(line, 4, 1)
+        pid = parse_int(pid_s)
+        uuid = na(uuid)
+        if uuid is None:
+            raise ParseError("compute app without GPU UUID: %r" % line[:80])
+        if pid is None:
+            skipped += 1
+            continue
+        apps.append({"pid": pid, "process_name": na(name) or "", "used_mib": parse_int(used),
+                     "gpu_uuid": uuid})
+    if pending is not None:
+        split_row(pending, 4, 1)  # raises: a row cut short
+    return apps, skipped
+
+
+def normalize_bus_id(value):
+    """00000000:00:06.0 (nvidia-smi) and 0000:00:06.0 (/proc/driver) -> 0000:00:06.0."""
+    if not value:
+        return None
+    m = BUS_RE.match(value)
+    if not m:
+        return None
+    d, b, s, f = (int(g, 16) for g in m.groups())
+    return "%04x:%02x:%02x.%x" % (d, b, s, f)
+
+
+def parse_proc_information(text):
+    """/proc/driver/nvidia/gpus/BUS/information -> (normalized bus id, minor) (either may be None)."""
+    bus = None
+    minor = None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = key.strip()
+        if key == "Bus Location":
+            bus = normalize_bus_id(value.strip())
+        elif key == "Device Minor":
+            try:
+                minor = parse_int(value)
+            except ParseError:
+                minor = None
+    return bus, minor
+
+
+def parse_q_minors(text):
+    """``nvidia-smi -q`` -> {normalized bus id: minor or None}.
+
+    A block starts at a "GPU 0000...:..." header; grep'd output without headers pairs each
+    "Minor Number" with the "Bus Id" that follows it.
+    """
+    missing = object()
+    blocks = []
+    cur = None
+    for line in text.splitlines():
+        m = Q_HEADER_RE.match(line)
+        if m:
+            cur = {"header": m.group(1), "minor": missing, "bus": None}
+            blocks.append(cur)
+            continue
+        kv = Q_KV_RE.match(line)
+        if not kv:
+            continue
+        key, value = kv.group(1), kv.group(2)
+        if key == "Minor Number":
+            if cur is None or cur["minor"] is not missing:
+                cur = {"header": None, "minor": missing, "bus": None}
+                blocks.append(cur)
+            try:
+                cur["minor"] = parse_int(value)
+            except ParseError:
+                cur["minor"] = None
+        elif key == "Bus Id":
+            if cur is None:
+                cur = {"header": None, "minor": missing, "bus": None}
+                blocks.append(cur)
+            if cur["bus"] is None:
+                cur["bus"] = value
+    out = {}
+    for b in blocks:
+        bus = normalize_bus_id(b["header"] or b["bus"] or "")
+        if bus is not None and b["minor"] is not missing:
+            out[bus] = b["minor"]
+    return out
+
+
+def parse_versions(text):
+    """Driver and CUDA version from the bare ``nvidia-smi`` table header (or ``-q``)."""
+    cuda = CUDA_RE.search(text)
+    driver = DRIVER_RE.search(text)
+    return (driver.group(1) if driver else None, cuda.group(1) if cuda else None)
+
+
+def parse_stat(text):
+    """/proc/PID/stat -> dict. comm sits between the first '(' and the LAST ')' because a
+    process may name itself anything, ') ' included."""
+    left = text.find("(")
+    right = text.rfind(")")
+    if left < 0 or right < left:
+        raise ParseError("stat without (comm)")
+    try:
+        pid = int(text[:left].strip())
+        rest = text[right + 2:].split()
+        if len(rest) < 20:
+            raise ParseError("stat has %d fields after comm" % len(rest))
+        # rest[0] is field 3 (state): field N of proc(5) is rest[N - 3]
+        return {
+            "pid": pid,
+            "comm": text[left + 1:right],
+            "state": rest[0],
+            "ppid": int(rest[1]),
+            "pgid": int(rest[2]),
+            "session": int(rest[3]),
+            "flags": int(rest[6]),
+            "num_threads": int(rest[17]),
+            "starttime": int(rest[19]),
+        }
+    except ValueError as exc:
+        raise ParseError("bad stat: %s" % exc)
+
+
+def has_exited(st):
+    """Z/X with no thread left. A zombie LEADER whose other threads still run (seen on a real
+    H200: a CUDA process shows "Z" right after SIGTERM while its threads tear the context
+    down) still holds the GPU; a real zombie holds nothing."""
+    return st["state"] in ("Z", "X", "x") and st.get("num_threads", 1) <= 1
+
+
+def is_kernel_thread(st):
+    """PF_KTHREAD in the stat flags; pid 2 / ppid 2 (kthreadd) when flags are unusable."""
+    flags = st.get("flags")
+    if isinstance(flags, int):
+        return bool(flags & PF_KTHREAD)
+    return st.get("pid") == 2 or st.get("ppid") == 2
+
+
+def parse_status_uid(text):
+    """Effective uid from /proc/PID/status ("Uid: real effective saved fs"), as ps shows."""
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            parts = line.split()[1:]
+            try:
+                return int(parts[1] if len(parts) > 1 else parts[0])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def format_cmdline(raw):
+    """NUL-separated argv bytes -> one line, undecodable bytes replaced, at most CMDLINE_MAX chars."""
+    text = raw.replace(b"\0", b" ").rstrip(b" ").decode("utf-8", "replace")
+    return text[:CMDLINE_MAX]
+
+
+def parse_cgroup(text):
+    """/proc/PID/cgroup -> the most telling path: the v2 ("0::") line, else name=systemd."""
+    v2 = None
+    systemd = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2 = path
+        elif "name=systemd" in controllers.split(","):
+            systemd = path
+    for cand in (v2, systemd):
+        if cand and cand != "/":
+            return cand
+    return v2 if v2 is not None else systemd
+
+
+def unit_of(path):
+    """The systemd unit owning a cgroup path: its last component ending in .service/.scope."""
+    if not path:
+        return None
+    for comp in reversed(path.split("/")):
+        if comp.endswith(".service") or comp.endswith(".scope"):
+            return comp
+    return None
+
+
+_CONTAINER_PATTERNS = (
+    (re.compile(r"docker-([0-9a-f]{12,})\.scope"), "docker"),
+    (re.compile(r"/docker/([0-9a-f]{12,})"), "docker"),
+    (re.compile(r"libpod-(?:conmon-)?([0-9a-f]{12,})"), "podman"),
+    (re.compile(r"cri-containerd-([0-9a-f]{12,})\.scope"), "containerd"),
+    (re.compile(r"/containerd/([^/]+)"), "containerd"),
+    (re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,})\.scope"), "crio"),
+    (re.compile(r"/lxc\.payload[./]([^/]+)"), "lxc"),
+    (re.compile(r"/lxc/([^/]+)"), "lxc"),
+)
+_HEX64_RE = re.compile(r"([0-9a-f]{64})")
+
+
+def container_of(path):
+    """A short container name from a cgroup path ("docker:0123456789ab", "k8s:...", "lxc:web")."""
+    if not path:
+        return None
+    if "kubepods" in path:
+        m = _HEX64_RE.search(path.rsplit("/", 1)[-1]) or _HEX64_RE.search(path)
+        return "k8s:" + m.group(1)[:12] if m else "kubepods"
+    for regex, kind in _CONTAINER_PATTERNS:
+        m = regex.search(path)
+        if m:
+            ident = m.group(1)
+            if kind != "lxc":
+                ident = ident[:12]
+            return kind + ":" + ident
+    return None
+
+
+def container_from_cgroup_text(text):
+    """First container hint on any line of /proc/PID/cgroup (v1 hosts put it on every line)."""
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            name = container_of(parts[2])
+            if name:
+                return name
+    return None
+
+
+def first_line(*texts):
+    for text in texts:
+        for line in (text or "").splitlines():
+            if line.strip():
+                return line.strip()[:300]
+    return None
+
+
+def parse_maps_devices(text):
+    """NVIDIA device files in /proc/PID/maps text (the pathname column), sorted."""
+    found = set()
+    for line in text.splitlines():
+        i = line.find(" /dev/")
+        if i < 0:
+            continue
+        path = line[i + 1:].rstrip()
+        if path.endswith(" (deleted)"):
+            path = path[:-len(" (deleted)")]
+        if DEVICE_RE.match(path):
+            found.add(path)
+    return sorted(found)

@@ -1,0 +1,244 @@
+"""The snapshot mode: one document with what this host knows about its GPUs.
+
+A piece of the remote agent: the document of gpufleet/core/model.py; every failure is a value
+in it.
+"""
+import os
+import socket
+import sys
+import time
+
+from .jobs import Job, find_nvidia_smi, run_cmd, smi_failure  # joined
+from .parse import (  # joined
+    AGENT_VERSION,
+    APP_FIELDS,
+    GPU_DEVICE_RE,
+    GPU_FIELDS,
+    GPU_KEYS,
+    INVALID_FIELD_RE,
+    OPTIONAL_GPU_FIELDS,
+    REQUIRED_GPU_FIELDS,
+    ParseError,
+    check_complete,
+    normalize_bus_id,
+    parse_apps_csv,
+    parse_gpu_csv,
+    parse_q_minors,
+    parse_versions,
+)
+from .procfs import (  # joined
+    DEV,
+    PROC,
+    container_facts,
+    denied_reasons,
+    denied_warning,
+    device_target,
+    gpu_minors_from_proc,
+    hidepid_active,
+    is_wsl2,
+    mapped_devices,
+    process_entry,
+    read_stat,
+    scan_fds,
+    self_context,
+    user_name,  # joined
+)
+
+
+def query_gpus(smi, req, deadline, first_job=None):
+    """--query-gpu with optional fields dropped when this driver rejects them.
+
+    Returns (gpus, error, exit_code, seconds)."""
+    fields = list(GPU_FIELDS) + list(OPTIONAL_GPU_FIELDS)
+    seconds = 0.0
+    job = first_job
+    for _ in range(len(fields)):
+        if job is None:
+            job = Job(gpu_query_argv(smi, fields), req["smi_timeout_s"], deadline, "nvidia-smi")
+        res = job.finish()
+        job = None
+        seconds += res.seconds
+        fail = smi_failure(res)
+        if fail is None:
+            try:
+                check_complete(res.out, "--query-gpu")
+                return parse_gpu_csv(res.out, fields), None, None, seconds
+            except ParseError as exc:
+                if str(exc).startswith("truncated"):
+                    return [], str(exc), None, seconds
+                return [], "unparsable nvidia-smi --query-gpu output: %s" % exc, None, seconds
+        m = INVALID_FIELD_RE.search(res.out + "\n" + res.err)
+        if m and m.group(1) in fields and m.group(1) not in REQUIRED_GPU_FIELDS:
+            fields.remove(m.group(1))
+            continue
+        return [], fail[0], fail[1], seconds
+    return [], "nvidia-smi rejected the query fields", None, seconds
+
+
+def gpu_query_argv(smi, fields):
+    return [smi, "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"]
+
+
+def snapshot(req, deadline, proc=PROC):
+    """The snapshot document of gpufleet/model.py; every failure is a value in it."""
+    t0 = time.monotonic()
+    ctx = self_context(proc)
+    warnings = ctx["warnings"]
+    smi = find_nvidia_smi(req.get("nvidia_smi"))
+    smi_doc = {"ok": False, "error": None, "exit_code": None, "seconds": 0.0}
+    gpus = []
+    apps = []
+    driver = None
+    cuda = None
+    gpu_job = apps_job = None
+    if smi is None:
+        smi_doc["error"] = "nvidia-smi not found" + (
+            ": %s" % req["nvidia_smi"] if req.get("nvidia_smi") else "")
+    else:
+        # both queries run while /proc is scanned: one moment, and half the wall time
+        gpu_job = Job(gpu_query_argv(smi, list(GPU_FIELDS) + list(OPTIONAL_GPU_FIELDS)),
+                      req["smi_timeout_s"], deadline, "nvidia-smi")
+        apps_job = Job([smi, "--query-compute-apps=" + ",".join(APP_FIELDS),
+                        "--format=csv,noheader,nounits"], req["smi_timeout_s"], deadline,
+                       "nvidia-smi")
+    own = set([ctx["self_pid"]])
+    for job in (gpu_job, apps_job):
+        if job is not None and job.pid is not None:
+            own.add(job.pid)
+    holders, denied = scan_fds(device_target, own, proc)
+    # maps right after the fds, and the identity they belong to: a holder that is gone (or
+    # whose PID was reused) by the time its details are read was no holder (nvidia-smi runs)
+    seen_start = {}
+    mapped = {}
+    for pid in holders:
+        st = read_stat(pid, proc)
+        seen_start[pid] = st["starttime"] if st else None
+        mapped[pid] = mapped_devices(pid, proc)
+    hidden = hidepid_active(proc) and os.geteuid() != 0
+    can_read_all = not denied and not hidden
+    if hidden:
+        warnings.append("/proc is mounted hidepid: other users' processes, and any GPU "
+                        "holders among them, are hidden")
+    elif denied:
+        warnings.append(denied_warning(denied, proc))
+
+    if smi is not None:
+        gpus, error, code, secs = query_gpus(smi, req, deadline, gpu_job)
+        smi_doc["seconds"] += secs
+        ares = apps_job.finish()
+        smi_doc["seconds"] += ares.seconds
+        if error is not None:
+            smi_doc.update(error=error, exit_code=code)
+        else:
+            smi_doc["ok"] = True
+            fail = smi_failure(ares)
+            if fail is not None:
+                smi_doc.update(ok=False, error="compute apps: %s" % fail[0], exit_code=fail[1])
+            else:
+                try:
+                    check_complete(ares.out, "--query-compute-apps")
+                    apps, skipped = parse_apps_csv(ares.out)
+                    if skipped:
+                        warnings.append("%d compute app row(s) without a PID skipped" % skipped)
+                except ParseError as exc:
+                    smi_doc.update(ok=False, error=str(exc) if str(exc).startswith("truncated")
+                                   else "unparsable nvidia-smi --query-compute-apps output: %s"
+                                   % exc)
+        for g in gpus:
+            driver = driver or g.pop("driver_version", None)
+            g.pop("driver_version", None)
+            for key in GPU_KEYS.values():
+                if key != "driver_version":
+                    g.setdefault(key, None)
+        # the bare table (for the CUDA version) is skipped only when nvidia-smi is already
+        # crawling (a wedged driver) or time is short; a loaded machine is not a wedged one
+        if gpus and smi_doc["ok"] and req.get("cuda_version", True) and \
+                smi_doc["seconds"] < 5.0 and deadline.remaining() > 2.0 * smi_doc["seconds"] + 2.0:
+            res = run_cmd([smi], min(req["smi_timeout_s"], 5.0), deadline, "nvidia-smi")
+            smi_doc["seconds"] += res.seconds
+            if smi_failure(res) is None:
+                d, cuda = parse_versions(res.out)
+                driver = driver or d
+    attach_minors(gpus, smi, req, deadline, smi_doc, warnings, proc)
+    by_uuid = dict((g["uuid"], g["index"]) for g in gpus)
+    for a in apps:
+        a["gpu_index"] = by_uuid.get(a["gpu_uuid"])
+
+    wanted = set(holders) | set(a["pid"] for a in apps) | own | set(ctx["ancestors"])
+    for job in (gpu_job, apps_job):  # our own nvidia-smi children are not worth listing
+        if job is not None and job.pid is not None:
+            wanted.discard(job.pid)
+    processes = {}
+    for pid in sorted(wanted):
+        entry = process_entry(pid, ctx, proc)
+        if entry is not None:
+            processes[str(pid)] = entry
+    vanished = sorted(p for p in holders if str(p) not in processes or seen_start[p] is None
+                      or processes[str(p)]["starttime"] != seen_start[p])
+    for pid in vanished:
+        del holders[pid]
+    unseen = sorted(set(a["pid"] for a in apps if str(a["pid"]) not in processes))
+    if unseen:
+        warnings.append("nvidia-smi lists PIDs not in this /proc (other PID namespace: "
+                        "container or WSL2): %s" % ", ".join(str(p) for p in unseen))
+    in_container, container = container_facts(proc)
+    euid = os.geteuid()
+    facts = {
+        "hostname": socket.gethostname(),
+        "kernel": os.uname()[2],
+        "driver_version": driver,
+        "cuda_version": cuda,
+        "is_root": euid == 0,
+        "uid": euid,
+        "user": user_name(euid),
+        "can_read_all_fds": can_read_all,
+        "in_container": in_container,
+        "container": container,
+        "wsl2": is_wsl2(proc),
+        "nvidia_smi": smi,
+        "python": "%d.%d.%d" % tuple(sys.version_info[:3]),
+        "agent_pid": ctx["self_pid"],
+        "agent_starttime": ctx["starttime"],
+        "hidepid": hidden,
+    }
+    smi_doc["seconds"] = round(smi_doc["seconds"], 3)
+    return {
+        "agent_version": AGENT_VERSION,
+        "mode": "snapshot",
+        "facts": facts,
+        "nvidia_smi": smi_doc,
+        "gpus": gpus,
+        "compute_apps": apps,
+        "holders": [{"pid": p, "devices": sorted(holders[p]), "mapped": mapped[p]}
+                    for p in sorted(holders)],
+        "holders_vanished": vanished,
+        "fd_unreadable": denied_reasons(denied, proc),
+        "processes": processes,
+        "warnings": warnings,
+        "seconds": round(time.monotonic() - t0, 3),
+    }
+
+
+def attach_minors(gpus, smi, req, deadline, smi_doc, warnings, proc=PROC):
+    """minor (the N of /dev/nvidiaN) matched by PCI bus id: /proc/driver first, else -q."""
+    for g in gpus:
+        g["minor"] = None
+    if not gpus:
+        return
+    minors = gpu_minors_from_proc(proc)
+    missing = [g for g in gpus if minors.get(normalize_bus_id(g.get("pci_bus_id"))) is None]
+    has_dev_files = False
+    try:
+        has_dev_files = any(GPU_DEVICE_RE.match("/dev/" + n) for n in os.listdir(DEV))
+    except OSError:
+        pass
+    if missing and smi is not None and has_dev_files and deadline.remaining() > 1.0:
+        res = run_cmd([smi, "-q"], req["smi_timeout_s"], deadline, "nvidia-smi")
+        smi_doc["seconds"] += res.seconds
+        if smi_failure(res) is None:
+            minors.update(dict((k, v) for k, v in parse_q_minors(res.out).items()
+                               if v is not None))
+    for g in gpus:
+        g["minor"] = minors.get(normalize_bus_id(g.get("pci_bus_id")))
+    if has_dev_files and any(g["minor"] is None for g in gpus):
+        warnings.append("minor numbers unknown: /dev/nvidiaN assumed to be GPU index N")
