@@ -1,6 +1,6 @@
 """THE one place that says which processes may be signalled (pure).
 
-Targets are chosen elsewhere (gpufleet/plan.py) from GPU evidence only. This module answers the
+Targets are chosen elsewhere (gpufleet/core/plan/) from GPU evidence only. This module answers the
 other question: is there a reason this process must never be signalled, whatever the evidence?
 Process names appear here ONLY to protect (sshd, driver daemons, display servers), never to
 target. Every refusal is a short reason an operator can read in a table.
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from gpufleet.core.model import ProcessInfo, Snapshot
+from gpufleet.core.model import COMM_MAX, ProcessInfo, Snapshot
 
 # Kinds of refusal; render/verdict group by them, the reason text is for people.
 PROTECTED = "protected"  # the never-signal list: absolute, no option overrides it
@@ -50,7 +50,9 @@ RELATIONS = {
     "session": "in the gpufleet agent's own session",
 }
 
-COMM_LEN = 15  # TASK_COMM_LEN - 1
+# GPU memory a clean leaves per GPU above the host's expected unattributed memory and still
+# calls clean (clean --tolerance-mib, runbook clean steps, status's "busy"): the one default.
+DEFAULT_TOLERANCE_MIB = 64
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def _names(proc: ProcessInfo) -> tuple[str, ...]:
 
 def _is_named(proc: ProcessInfo, name: str) -> bool:
     for n in _names(proc):
-        if n == name or (len(n) == COMM_LEN and name.startswith(n)):
+        if n == name or (len(n) == COMM_MAX and name.startswith(n)):
             return True
     return False
 
@@ -189,8 +191,9 @@ def zombie_reason(proc: ProcessInfo, ctx: PolicyContext) -> str:
     return f"zombie, parent PID {proc.ppid if proc.ppid is not None else '?'} ({pname})"
 
 
-def refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str, str]]:
-    """(kind, reason) if policy refuses to signal ``proc``, else None. Order: most final first."""
+def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str, str]]:
+    """(kind, reason) if policy refuses to signal ``proc``, else None. Order: most final first.
+    (The plan turns it into a ``Refusal`` entry; kinds are the constants above.)"""
     reason = never_signal_reason(proc, ctx)
     if reason is not None:
         return PROTECTED, reason
@@ -215,12 +218,12 @@ def refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str, str]]:
 
 def refusal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
     """Why ``proc`` must not be signalled, or None when policy allows it."""
-    found = refusal(proc, ctx)
+    found = signal_refusal(proc, ctx)
     return None if found is None else found[1]
 
 
 def may_signal(proc: ProcessInfo, ctx: PolicyContext) -> bool:
-    return refusal(proc, ctx) is None
+    return signal_refusal(proc, ctx) is None
 
 
 # ------------------------------------------------------------------ GPU clients (never targets)
@@ -264,7 +267,7 @@ def client_name(proc: ProcessInfo) -> Optional[str]:
         names.append(words[2])
     for n in names:
         for known in CLIENT_NAMES:
-            if n == known or (len(n) == COMM_LEN and known.startswith(n)):
+            if n == known or (len(n) == COMM_MAX and known.startswith(n)):
                 return known
     return None
 

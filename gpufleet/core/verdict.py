@@ -14,7 +14,8 @@ from typing import Any, Mapping, Optional
 
 from gpufleet.core import policy
 from gpufleet.core.model import Snapshot, SnapshotError, ledger, parse_snapshot
-from gpufleet.core.plan import Plan, fmt_gpus
+from gpufleet.core.gpus import format_gpu_indices
+from gpufleet.core.plan import Plan
 
 CLEAN = "clean"
 DIRTY = "dirty"
@@ -63,7 +64,9 @@ class Unattributed:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class CleanVerdict:
+    """One host's clean/dirty verdict (``verdict`` is CLEAN or DIRTY), with the evidence."""
+
     host: str
     verdict: str
     reason: str
@@ -106,12 +109,12 @@ def _problems(clean: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _dirty_early(plan: Plan, why: str, problems: list[str]) -> Verdict:
-    return Verdict(plan.host, DIRTY, "; ".join([why] + problems), None, None,
+def _dirty_early(plan: Plan, why: str, problems: list[str]) -> CleanVerdict:
+    return CleanVerdict(plan.host, DIRTY, "; ".join([why] + problems), None, None,
                    problems=tuple(problems))
 
 
-def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verdict:
+def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> CleanVerdict:
     """The verdict for one host. ``clean`` is the agent's clean document (parsed JSON)."""
     problems = _problems(clean)
     raw_after = clean.get("after")
@@ -162,7 +165,7 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verd
 
     bad = [o for o in outcomes if not o.ok]
     if not bad and not (clean.get("lock") == "busy"):
-        return Verdict(plan.host, CLEAN, "", freed, left, tuple(outcomes), tuple(survivors),
+        return CleanVerdict(plan.host, CLEAN, "", freed, left, tuple(outcomes), tuple(survivors),
                        tuple(unattributed), not blockers, tuple(blockers), tuple(problems))
 
     parts = []
@@ -173,7 +176,7 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verd
             parts.append(f"GPU {o.index}: {o.after_mib} MiB left (threshold {o.threshold_mib})")
     if survivors:
         parts.append("survivors: " + ", ".join(
-            f"{s.pid} {s.name} on GPU {fmt_gpus(s.gpus) or '-'} ({s.kind}: {s.detail})"
+            f"{s.pid} {s.name} on GPU {format_gpu_indices(s.gpus) or '-'} ({s.kind}: {s.detail})"
             for s in survivors
         ))
     for u in unattributed:
@@ -183,7 +186,7 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verd
         parts.append("GPU reset not possible here: " + ", ".join(blockers))
     else:
         parts.append("a GPU reset is possible here (--reset)")
-    return Verdict(plan.host, DIRTY, "; ".join(parts), freed, left, tuple(outcomes),
+    return CleanVerdict(plan.host, DIRTY, "; ".join(parts), freed, left, tuple(outcomes),
                    tuple(survivors), tuple(unattributed), not blockers, tuple(blockers),
                    tuple(problems))
 

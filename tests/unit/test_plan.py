@@ -92,20 +92,6 @@ def test_scope_as_unordered_list_is_normalised() -> None:
     assert make_plan(load("train-node"), tuple(range(8))).full_scope
 
 
-def test_include_parents_makes_the_api_server_the_root() -> None:
-    plan = make_plan(load("train-node"), (0, 1, 2, 3), include_parents=True)
-    by = {t.pid: t for t in plan.targets}
-    assert set(by) == VLLM | {4320}
-    assert by[4320].evidence == planmod.EVIDENCE_PARENT and by[4320].wave == 0
-    assert by[4320].gpus == (0, 1, 2, 3) and by[4320].used_mib is None
-    assert all(by[p].wave == 1 and by[p].family_root == 4320 for p in VLLM)
-    # the tmux pane's shell is a session leader: never added, nor tmux, nor the tracker
-    assert not {3951, 3950, 4321} & set(by)
-    full = make_plan(load("train-node"), include_parents=True)
-    assert {t.pid for t in full.targets if t.evidence == "parent"} == {4320, 4510}
-    assert {full.target(p).family_root for p in RANKS} == {4510}
-
-
 def test_scope_cutting_a_family_refuses_the_parent_of_the_outside_child() -> None:
     plan = make_plan(load("train-node"), (0, 1, 2))
     # EngineCore_DP1 (GPU 2) would take its worker on GPU 3 down with it
@@ -117,8 +103,6 @@ def test_scope_cutting_a_family_refuses_the_parent_of_the_outside_child() -> Non
     assert plan.target(4362).wave == 0 and plan.target(4362).family_root == 4362
     # the job-level risk is said, not guessed at
     assert any("4362 shares process group 4320 with PIDs 4363" in n for n in plan.notes)
-    parents = make_plan(load("train-node"), (0, 1, 2), include_parents=True)
-    assert 4320 not in pids(parents)  # its subtree reaches GPU 3
 
 
 def test_targets_never_depend_on_names() -> None:
@@ -162,7 +146,7 @@ def test_spanning_process_is_refused_with_its_gpus() -> None:
         planmod.SPANNING,
         "spans GPUs 3,4 (GPU 4 outside the scope; pass --include-spanning)",
     )
-    assert plan.refusal(5120).gpus == (3, 4)
+    assert plan.refusal_of(5120).gpus == (3, 4)
 
 
 def test_include_spanning_makes_it_a_target_and_says_so() -> None:
@@ -191,7 +175,7 @@ def test_other_users_and_zombies_and_driver_only_holders() -> None:
 def test_driver_only_holder_without_memory_evidence_is_a_client_of_a_full_clean() -> None:
     """Before issue 10 a full clean signalled it (evidence "device-file")."""
     plan = make_plan(load("shared-node"))
-    assert plan.target(5500) is None and plan.refusal(5500) is None
+    assert plan.target(5500) is None and plan.refusal_of(5500) is None
     assert [(c.pid, c.gpus) for c in plan.clients] == [(5500, ())]
     assert any(n.startswith("1 GPU client(s)") and "5500 python" in n for n in plan.notes)
     assert any("not root" in n for n in plan.notes)
@@ -232,8 +216,6 @@ def test_hidden_pids_full_scope_signals_the_device_holders() -> None:
     assert any("container docker-7f3e2a91d0b4" in n for n in plan.notes)
     assert any("GPU 0: 126410 MiB used that nvidia-smi attributes to no process" in n
                for n in plan.notes)
-    # PID 1 of the container is the API server: never, include_parents or not
-    assert 1 not in pids(make_plan(load("hidden-pids"), include_parents=True))
 
 
 def test_hidden_pids_partial_scope_is_ambiguous() -> None:
@@ -327,9 +309,6 @@ def test_stop_units_stops_the_unit_then_signals_what_remains() -> None:
     assert plan.target(2260).unit == "vllm-minimax.service"
     disabled = make_plan(load("unit-vllm"), stop_units=True, disable_units=True)
     assert disabled.units_to_stop[0].disable is True
-    # with include_parents the EngineCore joins; the API server leads its own session
-    parents = make_plan(load("unit-vllm"), stop_units=True, include_parents=True)
-    assert parents.target(2240).wave == 0 and 2210 not in pids(parents)
 
 
 def test_unit_is_not_stopped_when_it_also_runs_gpus_outside_the_scope() -> None:
@@ -406,9 +385,9 @@ def test_request_is_the_documented_clean_request() -> None:
 
 
 def test_request_lists_roots_first() -> None:
-    plan = make_plan(load("train-node"), (0, 1, 2, 3), include_parents=True)
+    plan = make_plan(load("train-node"), (0, 1, 2, 3))
     waves = [t["wave"] for t in to_request(plan, 5, 30, False, False, "op")["targets"]]
-    assert waves == sorted(waves) and waves[0] == 0 and waves.count(0) == 1
+    assert waves == sorted(waves) and waves[0] == 0 and waves.count(0) == 2  # two EngineCores
 
 
 @pytest.mark.parametrize("grace,timeout,kw", [(-1, 10, {}), (5, 0, {}), (20, 10, {}),
@@ -476,17 +455,16 @@ _SNAPS = {name: load(name) for name in ALL}
     name=st.sampled_from(ALL),
     data=st.data(),
     include_spanning=st.booleans(),
-    include_parents=st.booleans(),
     stop_units=st.booleans(),
     protect=st.sampled_from([(), ("*train*",), ("VLLM::Worker",)]),
 )
 def test_plan_invariants_on_every_scenario_and_scope(name, data, include_spanning,
-                                                     include_parents, stop_units, protect):
+                                                     stop_units, protect):
     snap = _SNAPS[name]
     indices = [g.index for g in snap.gpus]
     scope = data.draw(st.one_of(st.none(), st.sets(st.sampled_from(indices), min_size=1)))
     plan = make_plan(snap, None if scope is None else tuple(scope),
-                     include_spanning=include_spanning, include_parents=include_parents,
+                     include_spanning=include_spanning,
                      stop_units=stop_units, protect=protect)
     _check_invariants(snap, plan, include_spanning)
     ctx = policy.PolicyContext.from_snapshot(snap, protect=protect, stop_units=stop_units)
@@ -594,7 +572,7 @@ def test_full_scope_clean_never_targets_an_nvml_client() -> None:
     """Issue 10: the real H200's pynvml poller died under `clean --yes` (evidence device-file)."""
     for mapped in ((), None):  # maps show no CUDA context / maps not available (older agent)
         plan = make_plan(parse_snapshot(_add_monitor(doc("train-node"), mapped=mapped)))
-        assert plan.full_scope and plan.target(7100) is None and plan.refusal(7100) is None
+        assert plan.full_scope and plan.target(7100) is None and plan.refusal_of(7100) is None
         assert [(c.pid, c.gpus) for c in plan.clients] == [(7100, tuple(range(8)))]
         assert pids(plan) == VLLM | RANKS
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gpufleet.core import policy
 from gpufleet.core.model import ProcessInfo, Snapshot, parse_snapshot
-from gpufleet.core.policy import PolicyContext, refusal, refusal_reason
+from gpufleet.core.policy import PolicyContext, refusal_reason, signal_refusal
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
 
@@ -33,7 +33,7 @@ def ctx(train: Snapshot) -> PolicyContext:
 
 
 def kind(proc: ProcessInfo, ctx: PolicyContext):
-    found = refusal(proc, ctx)
+    found = signal_refusal(proc, ctx)
     return None if found is None else found[0]
 
 
@@ -154,7 +154,7 @@ def test_protect_globs_match_cmdline_or_comm(train: Snapshot) -> None:
 def test_zombie_names_its_parent() -> None:
     shared = load("shared-node")
     ctx = PolicyContext.from_snapshot(shared)
-    assert refusal(shared.processes[5310], ctx) == (policy.ZOMBIE,
+    assert signal_refusal(shared.processes[5310], ctx) == (policy.ZOMBIE,
                                                      "zombie, parent PID 5300 (python)")
     orphan = dataclasses.replace(shared.processes[5310], ppid=424242)
     assert refusal_reason(orphan, ctx) == "zombie, parent PID 424242 (?)"
@@ -164,11 +164,11 @@ def test_other_users_need_root_or_sudo() -> None:
     shared = load("shared-node")  # the agent runs as alice, uid 1000, not root
     bob = shared.processes[6100]
     ctx = PolicyContext.from_snapshot(shared)
-    assert refusal(bob, ctx) == (policy.OWNER, "owned by bob; connect as root or with sudo")
+    assert signal_refusal(bob, ctx) == (policy.OWNER, "owned by bob; connect as root or with sudo")
     assert refusal_reason(shared.processes[5400], ctx) is None  # alice's own
     assert refusal_reason(bob, PolicyContext.from_snapshot(shared, is_sudo=True)) is None
     unknown = dataclasses.replace(shared.processes[5400], uid=None)
-    assert refusal(unknown, ctx)[0] == policy.OWNER
+    assert signal_refusal(unknown, ctx)[0] == policy.OWNER
     nameless = dataclasses.replace(bob, user=None)
     assert refusal_reason(nameless, ctx) == "owned by uid 1001; connect as root or with sudo"
 
@@ -180,17 +180,17 @@ def test_containers_other_than_our_own() -> None:
     assert refusal_reason(hidden.processes[88], ctx) is None
     train = load("train-node")
     boxed = dataclasses.replace(train.processes[4520], container="docker-91ac0e55d2f1")
-    assert refusal(boxed, PolicyContext.from_snapshot(train)) == (
+    assert signal_refusal(boxed, PolicyContext.from_snapshot(train)) == (
         policy.CONTAINER, "runs in container docker-91ac0e55d2f1; stop the container")
     # a container is never stopped for you, --stop-units or not
-    assert refusal(boxed, PolicyContext.from_snapshot(train, stop_units=True))[0] == \
+    assert signal_refusal(boxed, PolicyContext.from_snapshot(train, stop_units=True))[0] == \
         policy.CONTAINER
 
 
 def test_systemd_services_need_stop_units() -> None:
     unit = load("unit-vllm")
     worker = unit.processes[2260]
-    assert refusal(worker, PolicyContext.from_snapshot(unit)) == (
+    assert signal_refusal(worker, PolicyContext.from_snapshot(unit)) == (
         policy.UNIT, "belongs to vllm-minimax.service; stop the unit or pass --stop-units")
     assert refusal_reason(worker, PolicyContext.from_snapshot(unit, stop_units=True)) is None
 
@@ -210,7 +210,7 @@ def test_service_unit(unit, service) -> None:
 
 def test_unknown_start_time_cannot_be_signalled(train: Snapshot, ctx: PolicyContext) -> None:
     proc = dataclasses.replace(train.processes[4360], starttime=None)
-    assert refusal(proc, ctx)[0] == policy.IDENTITY
+    assert signal_refusal(proc, ctx)[0] == policy.IDENTITY
 
 
 def test_most_final_reason_wins(train: Snapshot, ctx: PolicyContext) -> None:
@@ -218,12 +218,12 @@ def test_most_final_reason_wins(train: Snapshot, ctx: PolicyContext) -> None:
     proc = ProcessInfo(pid=3901, ppid=3870, starttime=1, state="Z", uid=1001, user="bob",
                        comm="sshd", cmdline="", unit="ssh.service")
     nonroot = dataclasses.replace(ctx, is_root=False, uid=1000)
-    assert refusal(proc, nonroot)[0] == policy.PROTECTED
+    assert signal_refusal(proc, nonroot)[0] == policy.PROTECTED
     zombie = dataclasses.replace(proc, comm="python")
-    assert refusal(zombie, nonroot)[0] == policy.ZOMBIE
+    assert signal_refusal(zombie, nonroot)[0] == policy.ZOMBIE
     alive = dataclasses.replace(zombie, state="S")
-    assert refusal(alive, nonroot)[0] == policy.OWNER
-    assert refusal(alive, ctx)[0] == policy.UNIT
+    assert signal_refusal(alive, nonroot)[0] == policy.OWNER
+    assert signal_refusal(alive, ctx)[0] == policy.UNIT
 
 
 _procs = st.builds(
@@ -266,7 +266,7 @@ def test_never_signal_list_holds_under_every_option(proc: ProcessInfo,
         or any(policy.fnmatch.fnmatchcase(s, g) for g in ctx.protect
                for s in (proc.cmdline, proc.comm))
     )
-    got = refusal(proc, ctx)
+    got = signal_refusal(proc, ctx)
     if absolute:
         assert got is not None and got[0] == policy.PROTECTED
     if got is None:

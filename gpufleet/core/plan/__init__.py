@@ -1,0 +1,115 @@
+"""The clean plan: which processes to signal on one host, in which order, and why not the rest.
+
+Pure: a Snapshot + a scope + options in, a frozen Plan out. Targets come from GPU evidence only
+(nvidia-smi's compute-apps listing, else open /dev/nvidiaN files), never from a process name;
+gpufleet.core.policy has the last word on every one of them. The steps, in order (one module
+each):
+
+1. evidence (plan/evidence.py). Listed by nvidia-smi: a candidate when ALL the GPUs it is
+   listed on are in scope; a process that also uses a GPU outside the scope is refused ("spans
+   GPUs 3,4") unless include_spanning. Holding /dev/nvidiaN without being listed (other PID
+   namespace, WSL2, hidden PIDs): a candidate in a full scope, or when every GPU it holds is
+   in scope and nvidia-smi lists nobody else on them; otherwise ambiguous, because a CUDA
+   process opens EVERY /dev/nvidiaN of the machine (measured, recorded/h200-two-gpus.log).
+   Holding only nvidiactl/nvidia-uvm (or /dev/dxg): a candidate in a full scope only. GPU
+   clients (gpufleet.core.policy.holder_role: no evidence of memory) are never candidates:
+   listed in ``Plan.clients`` and in one note. nvidia-smi rows that are evidence of nothing
+   (``untrusted_rows``) are set aside first and their PIDs refused.
+2. whole families (plan/families.py). A family is a chain of GPU-evidence processes up to its
+   root (vLLM's EngineCore above its Workers) and the root's GPU-evidence descendants. When
+   the scope cuts a family (nvidia-smi lists members inside and outside it), its in-scope
+   members are refused with the family's reason; with include_spanning the whole family is
+   planned (and a note says so). Never a half-family by surprise.
+3. policy (gpufleet.core.policy.signal_refusal) refuses the never-signal list, zombies (they
+   hold no GPU memory, measured), other users' processes without root, containers, and
+   systemd services unless stop_units.
+4. families and services: a target whose process subtree holds a process that must not be
+   signalled is refused too, because a family root shuts its children down; a service is
+   stopped only when nothing in it is refused. A device-file holder refused as ambiguous whose
+   GPU descendants are all targets is promoted to their family root. The topmost target of
+   each parent/child chain is its family root, signalled in wave 0; the rest follows in wave 1.
+5. notes (plan/notes.py); processes nvidia-smi lists but this PID namespace cannot see are
+   reported as ``invisible``.
+
+The agent's request is built from the plan by ``to_request`` (plan/request.py).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Optional
+
+from gpufleet.core import policy
+from gpufleet.core.gpus import format_gpu_indices
+from gpufleet.core.model import Snapshot
+from gpufleet.core.plan.evidence import gather_evidence, resolve_scope, untrusted_rows
+from gpufleet.core.plan.families import (
+    Rules, Tree, add_zombie_children, apply_policy, assemble_targets,
+    promote_roots, settle_families, unit_stops,
+)
+from gpufleet.core.plan.notes import NoteInputs, plan_notes, unreadable_fds_note
+from gpufleet.core.plan.request import to_request
+from gpufleet.core.plan.types import (
+    AMBIGUOUS, EVIDENCE_DEVICE, EVIDENCE_FAMILY, EVIDENCE_SMI, FAMILY, INVISIBLE_REASON,
+    NO_EVIDENCE, SPANNING, UNREADABLE, UNTRUSTED_ROW, Client, Invisible, Plan, Refusal, Target,
+    UnitStop,
+)
+from gpufleet.errors import UsageError
+
+__all__ = [
+    "AMBIGUOUS", "EVIDENCE_DEVICE", "EVIDENCE_FAMILY", "EVIDENCE_SMI", "FAMILY",
+    "INVISIBLE_REASON", "NO_EVIDENCE", "SPANNING", "UNREADABLE", "UNTRUSTED_ROW", "Client",
+    "Invisible", "Plan", "Refusal", "Target", "UnitStop", "format_gpu_indices", "make_plan",
+    "to_request", "unreadable_fds_note", "untrusted_rows",
+]
+
+
+def make_plan(
+    snapshot: Snapshot,
+    scope: Optional[tuple[int, ...]] = None,
+    *,
+    protect: Iterable[str] = (),
+    include_spanning: bool = False,
+    stop_units: bool = False,
+    disable_units: bool = False,
+    unattributed_mib: int = 0,
+    tolerance_mib: int = policy.DEFAULT_TOLERANCE_MIB,
+    is_sudo: bool = False,
+    host: Optional[str] = None,
+) -> Plan:
+    """Decide what a clean of ``scope`` (None = every GPU) on this host would signal: the
+    steps of the module docstring, in order."""
+    host = host or snapshot.facts.hostname or "?"
+    untrusted = untrusted_rows(snapshot)
+    listed_as = {pid: snapshot.gpu_indices_of_app(pid) for pid in untrusted}
+    if untrusted:
+        snapshot = replace(snapshot, compute_apps=tuple(
+            a for a in snapshot.compute_apps if a.pid not in untrusted))
+    if unattributed_mib < 0 or tolerance_mib < 0:
+        raise UsageError(f"{host}: unattributed_mib and tolerance_mib must be >= 0")
+    plan_scope = resolve_scope(snapshot, scope, host)
+    ctx = policy.PolicyContext.from_snapshot(
+        snapshot, protect=tuple(protect), stop_units=stop_units, is_sudo=is_sudo)
+    threshold = unattributed_mib + tolerance_mib
+    tree = Tree.of(snapshot.processes)
+
+    ev = gather_evidence(snapshot, plan_scope, threshold, ctx, include_spanning)
+    spans, family_notes = [], []  # whole families: next commit
+    rules = Rules(tree, ev, plan_scope, ctx, apply_policy(ev, tree, ctx), spans)
+    settle_families(rules, stop_units)
+    promote_roots(rules, snapshot)
+    add_zombie_children(rules)
+    targets = assemble_targets(rules.dec, tree)
+    notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
+                                  tuple(family_notes)))
+
+    refused = rules.dec.refused
+    for pid, reason in untrusted.items():  # a row is no evidence; family ties may still be
+        if pid not in rules.dec.targets and (plan_scope.full or plan_scope.touches(listed_as[pid])):
+            refused[pid] = Refusal(pid, tree.name(pid), reason, UNTRUSTED_ROW, listed_as[pid])
+    return Plan(
+        host=host, scope=plan_scope.indices, full_scope=plan_scope.full, targets=targets,
+        refused=tuple(sorted(refused.values(), key=lambda r: r.pid)),
+        units_to_stop=unit_stops(targets, tree, stop_units, disable_units),
+        invisible=ev.invisible, threshold_mib={i: threshold for i in plan_scope.indices},
+        notes=notes, clients=tuple(sorted(ev.clients.values(), key=lambda c: c.pid)),
+    )
