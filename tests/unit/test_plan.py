@@ -94,15 +94,16 @@ def test_scope_as_unordered_list_is_normalised() -> None:
 
 def test_scope_cutting_a_family_refuses_the_parent_of_the_outside_child() -> None:
     plan = make_plan(load("train-node"), (0, 1, 2))
-    # EngineCore_DP1 (GPU 2) would take its worker on GPU 3 down with it
-    assert pids(plan) == {4340, 4360, 4361, 4362}
-    kind, reason = refused(plan)[4341]
-    assert kind == planmod.FAMILY
-    assert reason == ("signalling it would also end PID 4363 (VLLM::Worker): "
-                      "uses GPU 3, outside the scope")
-    assert plan.target(4362).wave == 0 and plan.target(4362).family_root == 4362
+    # EngineCore_DP1 (GPU 2) would take its worker on GPU 3 down with it, and so would its
+    # worker on GPU 2 (issue 10 part 6: before, 4362 was a target, half a family)
+    assert pids(plan) == {4340, 4360, 4361}
+    family = ("its family (root PID 4341 VLLM::EngineCore_DP1) also uses GPU 3, outside the "
+              "scope: ending part of it can end the whole family; pass --include-spanning to "
+              "clean the family as a whole")
+    assert refused(plan)[4341] == refused(plan)[4362] == (planmod.FAMILY, family)
+    assert 4363 not in refused(plan)
     # the job-level risk is said, not guessed at
-    assert any("4362 shares process group 4320 with PIDs 4363" in n for n in plan.notes)
+    assert any("4340 shares process group 4320 with PIDs 4363" in n for n in plan.notes)
 
 
 def test_targets_never_depend_on_names() -> None:
@@ -511,7 +512,9 @@ def test_engine_core_stays_ambiguous_when_a_worker_is_outside_the_scope() -> Non
     plan = make_plan(_unlisted_engine_cores(), (0, 1, 2))
     assert 4340 in pids(plan)  # its workers are on 0 and 1
     assert 4341 not in pids(plan)  # its worker 4363 is on GPU 3
-    assert refused(plan)[4341][0] == planmod.AMBIGUOUS
+    # the family's reason, rather than "ambiguous", for the root and its worker on GPU 2
+    assert refused(plan)[4341][0] == refused(plan)[4362][0] == planmod.FAMILY
+    assert "root PID 4341 VLLM::EngineCore_DP1" in refused(plan)[4341][1]
     assert 4363 not in pids(plan)
 
 
@@ -644,3 +647,59 @@ def test_vanished_holders_are_counted_in_a_note() -> None:
     assert any(n.startswith("2 process(es) with device files open exited before") for n in
                plan.notes)
     assert not {9001, 9002} & (pids(plan) | set(refused(plan)))
+
+
+# ------------------------------------------- issue 10 part 6: a family is planned as a whole
+
+TP4 = (4340, 4360, 4361, 4362, 4363)  # EngineCore_DP0 (device files only) -> Worker_TP0..TP3
+TP4_REASON = ("its family (root PID 4340 VLLM::EngineCore_DP0) also uses GPU 2,3, outside the "
+              "scope: ending part of it can end the whole family; pass --include-spanning to "
+              "clean the family as a whole")
+
+
+def test_scope_cutting_a_family_refuses_all_of_it_naming_the_family() -> None:
+    """Killing Worker_TP0 ends its EngineCore, which also serves GPUs 2-3: never half of it."""
+    plan = make_plan(load("vllm-tp4"), (0, 1))
+    assert pids(plan) == set() and "nothing to signal" in plan.notes
+    r = refused(plan)
+    assert {p: r[p] for p in (4340, 4360, 4361)} == {
+        p: (planmod.FAMILY, TP4_REASON) for p in (4340, 4360, 4361)}
+    assert not {4362, 4363} & set(r)  # wholly outside the scope: not this clean's business
+    assert plan.refusal_of(4360).gpus == (0,)
+
+
+def test_include_spanning_plans_the_whole_family_root_first() -> None:
+    plan = make_plan(load("vllm-tp4"), (0, 1), include_spanning=True)
+    assert [(t.pid, t.wave, t.family_root) for t in plan.targets] == [
+        (4340, 0, 4340), (4360, 1, 4340), (4361, 1, 4340), (4362, 1, 4340), (4363, 1, 4340)]
+    root = plan.target(4340)
+    assert root.evidence == planmod.EVIDENCE_FAMILY and root.gpus == (0, 1, 2, 3)
+    assert plan.target(4363).evidence == "nvidia-smi" and plan.target(4363).gpus == (3,)
+    assert any(n.startswith("include_spanning: family (root PID 4340 VLLM::EngineCore_DP0) "
+                            "also uses GPU 2,3 outside the scope; the whole family is planned")
+               for n in plan.notes)
+    assert not set(refused(plan)) & set(TP4)
+
+
+def test_a_family_the_scope_does_not_cut_is_planned_as_before() -> None:
+    for scope in (None, (0, 1, 2, 3)):
+        plan = make_plan(load("vllm-tp4"), scope)
+        assert [(t.pid, t.wave, t.family_root) for t in plan.targets if t.pid in TP4] == [
+            (4340, 0, 4340), (4360, 1, 4340), (4361, 1, 4340), (4362, 1, 4340),
+            (4363, 1, 4340)], scope
+        assert not any("family (root PID" in n for n in plan.notes)
+    assert pids(make_plan(load("vllm-tp4"), (4, 5))) == {4520, 4521}  # ranks: no common root
+
+
+def test_include_spanning_refuses_the_family_when_policy_refuses_a_member() -> None:
+    """include_spanning asks for the whole family; if one member may not be signalled, none is."""
+    plan = make_plan(load("vllm-tp4"), (0, 1), include_spanning=True,
+                     protect=("VLLM::Worker_TP3",))
+    assert not set(TP4) & pids(plan)
+    r = refused(plan)
+    assert r[4363] == (policy.PROTECTED, "protected by 'VLLM::Worker_TP3'")
+    assert r[4360][0] == planmod.FAMILY and r[4360][1] == (
+        "its family (root PID 4340 VLLM::EngineCore_DP0) cannot be cleaned as a whole: PID 4363 "
+        "(VLLM::Worker) refused: protected by 'VLLM::Worker_TP3'")
+    plain = make_plan(load("vllm-tp4"), (0, 1), protect=("VLLM::Worker_TP3",))
+    assert not set(TP4) & pids(plain) and refused(plain)[4360] == (planmod.FAMILY, TP4_REASON)

@@ -43,7 +43,7 @@ from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import Snapshot
 from gpufleet.core.plan.evidence import gather_evidence, resolve_scope, untrusted_rows
 from gpufleet.core.plan.families import (
-    Rules, Tree, add_zombie_children, apply_policy, assemble_targets,
+    Rules, Tree, add_zombie_children, apply_policy, assemble_targets, plan_whole_families,
     promote_roots, settle_families, unit_stops,
 )
 from gpufleet.core.plan.notes import NoteInputs, plan_notes, unreadable_fds_note
@@ -93,7 +93,7 @@ def make_plan(
     tree = Tree.of(snapshot.processes)
 
     ev = gather_evidence(snapshot, plan_scope, threshold, ctx, include_spanning)
-    spans, family_notes = [], []  # whole families: next commit
+    spans, family_notes = plan_whole_families(ev, tree, plan_scope, include_spanning)
     rules = Rules(tree, ev, plan_scope, ctx, apply_policy(ev, tree, ctx), spans)
     settle_families(rules, stop_units)
     promote_roots(rules, snapshot)

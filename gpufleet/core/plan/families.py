@@ -240,7 +240,7 @@ def _refuse_split_families(rules: Rules) -> bool:
         hit = [m for m in fam.members if m in rules.dec.targets]
         if not left or not hit:
             continue
-        m = left[0]
+        m = next((x for x in left if x != fam.root), fam.root)  # the cause, not the root
         why = rules.blocking_reason(m) or "not signalled"
         for pid in hit:
             rules.dec.refuse(pid, f"its family (root PID {fam.root} {rules.tree.name(fam.root)}) "
