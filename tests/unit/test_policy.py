@@ -462,3 +462,32 @@ def test_display_server_with_unexplained_memory_stays_a_holder_in_status() -> No
     roles = policy.holder_roles(snap, 64)
     assert roles[1650].role == policy.ROLE_HOLDER and "display server" in roles[1650].reason
     assert policy.holder_roles(snap, 5000)[1650].role == policy.ROLE_CLIENT
+
+
+def test_the_tolerance_and_comm_length_have_one_definition() -> None:
+    """Issue 11: the 64 MiB tolerance is core/policy.DEFAULT_TOLERANCE_MIB everywhere (plan,
+    clean options and --tolerance-mib, runbook clean steps, status's "busy"), and the comm
+    length is core/model.COMM_MAX; no other module spells either number."""
+    import inspect
+
+    from gpufleet.core import model
+    from gpufleet.core.plan import make_plan
+    from gpufleet.ops.clean import CleanOptions
+    from gpufleet.render import status
+
+    assert inspect.signature(make_plan).parameters["tolerance_mib"].default == \
+        policy.DEFAULT_TOLERANCE_MIB
+    assert CleanOptions().tolerance_mib == status.BUSY_TOLERANCE_MIB == policy.DEFAULT_TOLERANCE_MIB
+    assert model.COMM_MAX == 15 and not hasattr(policy, "COMM_LEN")
+    root = Path(policy.__file__).resolve().parent.parent
+    spelled = re.compile(r"(?i)toleran\w*\W[^\n]*\b64\b(?! MiB)|COMM_\w+ = ")
+    for path in root.rglob("*.py"):
+        if path.name == "agent.py":  # the agent is sent alone: it cannot import the core
+            continue
+        text = path.read_text()
+        hits = [m.group(0) for m in spelled.finditer(text)]
+        if path == root / "core" / "policy.py":
+            hits = [h for h in hits if h != "TOLERANCE_MIB = 64"]  # DEFAULT_TOLERANCE_MIB
+        if path == root / "core" / "model.py":
+            hits = [h for h in hits if not h.startswith("COMM_MAX = ")]
+        assert not hits, (path, hits)
