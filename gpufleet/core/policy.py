@@ -232,9 +232,12 @@ def may_signal(proc: ProcessInfo, ctx: PolicyContext) -> bool:
 # holder nvidia-smi cannot show (another PID namespace, hidepid, WSL2) or a GPU *client*: an
 # NVML monitor or exporter (nvtop, nvitop, gpustat, dcgm-exporter, `watch nvidia-smi`) that
 # opens /dev/nvidiactl and every /dev/nvidiaN, has no CUDA context and holds no memory.
-# Open files cannot tell them apart (recorded: same files); /proc/PID/maps can: a CUDA process
-# maps /dev/nvidia-uvm and its GPU's /dev/nvidiaN, an NVML client maps none, a running
-# nvidia-smi maps only /dev/nvidiactl (shared/recorded/h200-clients-and-timings.log).
+# Open files cannot tell them apart (recorded: same files); /proc/PID/maps can: a CUDA context
+# maps /dev/nvidia-uvm (and its GPU's /dev/nvidiaN and nvidiactl); an NVML client maps none or
+# only nvidiactl, a running nvidia-smi nothing or only nvidiactl, and a process that only
+# called cuInit maps /dev/nvidia0 and nvidiactl but no nvidia-uvm, holds no memory and is not
+# listed (recorded/logs/h200-clients-and-timings.log, recorded/probe/h200-clients-probe3.log).
+# So a mapped nvidia-uvm is the evidence of a context; a mapped nvidiaN alone is not.
 
 ROLE_HOLDER = "holder"
 ROLE_CLIENT = "client"
@@ -244,11 +247,11 @@ CLIENT_NAMES = frozenset({
     "nvtop", "nvitop", "gpustat", "nvidia-smi", "nvidia_gpu_exporter", "dcgm-exporter", "dcgmi",
 })
 
-MAPS_CUDA = "cuda"  # maps a GPU device or nvidia-uvm (or /dev/dxg): a CUDA context
-MAPS_CLIENT = "client"  # maps readable, and no GPU device / nvidia-uvm mapped
+MAPS_CUDA = "cuda"  # maps /dev/nvidia-uvm: a CUDA context
+MAPS_CLIENT = "client"  # maps readable, and no nvidia-uvm mapped (nvidiaN alone: cuInit only)
 MAPS_UNKNOWN = "unknown"  # not available (older agent, unreadable), or uninformative (WSL2)
 
-_CUDA_MAPS = re.compile(r"^/dev/(nvidia\d+|nvidia-uvm|dxg)$")
+_CUDA_MAPS = re.compile(r"^/dev/nvidia-uvm$")
 
 
 @dataclass(frozen=True)
@@ -353,8 +356,8 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
     1. a client by name (CLIENT_NAMES): client (names add protection, never a target);
     2. it is the family root of processes nvidia-smi lists (vLLM's EngineCore above its
        Workers): holder -- the plan's family rule decides whether it is signalled;
-    3. its maps show no GPU device and no nvidia-uvm (an NVML client; a running nvidia-smi
-       maps only /dev/nvidiactl): client;
+    3. its maps show no nvidia-uvm (an NVML client maps nothing or nvidiactl, a running
+       nvidia-smi nothing or nvidiactl, a cuInit-only process nvidia0 and nvidiactl): client;
     4. memory above ``threshold_mib`` on its GPUs that nothing visible here explains (the
        GPUs whose /dev/nvidiaN it maps, else those it has open, else every GPU): holder when
        its maps show a CUDA context, or when the host cannot list every memory holder
@@ -377,8 +380,8 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
     kind = maps_kind(holder.mapped, snapshot.facts.wsl2)
     if kind == MAPS_CLIENT:
         shown = ", ".join(holder.mapped or ()) or "no NVIDIA device"
-        return HolderRole(ROLE_CLIENT, f"maps {shown} (no GPU device, no nvidia-uvm): an NVML "
-                          "client such as a monitor or exporter, no CUDA context")
+        return HolderRole(ROLE_CLIENT, f"maps {shown} (no nvidia-uvm): no CUDA context, an NVML "
+                          "client such as a monitor or exporter")
     mapped_gpus = snapshot.device_gpu_indices(holder.mapped) if kind == MAPS_CUDA and \
         holder.mapped else ()
     gpus = mapped_gpus or snapshot.holder_gpu_indices(holder)
@@ -392,13 +395,13 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
             # graphics memory is never in compute-apps; protected anyway, never signalled
             return HolderRole(ROLE_HOLDER, f"display server, and memory is unexplained ({where})")
         if kind == MAPS_CUDA:
-            return HolderRole(ROLE_HOLDER, f"maps a GPU device (a CUDA context) and memory is "
+            return HolderRole(ROLE_HOLDER, f"maps nvidia-uvm (a CUDA context) and memory is "
                               f"unexplained ({where})")
         if gap is not None:
             return HolderRole(ROLE_HOLDER, f"{gap}, and memory is unexplained ({where})")
     if kind == MAPS_CUDA:
-        return HolderRole(ROLE_CLIENT, "maps a GPU device, but nvidia-smi lists no memory of it "
-                          "and no memory on its GPUs is unexplained")
+        return HolderRole(ROLE_CLIENT, "maps nvidia-uvm (a CUDA context), but nvidia-smi lists no "
+                          "memory of it and no memory on its GPUs is unexplained")
     return HolderRole(ROLE_CLIENT, "open device files only: nvidia-smi lists no memory of it "
                       "and no memory on its GPUs is unexplained (a GPU client)")
 

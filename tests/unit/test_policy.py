@@ -491,3 +491,54 @@ def test_the_tolerance_and_comm_length_have_one_definition() -> None:
         if path == root / "core" / "model.py":
             hits = [h for h in hits if not h.startswith("COMM_MAX = ")]
         assert not hits, (path, hits)
+
+
+def _probe3() -> tuple[dict[int, tuple[list, list]], list[list[str]], dict]:
+    """tests/fixtures/recorded/clients_maps_probe3.txt (real H200, driver 580.159.04): five
+    processes with the same device files open, and nvidia-smi's rows while they all run."""
+    import ast
+
+    lines = (RECORDED / "clients_maps_probe3.txt").read_text().splitlines()
+    seen = {}
+    for line in lines[:5]:
+        m = re.search(r"pid=(\d+) fds=(\[.*?\]) maps=(\[.*?\])$", line)
+        assert m, line
+        seen[int(m.group(1))] = (ast.literal_eval(m.group(2)), ast.literal_eval(m.group(3)))
+    assert lines[5] == "== compute apps while all run"
+    rows = [[x.strip() for x in line.replace(" MiB", "").split(",")] for line in lines[6:8]]
+    doc = _doc("basic", STATUS)
+    doc["gpus"][0].update(uuid=rows[0][3], memory_used_mib=2075)  # recorded: 2075 MiB used
+    doc["compute_apps"] = [{"pid": int(p), "process_name": n, "used_mib": int(mib),
+                            "gpu_uuid": u} for p, n, mib, u in rows]
+    doc["holders"] = []
+    for pid, (fds, maps) in seen.items():
+        _with_holder(doc, pid, fds, maps, comm="python3", cmdline="python3 probe.py")
+    return seen, rows, doc
+
+
+def test_recorded_probe3_only_a_mapped_nvidia_uvm_is_a_cuda_context() -> None:
+    """A cuInit-only process maps /dev/nvidia0 and /dev/nvidiactl, holds no memory and is not
+    listed: a mapped nvidiaN alone is not a CUDA context; a mapped nvidia-uvm is (recorded)."""
+    seen, rows, doc = _probe3()
+    kinds = {pid: policy.maps_kind(tuple(maps), False) for pid, (_, maps) in seen.items()}
+    listed = {int(r[0]) for r in rows}
+    assert listed == {440, 461}  # the two CUDA processes with a context
+    assert {p for p, k in kinds.items() if k == policy.MAPS_CUDA} == listed
+    assert seen[464][1] == ["/dev/nvidia0", "/dev/nvidiactl"] and kinds[464] == policy.MAPS_CLIENT
+    roles = policy.holder_roles(parse_snapshot(doc), 64)
+    assert set(roles) == {438, 464, 466}  # NVML client (nvidiactl), cuInit only, smi loop
+    assert all(r.role == policy.ROLE_CLIENT for r in roles.values()), roles
+
+
+def test_recorded_probe3_when_the_listing_is_missing_only_contexts_are_holders() -> None:
+    """The same processes on a host whose nvidia-smi cannot list them (agent in a container,
+    2075 MiB unexplained): the CUDA processes are holders; the cuInit-only process, the NVML
+    client and the nvidia-smi loop stay clients (before, the cuInit-only one was a holder)."""
+    _, _, doc = _probe3()
+    doc["compute_apps"] = []
+    doc["facts"]["in_container"] = True
+    roles = policy.holder_roles(parse_snapshot(doc), 64)
+    assert {p: r.role for p, r in roles.items()} == {
+        438: policy.ROLE_CLIENT, 440: policy.ROLE_HOLDER, 461: policy.ROLE_HOLDER,
+        464: policy.ROLE_CLIENT, 466: policy.ROLE_CLIENT}
+    assert "nvidia-uvm" in roles[440].reason
