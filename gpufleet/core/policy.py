@@ -138,7 +138,7 @@ def is_kernel_thread(proc: ProcessInfo) -> bool:
 
 
 def is_zombie(proc: ProcessInfo) -> bool:
-    return bool(proc.state) and proc.state[:1] in ("Z", "X")
+    return (proc.state or "")[:1] in ("Z", "X")
 
 
 def service_unit(proc: ProcessInfo) -> Optional[str]:

@@ -1,13 +1,8 @@
 """gpufleet.core.gpus: the one GPU-list parser and its two display formats."""
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
-
 from gpufleet.config import selection
 from gpufleet.core import gpus
-
-indices = st.lists(st.integers(min_value=0, max_value=64), max_size=12)
 
 
 def test_indices_format_is_the_planners() -> None:

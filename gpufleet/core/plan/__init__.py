@@ -43,14 +43,34 @@ from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import Snapshot
 from gpufleet.core.plan.evidence import gather_evidence, resolve_scope, untrusted_rows
 from gpufleet.core.plan.families import (
-    Rules, Tree, add_zombie_children, apply_policy, assemble_targets, plan_whole_families,
-    promote_roots, settle_families, unit_stops,
+    Rules,
+    Tree,
+    add_zombie_children,
+    apply_policy,
+    assemble_targets,
+    plan_whole_families,
+    promote_roots,
+    settle_families,
+    unit_stops,
 )
 from gpufleet.core.plan.notes import NoteInputs, plan_notes, unreadable_fds_note
 from gpufleet.core.plan.request import to_request
 from gpufleet.core.plan.types import (
-    AMBIGUOUS, EVIDENCE_DEVICE, EVIDENCE_FAMILY, EVIDENCE_SMI, FAMILY, INVISIBLE_REASON,
-    NO_EVIDENCE, SPANNING, UNREADABLE, UNTRUSTED_ROW, Client, Invisible, Plan, Refusal, Target,
+    AMBIGUOUS,
+    EVIDENCE_DEVICE,
+    EVIDENCE_FAMILY,
+    EVIDENCE_SMI,
+    FAMILY,
+    INVISIBLE_REASON,
+    NO_EVIDENCE,
+    SPANNING,
+    UNREADABLE,
+    UNTRUSTED_ROW,
+    Client,
+    Invisible,
+    Plan,
+    Refusal,
+    Target,
     UnitStop,
 )
 from gpufleet.errors import UsageError

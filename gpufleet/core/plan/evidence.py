@@ -13,8 +13,17 @@ from gpufleet.core import policy
 from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import Holder, ProcessInfo, Snapshot
 from gpufleet.core.plan.types import (
-    AMBIGUOUS, EVIDENCE_DEVICE, EVIDENCE_SMI, NO_EVIDENCE, SPANNING, UNREADABLE, Candidate,
-    Client, Invisible, PlanScope, Refusal,
+    AMBIGUOUS,
+    EVIDENCE_DEVICE,
+    EVIDENCE_SMI,
+    NO_EVIDENCE,
+    SPANNING,
+    UNREADABLE,
+    Candidate,
+    Client,
+    Invisible,
+    PlanScope,
+    Refusal,
 )
 from gpufleet.errors import UsageError
 

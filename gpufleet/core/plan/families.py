@@ -15,8 +15,16 @@ from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import ProcessInfo, Snapshot
 from gpufleet.core.plan.evidence import Evidence
 from gpufleet.core.plan.types import (
-    AMBIGUOUS, EVIDENCE_FAMILY, EVIDENCE_SMI, FAMILY, NO_EVIDENCE, Candidate, PlanScope,
-    Refusal, Target, UnitStop,
+    AMBIGUOUS,
+    EVIDENCE_FAMILY,
+    EVIDENCE_SMI,
+    FAMILY,
+    NO_EVIDENCE,
+    Candidate,
+    PlanScope,
+    Refusal,
+    Target,
+    UnitStop,
 )
 
 # Refusals that do NOT stop a relative from being signalled: these processes hold no memory we
@@ -154,10 +162,11 @@ def plan_whole_families(ev: Evidence, tree: Tree, scope: PlanScope,
         reason = f"{head}, outside the scope: ending part of it can end the whole family; " \
                  "pass --include-spanning to clean the family as a whole"
         for pid in fam.members:
-            doubt = ev.refusals.get(pid)
-            if pid in ev.candidates or (doubt is not None and doubt.kind in _DOUBT_KINDS):
-                gpus = ev.candidates[pid].gpus if pid in ev.candidates else doubt.gpus  # type: ignore[union-attr]
-                ev.refuse(tree.procs[pid], FAMILY, reason, gpus)
+            cand, doubt = ev.candidates.get(pid), ev.refusals.get(pid)
+            if cand is not None:
+                ev.refuse(tree.procs[pid], FAMILY, reason, cand.gpus)
+            elif doubt is not None and doubt.kind in _DOUBT_KINDS:
+                ev.refuse(tree.procs[pid], FAMILY, reason, doubt.gpus)
     return spans, notes
 
 
@@ -193,7 +202,7 @@ def apply_policy(ev: Evidence, tree: Tree, ctx: policy.PolicyContext) -> Decisio
         proc = tree.procs[pid]
         cand = ev.candidates.get(pid)
         doubt = ev.refusals.get(pid)
-        gpus = cand.gpus if cand is not None else doubt.gpus  # type: ignore[union-attr]
+        gpus = cand.gpus if cand is not None else doubt.gpus if doubt is not None else ()
         pol = policy.signal_refusal(proc, ctx)
         if pol is not None and pol[0] in (policy.PROTECTED, policy.ZOMBIE):
             dec.refused[pid] = Refusal(pid, proc.name, pol[1], pol[0], gpus)
@@ -254,7 +263,8 @@ def _refuse_blocked_units(rules: Rules) -> bool:
     """A service is stopped only when nothing in it is refused."""
     changed = False
     dec, procs = rules.dec, rules.tree.procs
-    for unit in sorted({policy.service_unit(c.proc) for c in dec.targets.values()} - {None}):
+    units = {policy.service_unit(c.proc) for c in dec.targets.values()}
+    for unit in sorted(u for u in units if u is not None):
         members = sorted(p.pid for p in procs.values() if p.unit == unit)
         blocker = next(((m, rules.blocking_reason(m)) for m in members
                         if rules.blocking_reason(m) is not None), None)
