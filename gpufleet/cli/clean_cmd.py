@@ -6,6 +6,7 @@ from typing import Optional
 
 import click
 
+from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
 from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from gpufleet.render.status import to_json
 from gpufleet.render.clean import clean_document, outcome_table, plan_text
@@ -22,7 +23,7 @@ from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
               help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.5, 86400), default=60.0, show_default=True,
               help="Seconds the host may take until the memory is back.")
-@click.option("--tolerance-mib", type=click.IntRange(0, 1 << 20), default=64, show_default=True,
+@click.option("--tolerance-mib", type=click.IntRange(0, 1 << 20), default=DEFAULT_TOLERANCE_MIB, show_default=True,
               help="MiB above the expected unattributed memory still counted as clean.")
 @click.option("--protect", multiple=True, metavar="GLOB", help="Command lines never to signal (repeatable).")
 @click.option("--include-spanning", is_flag=True, help="Also signal processes that use GPUs outside the scope.")

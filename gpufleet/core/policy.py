@@ -1,6 +1,6 @@
 """THE one place that says which processes may be signalled (pure).
 
-Targets are chosen elsewhere (gpufleet/plan.py) from GPU evidence only. This module answers the
+Targets are chosen elsewhere (gpufleet/core/plan/) from GPU evidence only. This module answers the
 other question: is there a reason this process must never be signalled, whatever the evidence?
 Process names appear here ONLY to protect (sshd, driver daemons, display servers), never to
 target. Every refusal is a short reason an operator can read in a table.
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from gpufleet.core.model import ProcessInfo, Snapshot
+from gpufleet.core.model import COMM_MAX, ProcessInfo, Snapshot
 
 # Kinds of refusal; render/verdict group by them, the reason text is for people.
 PROTECTED = "protected"  # the never-signal list: absolute, no option overrides it
@@ -50,7 +50,9 @@ RELATIONS = {
     "session": "in the gpufleet agent's own session",
 }
 
-COMM_LEN = 15  # TASK_COMM_LEN - 1
+# GPU memory a clean leaves per GPU above the host's expected unattributed memory and still
+# calls clean (clean --tolerance-mib, runbook clean steps, status's "busy"): the one default.
+DEFAULT_TOLERANCE_MIB = 64
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def _names(proc: ProcessInfo) -> tuple[str, ...]:
 
 def _is_named(proc: ProcessInfo, name: str) -> bool:
     for n in _names(proc):
-        if n == name or (len(n) == COMM_LEN and name.startswith(n)):
+        if n == name or (len(n) == COMM_MAX and name.startswith(n)):
             return True
     return False
 
@@ -136,7 +138,7 @@ def is_kernel_thread(proc: ProcessInfo) -> bool:
 
 
 def is_zombie(proc: ProcessInfo) -> bool:
-    return bool(proc.state) and proc.state[:1] in ("Z", "X")
+    return (proc.state or "")[:1] in ("Z", "X")
 
 
 def service_unit(proc: ProcessInfo) -> Optional[str]:
@@ -189,8 +191,9 @@ def zombie_reason(proc: ProcessInfo, ctx: PolicyContext) -> str:
     return f"zombie, parent PID {proc.ppid if proc.ppid is not None else '?'} ({pname})"
 
 
-def refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str, str]]:
-    """(kind, reason) if policy refuses to signal ``proc``, else None. Order: most final first."""
+def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str, str]]:
+    """(kind, reason) if policy refuses to signal ``proc``, else None. Order: most final first.
+    (The plan turns it into a ``Refusal`` entry; kinds are the constants above.)"""
     reason = never_signal_reason(proc, ctx)
     if reason is not None:
         return PROTECTED, reason
@@ -215,12 +218,12 @@ def refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str, str]]:
 
 def refusal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
     """Why ``proc`` must not be signalled, or None when policy allows it."""
-    found = refusal(proc, ctx)
+    found = signal_refusal(proc, ctx)
     return None if found is None else found[1]
 
 
 def may_signal(proc: ProcessInfo, ctx: PolicyContext) -> bool:
-    return refusal(proc, ctx) is None
+    return signal_refusal(proc, ctx) is None
 
 
 # ------------------------------------------------------------------ GPU clients (never targets)
@@ -229,9 +232,12 @@ def may_signal(proc: ProcessInfo, ctx: PolicyContext) -> bool:
 # holder nvidia-smi cannot show (another PID namespace, hidepid, WSL2) or a GPU *client*: an
 # NVML monitor or exporter (nvtop, nvitop, gpustat, dcgm-exporter, `watch nvidia-smi`) that
 # opens /dev/nvidiactl and every /dev/nvidiaN, has no CUDA context and holds no memory.
-# Open files cannot tell them apart (recorded: same files); /proc/PID/maps can: a CUDA process
-# maps /dev/nvidia-uvm and its GPU's /dev/nvidiaN, an NVML client maps none, a running
-# nvidia-smi maps only /dev/nvidiactl (shared/recorded/h200-clients-and-timings.log).
+# Open files cannot tell them apart (recorded: same files); /proc/PID/maps can: a CUDA context
+# maps /dev/nvidia-uvm (and its GPU's /dev/nvidiaN and nvidiactl); an NVML client maps none or
+# only nvidiactl, a running nvidia-smi nothing or only nvidiactl, and a process that only
+# called cuInit maps /dev/nvidia0 and nvidiactl but no nvidia-uvm, holds no memory and is not
+# listed (recorded/logs/h200-clients-and-timings.log, recorded/probe/h200-clients-probe3.log).
+# So a mapped nvidia-uvm is the evidence of a context; a mapped nvidiaN alone is not.
 
 ROLE_HOLDER = "holder"
 ROLE_CLIENT = "client"
@@ -241,11 +247,11 @@ CLIENT_NAMES = frozenset({
     "nvtop", "nvitop", "gpustat", "nvidia-smi", "nvidia_gpu_exporter", "dcgm-exporter", "dcgmi",
 })
 
-MAPS_CUDA = "cuda"  # maps a GPU device or nvidia-uvm (or /dev/dxg): a CUDA context
-MAPS_CLIENT = "client"  # maps readable, and no GPU device / nvidia-uvm mapped
+MAPS_CUDA = "cuda"  # maps /dev/nvidia-uvm: a CUDA context
+MAPS_CLIENT = "client"  # maps readable, and no nvidia-uvm mapped (nvidiaN alone: cuInit only)
 MAPS_UNKNOWN = "unknown"  # not available (older agent, unreadable), or uninformative (WSL2)
 
-_CUDA_MAPS = re.compile(r"^/dev/(nvidia\d+|nvidia-uvm|dxg)$")
+_CUDA_MAPS = re.compile(r"^/dev/nvidia-uvm$")
 
 
 @dataclass(frozen=True)
@@ -264,7 +270,7 @@ def client_name(proc: ProcessInfo) -> Optional[str]:
         names.append(words[2])
     for n in names:
         for known in CLIENT_NAMES:
-            if n == known or (len(n) == COMM_LEN and known.startswith(n)):
+            if n == known or (len(n) == COMM_MAX and known.startswith(n)):
                 return known
     return None
 
@@ -351,8 +357,8 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
     1. a client by name (CLIENT_NAMES): client (names add protection, never a target);
     2. it is the family root of processes nvidia-smi lists (vLLM's EngineCore above its
        Workers): holder -- the plan's family rule decides whether it is signalled;
-    3. its maps show no GPU device and no nvidia-uvm (an NVML client; a running nvidia-smi
-       maps only /dev/nvidiactl): client;
+    3. its maps show no nvidia-uvm (an NVML client maps nothing or nvidiactl, a running
+       nvidia-smi nothing or nvidiactl, a cuInit-only process nvidia0 and nvidiactl): client;
     4. memory above ``threshold_mib`` on its GPUs that nothing visible here explains (the
        GPUs whose /dev/nvidiaN it maps, else those it has open, else every GPU): holder when
        its maps show a CUDA context, or when the host cannot list every memory holder
@@ -375,8 +381,8 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
     kind = maps_kind(holder.mapped, snapshot.facts.wsl2)
     if kind == MAPS_CLIENT:
         shown = ", ".join(holder.mapped or ()) or "no NVIDIA device"
-        return HolderRole(ROLE_CLIENT, f"maps {shown} (no GPU device, no nvidia-uvm): an NVML "
-                          "client such as a monitor or exporter, no CUDA context")
+        return HolderRole(ROLE_CLIENT, f"maps {shown} (no nvidia-uvm): no CUDA context, an NVML "
+                          "client such as a monitor or exporter")
     mapped_gpus = snapshot.device_gpu_indices(holder.mapped) if kind == MAPS_CUDA and \
         holder.mapped else ()
     gpus = mapped_gpus or snapshot.holder_gpu_indices(holder)
@@ -390,13 +396,13 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
             # graphics memory is never in compute-apps; protected anyway, never signalled
             return HolderRole(ROLE_HOLDER, f"display server, and memory is unexplained ({where})")
         if kind == MAPS_CUDA:
-            return HolderRole(ROLE_HOLDER, f"maps a GPU device (a CUDA context) and memory is "
+            return HolderRole(ROLE_HOLDER, f"maps nvidia-uvm (a CUDA context) and memory is "
                               f"unexplained ({where})")
         if gap is not None:
             return HolderRole(ROLE_HOLDER, f"{gap}, and memory is unexplained ({where})")
     if kind == MAPS_CUDA:
-        return HolderRole(ROLE_CLIENT, "maps a GPU device, but nvidia-smi lists no memory of it "
-                          "and no memory on its GPUs is unexplained")
+        return HolderRole(ROLE_CLIENT, "maps nvidia-uvm (a CUDA context), but nvidia-smi lists no "
+                          "memory of it and no memory on its GPUs is unexplained")
     return HolderRole(ROLE_CLIENT, "open device files only: nvidia-smi lists no memory of it "
                       "and no memory on its GPUs is unexplained (a GPU client)")
 

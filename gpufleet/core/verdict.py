@@ -11,11 +11,12 @@ can be gone while the driver still holds its memory, and a zombie holds none (me
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from gpufleet.core import policy
 from gpufleet.core.model import Snapshot, SnapshotError, ledger, parse_snapshot
-from gpufleet.core.plan import Plan, fmt_gpus
+from gpufleet.core.gpus import format_gpu_indices
+from gpufleet.core.plan import Plan, Refusal, Target
 
 CLEAN = "clean"
 DIRTY = "dirty"
@@ -64,7 +65,9 @@ class Unattributed:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class CleanVerdict:
+    """One host's clean/dirty verdict (``verdict`` is CLEAN or DIRTY), with the evidence."""
+
     host: str
     verdict: str
     reason: str
@@ -107,35 +110,58 @@ def _problems(clean: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _dirty_early(plan: Plan, why: str, problems: list[str]) -> Verdict:
-    return Verdict(plan.host, DIRTY, "; ".join([why] + problems), None, None,
-                   problems=tuple(problems))
+def _dirty_early(plan: Plan, why: str, problems: list[str]) -> CleanVerdict:
+    return CleanVerdict(plan.host, DIRTY, "; ".join([why] + problems), None, None,
+                        problems=tuple(problems))
 
 
-def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verdict:
+def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> CleanVerdict:
     """The verdict for one host. ``clean`` is the agent's clean document (parsed JSON)."""
     problems = _problems(clean)
+    after = _after_snapshot(clean)
+    if isinstance(after, str):
+        return _dirty_early(plan, after, problems)
+    scope = set(plan.scope)
+    outcomes = _gpu_outcomes(plan, before, after)
+    freed, left = _freed_and_left(outcomes)
+    ctx = policy.PolicyContext.from_snapshot(after)
+    survivors = _survivors(plan, clean, before, after, scope)
+    unattributed = _unattributed(plan, after, scope, ctx)
+    blockers = _reset_blockers(after, ctx)
+
+    bad = [o for o in outcomes if not o.ok]
+    if not bad and not (clean.get("lock") == "busy"):
+        return CleanVerdict(plan.host, CLEAN, "", freed, left, tuple(outcomes),
+                            tuple(survivors), tuple(unattributed), not blockers,
+                            tuple(blockers), tuple(problems))
+    reason = _dirty_reason(bad, survivors, unattributed, problems, blockers)
+    return CleanVerdict(plan.host, DIRTY, reason, freed, left, tuple(outcomes),
+                        tuple(survivors), tuple(unattributed), not blockers, tuple(blockers),
+                        tuple(problems))
+
+
+def _after_snapshot(clean: Mapping[str, Any]) -> Union[Snapshot, str]:
+    """The agent's after-snapshot, or why there is none to judge by."""
     raw_after = clean.get("after")
     if raw_after is None:
-        return _dirty_early(plan, "the agent returned no after-snapshot", problems)
+        return "the agent returned no after-snapshot"
     if isinstance(raw_after, Snapshot):
         after = raw_after
     else:
         try:
             after = parse_snapshot(raw_after)
         except SnapshotError as exc:
-            return _dirty_early(plan, f"unreadable after-snapshot: {exc}", problems)
+            return f"unreadable after-snapshot: {exc}"
     if not after.nvidia_smi_ok:
-        return _dirty_early(
-            plan, f"nvidia-smi failed after the clean: {after.nvidia_smi_error or '?'}", problems
-        )
+        return f"nvidia-smi failed after the clean: {after.nvidia_smi_error or '?'}"
+    return after
 
-    scope = set(plan.scope)
+
+def _gpu_outcomes(plan: Plan, before: Snapshot, after: Snapshot) -> list[GpuOutcome]:
+    """Per GPU: used after vs threshold. A GPU is matched to its before self by UUID."""
     before_by_uuid = {g.uuid: g for g in before.gpus}
     before_by_index = {g.index: g for g in before.gpus}
     after_by_index = {g.index: g for g in after.gpus}
-
-    # Per GPU: used after vs threshold. A GPU is matched to its before self by UUID.
     outcomes = []
     for index in plan.scope:
         a = after_by_index.get(index)
@@ -147,6 +173,10 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verd
         ok = after_used is not None and after_used <= threshold
         outcomes.append(GpuOutcome(index, b.memory_used_mib if b else None, after_used,
                                    threshold, ok))
+    return outcomes
+
+
+def _freed_and_left(outcomes: list[GpuOutcome]) -> tuple[Optional[int], Optional[int]]:
     if any(o.after_mib is None for o in outcomes):
         left = None
     else:
@@ -155,17 +185,13 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verd
         freed = None
     else:
         freed = sum(o.before_mib or 0 for o in outcomes) - left
+    return freed, left
 
-    ctx = policy.PolicyContext.from_snapshot(after)
-    survivors = _survivors(plan, clean, before, after, scope, ctx)
-    unattributed = _unattributed(plan, after, scope, ctx)
-    blockers = _reset_blockers(after, ctx)
 
-    bad = [o for o in outcomes if not o.ok]
-    if not bad and not (clean.get("lock") == "busy"):
-        return Verdict(plan.host, CLEAN, "", freed, left, tuple(outcomes), tuple(survivors),
-                       tuple(unattributed), not blockers, tuple(blockers), tuple(problems))
-
+def _dirty_reason(bad: list[GpuOutcome], survivors: list[Survivor],
+                  unattributed: list[Unattributed], problems: list[str],
+                  blockers: list[str]) -> str:
+    """What is left, who holds it, where unattributed memory went, whether a reset helps."""
     parts = []
     for o in bad:
         if o.after_mib is None:
@@ -174,7 +200,7 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verd
             parts.append(f"GPU {o.index}: {o.after_mib} MiB left (threshold {o.threshold_mib})")
     if survivors:
         parts.append("survivors: " + ", ".join(
-            f"{s.pid} {s.name} on GPU {fmt_gpus(s.gpus) or '-'} ({s.kind}: {s.detail})"
+            f"{s.pid} {s.name} on GPU {format_gpu_indices(s.gpus) or '-'} ({s.kind}: {s.detail})"
             for s in survivors
         ))
     for u in unattributed:
@@ -184,17 +210,36 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Verd
         parts.append("GPU reset not possible here: " + ", ".join(blockers))
     else:
         parts.append("a GPU reset is possible here (--reset)")
-    return Verdict(plan.host, DIRTY, "; ".join(parts), freed, left, tuple(outcomes),
-                   tuple(survivors), tuple(unattributed), not blockers, tuple(blockers),
-                   tuple(problems))
+    return "; ".join(parts)
 
 
-def _survivors(plan, clean, before, after, scope, ctx) -> list[Survivor]:
+@dataclass(frozen=True)
+class _Seen:
+    """What the survivor rules read: the plan's targets and refusals, the agent's survivors."""
+
+    plan: Plan
+    before: Snapshot
+    after: Snapshot
+    scope: set[int]
+    targets: Mapping[int, Target]
+    refused: Mapping[int, Refusal]
+    agent_said: Mapping[int, Mapping[str, Any]]
+
+
+def _survivors(plan: Plan, clean: Mapping[str, Any], before: Snapshot, after: Snapshot,
+               scope: set[int]) -> list[Survivor]:
     """Who still holds a scope GPU after the clean, and what kind of holder it is."""
-    targets = {t.pid: t for t in plan.targets}
-    refused = {r.pid: r for r in plan.refused}
-    agent_said = {int(s["pid"]): s for s in clean.get("survivors") or () if "pid" in s}
+    seen = _Seen(plan, before, after, scope, {t.pid: t for t in plan.targets},
+                 {r.pid: r for r in plan.refused},
+                 {int(s["pid"]): s for s in clean.get("survivors") or () if "pid" in s})
+    gpus_of, used_of = _left_on_scope(seen)
+    return [_survivor(seen, pid, tuple(sorted(gpus_of[pid])), used_of[pid])
+            for pid in sorted(gpus_of)]
 
+
+def _left_on_scope(seen: _Seen) -> tuple[dict[int, set[int]], dict[int, Optional[int]]]:
+    """pid -> scope GPUs it still holds, and the MiB nvidia-smi lists for it there."""
+    after, scope, targets, agent_said = seen.after, seen.scope, seen.targets, seen.agent_said
     gpus_of: dict[int, set[int]] = {}
     used_of: dict[int, Optional[int]] = {}
     for app in after.compute_apps:
@@ -205,67 +250,67 @@ def _survivors(plan, clean, before, after, scope, ctx) -> list[Survivor]:
         prev = used_of.get(app.pid, 0)
         used_of[app.pid] = None if prev is None or app.used_mib is None else prev + app.used_mib
     listed = set(gpus_of)
-    full = plan.full_scope
-    roles = policy.holder_roles(after, max(plan.threshold_mib.values(), default=0))
+    ctx = policy.PolicyContext.from_snapshot(after)
+    roles = policy.holder_roles(after, max(seen.plan.threshold_mib.values(), default=0))
     for holder in after.holders:
         if holder.pid in listed:
             continue
+        known = holder.pid in targets or holder.pid in seen.refused or holder.pid in agent_said
         role = roles.get(holder.pid)
-        if role is not None and role.role == policy.ROLE_CLIENT and holder.pid not in targets \
-                and holder.pid not in refused and holder.pid not in agent_said:
+        if role is not None and role.role == policy.ROLE_CLIENT and not known:
             continue  # a monitor, an exporter, a concurrent nvidia-smi: holds no memory
         held = set(after.holder_gpu_indices(holder))
         mine = held & scope
-        if not (mine or (full and not held)):
+        if not (mine or (seen.plan.full_scope and not held)):
             continue
         proc = after.processes.get(holder.pid)
         if proc is not None and policy.never_signal_reason(proc, ctx) is not None:
             continue  # driver daemons and display servers stay by design; see reset blockers
-        if holder.pid in targets or holder.pid in refused or holder.pid not in before.processes \
-                or holder.pid in agent_said:
+        if known or holder.pid not in seen.before.processes:
             gpus_of.setdefault(holder.pid, set()).update(mine)
             used_of.setdefault(holder.pid, None)
     for pid in agent_said:
         gpus_of.setdefault(pid, set(targets[pid].gpus) & scope if pid in targets else set())
         used_of.setdefault(pid, None)
+    return gpus_of, used_of
 
-    out = []
-    for pid in sorted(gpus_of):
-        proc = after.processes.get(pid)
-        said = agent_said.get(pid, {})
-        if proc is None and not said:
-            app_name = next((a.process_name for a in after.compute_apps if a.pid == pid), "?")
-            out.append(Survivor(pid, app_name, tuple(sorted(gpus_of[pid])), used_of[pid],
-                                INVISIBLE, "not visible from this PID namespace (container?)"))
-            continue
-        name = proc.name if proc is not None else (targets[pid].name if pid in targets else "?")
-        state = _state(proc.state if proc is not None else said.get("state"))
-        wchan = (proc.wchan if proc is not None else None) or said.get("wchan") or "?"
-        old = before.processes.get(pid)
-        same = old is not None and proc is not None and old.starttime == proc.starttime
-        if proc is not None and not same and pid not in agent_said:
-            kind, detail = NEW, "started during the clean"
-        elif state == "D":
-            kind, detail = STUCK, (f"uninterruptible sleep in {wchan}: signals cannot end it; "
-                                   "a GPU reset or a reboot frees it")
-        elif state in ("Z", "X"):
-            # a zombie holds no device file, so the after-snapshot often lacks it: the agent's
-            # survivor entry still knows its parent
-            ppid = proc.ppid if proc is not None else said.get("ppid")
-            parent = after.processes.get(ppid) if ppid else None
-            if parent is None and ppid is not None:
-                parent = before.processes.get(ppid)
-            kind, detail = ZOMBIE, (f"zombie, parent PID {ppid if ppid is not None else '?'} "
-                                    f"({parent.name if parent else '?'}); holds no GPU memory")
-        elif pid in targets:
-            kind = SURVIVED
-            detail = said.get("reason") or "still alive after TERM and KILL"
-        elif pid in refused:
-            kind, detail = REFUSED, refused[pid].reason
-        else:
-            kind, detail = UNTOUCHED, "was not in the plan"
-        out.append(Survivor(pid, name, tuple(sorted(gpus_of[pid])), used_of[pid], kind, detail))
-    return out
+
+def _survivor(seen: _Seen, pid: int, gpus: tuple[int, ...], used: Optional[int]) -> Survivor:
+    """One survivor and its kind: invisible, new, stuck, zombie, survived, refused, untouched."""
+    after, before, targets = seen.after, seen.before, seen.targets
+    proc = after.processes.get(pid)
+    said = seen.agent_said.get(pid, {})
+    if proc is None and not said:
+        app_name = next((a.process_name for a in after.compute_apps if a.pid == pid), "?")
+        return Survivor(pid, app_name, gpus, used, INVISIBLE,
+                        "not visible from this PID namespace (container?)")
+    name = proc.name if proc is not None else (targets[pid].name if pid in targets else "?")
+    state = _state(proc.state if proc is not None else said.get("state"))
+    wchan = (proc.wchan if proc is not None else None) or said.get("wchan") or "?"
+    old = before.processes.get(pid)
+    same = old is not None and proc is not None and old.starttime == proc.starttime
+    if proc is not None and not same and pid not in seen.agent_said:
+        kind, detail = NEW, "started during the clean"
+    elif state == "D":
+        kind, detail = STUCK, (f"uninterruptible sleep in {wchan}: signals cannot end it; "
+                               "a GPU reset or a reboot frees it")
+    elif state in ("Z", "X"):
+        # a zombie holds no device file, so the after-snapshot often lacks it: the agent's
+        # survivor entry still knows its parent
+        ppid = proc.ppid if proc is not None else said.get("ppid")
+        parent = after.processes.get(ppid) if ppid else None
+        if parent is None and ppid is not None:
+            parent = before.processes.get(ppid)
+        kind, detail = ZOMBIE, (f"zombie, parent PID {ppid if ppid is not None else '?'} "
+                                f"({parent.name if parent else '?'}); holds no GPU memory")
+    elif pid in targets:
+        kind = SURVIVED
+        detail = said.get("reason") or "still alive after TERM and KILL"
+    elif pid in seen.refused:
+        kind, detail = REFUSED, seen.refused[pid].reason
+    else:
+        kind, detail = UNTOUCHED, "was not in the plan"
+    return Survivor(pid, name, gpus, used, kind, detail)
 
 
 def _unattributed(plan, after, scope, ctx) -> list[Unattributed]:

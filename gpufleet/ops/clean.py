@@ -17,6 +17,7 @@ from gpufleet.errors import UsageError
 from gpufleet.config.inventory import Host
 from gpufleet.core.model import HostResult, SnapshotError, parse_snapshot
 from gpufleet.core.plan import Plan, make_plan, to_request
+from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
 from gpufleet.config.selection import parse_gpu_list
 
 AGENT_MARGIN_S = 5.0  # the controller waits this much longer than the agent's own deadline
@@ -27,7 +28,7 @@ class CleanOptions:
     gpus: str = "all"
     grace_s: float = 10.0
     timeout_s: float = 60.0
-    tolerance_mib: int = 64
+    tolerance_mib: int = DEFAULT_TOLERANCE_MIB
     protect: tuple[str, ...] = ()
     include_spanning: bool = False
     stop_units: bool = False

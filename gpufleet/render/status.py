@@ -11,7 +11,7 @@ from gpufleet.core import policy
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
 from gpufleet.render.common import NA, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
-BUSY_TOLERANCE_MIB = 64  # same default as clean's --tolerance-mib
+BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB  # clean's --tolerance-mib default
 
 
 def cell_text(text: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from gpufleet.core import policy
 from gpufleet.core.model import Snapshot, ledger
 from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
 
@@ -63,15 +64,22 @@ def _chosen(snapshot: Snapshot, gpus: Optional[Sequence[int]]) -> tuple[list[int
     return [i for i in gpus if i in have], [i for i in gpus if i not in have]
 
 
-def holders_on(snapshot: Snapshot, gpus: Iterable[int]) -> dict[int, set[int]]:
-    """PIDs holding each GPU: nvidia-smi's listing (memory), plus device-file holders that
-    nvidia-smi lists nowhere (another PID namespace, hidden PIDs). A listed process is NOT
-    counted on a GPU it only has a file open on: CUDA opens every /dev/nvidiaN."""
+def holders_on(snapshot: Snapshot, gpus: Iterable[int],
+               threshold_mib: int = policy.DEFAULT_TOLERANCE_MIB) -> dict[int, set[int]]:
+    """PIDs holding each GPU's memory: nvidia-smi's listing, plus device-file holders that
+    nvidia-smi lists nowhere and that policy.holder_role calls holders (another PID namespace,
+    hidden PIDs, with memory to explain). GPU clients (monitors, exporters, nvidia-smi runs)
+    hold no memory and are not counted. A listed process is NOT counted on a GPU it only has a
+    file open on: CUDA opens every /dev/nvidiaN."""
     wanted = set(gpus)
     out: dict[int, set[int]] = {i: set() for i in wanted}
     for i in wanted:
         out[i].update(a.pid for a in snapshot.apps_on(i))
+    roles = policy.holder_roles(snapshot, threshold_mib)
     for holder in snapshot.unlisted_holders():
+        role = roles.get(holder.pid)
+        if role is not None and role.role == policy.ROLE_CLIENT:
+            continue
         for i in snapshot.holder_gpu_indices(holder):
             if i in wanted:
                 out[i].add(holder.pid)
@@ -131,7 +139,8 @@ def _conditions(that: Mapping[str, Any], snapshot: Snapshot, baseline: Optional[
         if missing:
             yield False, f"{key}: no GPU {format_gpu_list(missing)} on this host"
         if key == "no_holders_on":
-            found = holders_on(snapshot, indices)
+            found = holders_on(snapshot, indices,
+                               expected_unattributed_mib + policy.DEFAULT_TOLERANCE_MIB)
             bad = [f"GPU {i}: {', '.join(_pid_name(snapshot, p) for p in sorted(pids))}"
                    for i, pids in sorted(found.items()) if pids]
             if bad:

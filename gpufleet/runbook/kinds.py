@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 from gpufleet.config import validators
 from gpufleet.config.validators import Fail, describe as describe_value, did_you_mean, sub_fail
 from gpufleet.core.gpus import format_gpu_ranges
+from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
 from gpufleet.runbook.values import v_dtype, v_gib, v_params, v_positive_int
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ KIND_FIELDS: dict[str, dict[str, _Field]] = {
     "clean": {
         "gpus": _Field(validators.gpu_list, default=None),
         "grace": _Field(validators.seconds, default=10.0),
-        "tolerance_mib": _Field(validators.mib, default=64),
+        "tolerance_mib": _Field(validators.mib, default=DEFAULT_TOLERANCE_MIB),
         "protect": _Field(validators.globs, default=()),
         "include_spanning": _Field(validators.boolean, default=False),
         "stop_units": _Field(validators.boolean, default=False),

@@ -1,20 +1,21 @@
 """gpufleet.core.gpus: the one GPU-list parser and its two display formats."""
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
-
 from gpufleet.config import selection
 from gpufleet.core import gpus
-from gpufleet.core.plan import fmt_gpus
-
-indices = st.lists(st.integers(min_value=0, max_value=64), max_size=12)
 
 
-@given(indices)
-def test_indices_format_is_the_planners(values: list[int]) -> None:
-    # core/plan keeps its own fmt_gpus until the bug-fix branches are merged; then it imports this
-    assert gpus.format_gpu_indices(values) == fmt_gpus(values)
+def test_indices_format_is_the_planners() -> None:
+    """One definition: core/plan and core/verdict use core/gpus', and keep no copy."""
+    from pathlib import Path
+
+    from gpufleet.core import plan, verdict
+
+    assert plan.format_gpu_indices is gpus.format_gpu_indices
+    assert verdict.format_gpu_indices is gpus.format_gpu_indices
+    core = Path(plan.__file__).resolve().parent.parent
+    for path in [*core.joinpath("plan").glob("*.py"), core / "verdict.py", core / "policy.py"]:
+        assert "def fmt_gpus" not in path.read_text(), path
 
 
 def test_the_two_formats() -> None:

@@ -92,33 +92,18 @@ def test_scope_as_unordered_list_is_normalised() -> None:
     assert make_plan(load("train-node"), tuple(range(8))).full_scope
 
 
-def test_include_parents_makes_the_api_server_the_root() -> None:
-    plan = make_plan(load("train-node"), (0, 1, 2, 3), include_parents=True)
-    by = {t.pid: t for t in plan.targets}
-    assert set(by) == VLLM | {4320}
-    assert by[4320].evidence == planmod.EVIDENCE_PARENT and by[4320].wave == 0
-    assert by[4320].gpus == (0, 1, 2, 3) and by[4320].used_mib is None
-    assert all(by[p].wave == 1 and by[p].family_root == 4320 for p in VLLM)
-    # the tmux pane's shell is a session leader: never added, nor tmux, nor the tracker
-    assert not {3951, 3950, 4321} & set(by)
-    full = make_plan(load("train-node"), include_parents=True)
-    assert {t.pid for t in full.targets if t.evidence == "parent"} == {4320, 4510}
-    assert {full.target(p).family_root for p in RANKS} == {4510}
-
-
 def test_scope_cutting_a_family_refuses_the_parent_of_the_outside_child() -> None:
     plan = make_plan(load("train-node"), (0, 1, 2))
-    # EngineCore_DP1 (GPU 2) would take its worker on GPU 3 down with it
-    assert pids(plan) == {4340, 4360, 4361, 4362}
-    kind, reason = refused(plan)[4341]
-    assert kind == planmod.FAMILY
-    assert reason == ("signalling it would also end PID 4363 (VLLM::Worker): "
-                      "uses GPU 3, outside the scope")
-    assert plan.target(4362).wave == 0 and plan.target(4362).family_root == 4362
+    # EngineCore_DP1 (GPU 2) would take its worker on GPU 3 down with it, and so would its
+    # worker on GPU 2 (issue 10 part 6: before, 4362 was a target, half a family)
+    assert pids(plan) == {4340, 4360, 4361}
+    family = ("its family (root PID 4341 VLLM::EngineCore_DP1) also uses GPU 3, outside the "
+              "scope: ending part of it can end the whole family; pass --include-spanning to "
+              "clean the family as a whole")
+    assert refused(plan)[4341] == refused(plan)[4362] == (planmod.FAMILY, family)
+    assert 4363 not in refused(plan)
     # the job-level risk is said, not guessed at
-    assert any("4362 shares process group 4320 with PIDs 4363" in n for n in plan.notes)
-    parents = make_plan(load("train-node"), (0, 1, 2), include_parents=True)
-    assert 4320 not in pids(parents)  # its subtree reaches GPU 3
+    assert any("4340 shares process group 4320 with PIDs 4363" in n for n in plan.notes)
 
 
 def test_targets_never_depend_on_names() -> None:
@@ -164,7 +149,7 @@ def test_spanning_process_is_refused_with_its_gpus() -> None:
         planmod.SPANNING,
         "spans GPUs 3,4 (GPU 4 outside the scope; pass --include-spanning)",
     )
-    assert plan.refusal(5120).gpus == (3, 4)
+    assert plan.refusal_of(5120).gpus == (3, 4)
 
 
 def test_include_spanning_makes_it_a_target_and_says_so() -> None:
@@ -193,7 +178,7 @@ def test_other_users_and_zombies_and_driver_only_holders() -> None:
 def test_driver_only_holder_without_memory_evidence_is_a_client_of_a_full_clean() -> None:
     """Before issue 10 a full clean signalled it (evidence "device-file")."""
     plan = make_plan(load("shared-node"))
-    assert plan.target(5500) is None and plan.refusal(5500) is None
+    assert plan.target(5500) is None and plan.refusal_of(5500) is None
     assert [(c.pid, c.gpus) for c in plan.clients] == [(5500, ())]
     assert any(n.startswith("1 GPU client(s)") and "5500 python" in n for n in plan.notes)
     assert any("not root" in n for n in plan.notes)
@@ -234,8 +219,6 @@ def test_hidden_pids_full_scope_signals_the_device_holders() -> None:
     assert any("container docker-7f3e2a91d0b4" in n for n in plan.notes)
     assert any("GPU 0: 126410 MiB used that nvidia-smi attributes to no process" in n
                for n in plan.notes)
-    # PID 1 of the container is the API server: never, include_parents or not
-    assert 1 not in pids(make_plan(load("hidden-pids"), include_parents=True))
 
 
 def test_hidden_pids_partial_scope_is_ambiguous() -> None:
@@ -329,9 +312,6 @@ def test_stop_units_stops_the_unit_then_signals_what_remains() -> None:
     assert plan.target(2260).unit == "vllm-minimax.service"
     disabled = make_plan(load("unit-vllm"), stop_units=True, disable_units=True)
     assert disabled.units_to_stop[0].disable is True
-    # with include_parents the EngineCore joins; the API server leads its own session
-    parents = make_plan(load("unit-vllm"), stop_units=True, include_parents=True)
-    assert parents.target(2240).wave == 0 and 2210 not in pids(parents)
 
 
 def test_unit_is_not_stopped_when_it_also_runs_gpus_outside_the_scope() -> None:
@@ -408,9 +388,9 @@ def test_request_is_the_documented_clean_request() -> None:
 
 
 def test_request_lists_roots_first() -> None:
-    plan = make_plan(load("train-node"), (0, 1, 2, 3), include_parents=True)
+    plan = make_plan(load("train-node"), (0, 1, 2, 3))
     waves = [t["wave"] for t in to_request(plan, 5, 30, False, False, "op")["targets"]]
-    assert waves == sorted(waves) and waves[0] == 0 and waves.count(0) == 1
+    assert waves == sorted(waves) and waves[0] == 0 and waves.count(0) == 2  # two EngineCores
 
 
 @pytest.mark.parametrize("grace,timeout,kw", [(-1, 10, {}), (5, 0, {}), (20, 10, {}),
@@ -481,17 +461,16 @@ _SNAPS = {name: load(name) for name in ALL}
     name=st.sampled_from(ALL),
     data=st.data(),
     include_spanning=st.booleans(),
-    include_parents=st.booleans(),
     stop_units=st.booleans(),
     protect=st.sampled_from([(), ("*train*",), ("VLLM::Worker",)]),
 )
 def test_plan_invariants_on_every_scenario_and_scope(name, data, include_spanning,
-                                                     include_parents, stop_units, protect):
+                                                     stop_units, protect):
     snap = _SNAPS[name]
     indices = [g.index for g in snap.gpus]
     scope = data.draw(st.one_of(st.none(), st.sets(st.sampled_from(indices), min_size=1)))
     plan = make_plan(snap, None if scope is None else tuple(scope),
-                     include_spanning=include_spanning, include_parents=include_parents,
+                     include_spanning=include_spanning,
                      stop_units=stop_units, protect=protect)
     _check_invariants(snap, plan, include_spanning)
     ctx = policy.PolicyContext.from_snapshot(snap, protect=protect, stop_units=stop_units)
@@ -538,7 +517,9 @@ def test_engine_core_stays_ambiguous_when_a_worker_is_outside_the_scope() -> Non
     plan = make_plan(_unlisted_engine_cores(), (0, 1, 2))
     assert 4340 in pids(plan)  # its workers are on 0 and 1
     assert 4341 not in pids(plan)  # its worker 4363 is on GPU 3
-    assert refused(plan)[4341][0] == planmod.AMBIGUOUS
+    # the family's reason, rather than "ambiguous", for the root and its worker on GPU 2
+    assert refused(plan)[4341][0] == refused(plan)[4362][0] == planmod.FAMILY
+    assert "root PID 4341 VLLM::EngineCore_DP1" in refused(plan)[4341][1]
     assert 4363 not in pids(plan)
 
 
@@ -599,7 +580,7 @@ def test_full_scope_clean_never_targets_an_nvml_client() -> None:
     """Issue 10: the real H200's pynvml poller died under `clean --yes` (evidence device-file)."""
     for mapped in ((), None):  # maps show no CUDA context / maps not available (older agent)
         plan = make_plan(parse_snapshot(_add_monitor(doc("train-node"), mapped=mapped)))
-        assert plan.full_scope and plan.target(7100) is None and plan.refusal(7100) is None
+        assert plan.full_scope and plan.target(7100) is None and plan.refusal_of(7100) is None
         assert [(c.pid, c.gpus) for c in plan.clients] == [(7100, tuple(range(8)))]
         assert pids(plan) == VLLM | RANKS
 
@@ -671,3 +652,59 @@ def test_vanished_holders_are_counted_in_a_note() -> None:
     assert any(n.startswith("2 process(es) with device files open exited before") for n in
                plan.notes)
     assert not {9001, 9002} & (pids(plan) | set(refused(plan)))
+
+
+# ------------------------------------------- issue 10 part 6: a family is planned as a whole
+
+TP4 = (4340, 4360, 4361, 4362, 4363)  # EngineCore_DP0 (device files only) -> Worker_TP0..TP3
+TP4_REASON = ("its family (root PID 4340 VLLM::EngineCore_DP0) also uses GPU 2,3, outside the "
+              "scope: ending part of it can end the whole family; pass --include-spanning to "
+              "clean the family as a whole")
+
+
+def test_scope_cutting_a_family_refuses_all_of_it_naming_the_family() -> None:
+    """Killing Worker_TP0 ends its EngineCore, which also serves GPUs 2-3: never half of it."""
+    plan = make_plan(load("vllm-tp4"), (0, 1))
+    assert pids(plan) == set() and "nothing to signal" in plan.notes
+    r = refused(plan)
+    assert {p: r[p] for p in (4340, 4360, 4361)} == {
+        p: (planmod.FAMILY, TP4_REASON) for p in (4340, 4360, 4361)}
+    assert not {4362, 4363} & set(r)  # wholly outside the scope: not this clean's business
+    assert plan.refusal_of(4360).gpus == (0,)
+
+
+def test_include_spanning_plans_the_whole_family_root_first() -> None:
+    plan = make_plan(load("vllm-tp4"), (0, 1), include_spanning=True)
+    assert [(t.pid, t.wave, t.family_root) for t in plan.targets] == [
+        (4340, 0, 4340), (4360, 1, 4340), (4361, 1, 4340), (4362, 1, 4340), (4363, 1, 4340)]
+    root = plan.target(4340)
+    assert root.evidence == planmod.EVIDENCE_FAMILY and root.gpus == (0, 1, 2, 3)
+    assert plan.target(4363).evidence == "nvidia-smi" and plan.target(4363).gpus == (3,)
+    assert any(n.startswith("include_spanning: family (root PID 4340 VLLM::EngineCore_DP0) "
+                            "also uses GPU 2,3 outside the scope; the whole family is planned")
+               for n in plan.notes)
+    assert not set(refused(plan)) & set(TP4)
+
+
+def test_a_family_the_scope_does_not_cut_is_planned_as_before() -> None:
+    for scope in (None, (0, 1, 2, 3)):
+        plan = make_plan(load("vllm-tp4"), scope)
+        assert [(t.pid, t.wave, t.family_root) for t in plan.targets if t.pid in TP4] == [
+            (4340, 0, 4340), (4360, 1, 4340), (4361, 1, 4340), (4362, 1, 4340),
+            (4363, 1, 4340)], scope
+        assert not any("family (root PID" in n for n in plan.notes)
+    assert pids(make_plan(load("vllm-tp4"), (4, 5))) == {4520, 4521}  # ranks: no common root
+
+
+def test_include_spanning_refuses_the_family_when_policy_refuses_a_member() -> None:
+    """include_spanning asks for the whole family; if one member may not be signalled, none is."""
+    plan = make_plan(load("vllm-tp4"), (0, 1), include_spanning=True,
+                     protect=("VLLM::Worker_TP3",))
+    assert not set(TP4) & pids(plan)
+    r = refused(plan)
+    assert r[4363] == (policy.PROTECTED, "protected by 'VLLM::Worker_TP3'")
+    assert r[4360][0] == planmod.FAMILY and r[4360][1] == (
+        "its family (root PID 4340 VLLM::EngineCore_DP0) cannot be cleaned as a whole: PID 4363 "
+        "(VLLM::Worker) refused: protected by 'VLLM::Worker_TP3'")
+    plain = make_plan(load("vllm-tp4"), (0, 1), protect=("VLLM::Worker_TP3",))
+    assert not set(TP4) & pids(plain) and refused(plain)[4360] == (planmod.FAMILY, TP4_REASON)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gpufleet.core import policy
 from gpufleet.core.model import ProcessInfo, Snapshot, parse_snapshot
-from gpufleet.core.policy import PolicyContext, refusal, refusal_reason
+from gpufleet.core.policy import PolicyContext, refusal_reason, signal_refusal
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
 
@@ -33,7 +33,7 @@ def ctx(train: Snapshot) -> PolicyContext:
 
 
 def kind(proc: ProcessInfo, ctx: PolicyContext):
-    found = refusal(proc, ctx)
+    found = signal_refusal(proc, ctx)
     return None if found is None else found[0]
 
 
@@ -154,7 +154,7 @@ def test_protect_globs_match_cmdline_or_comm(train: Snapshot) -> None:
 def test_zombie_names_its_parent() -> None:
     shared = load("shared-node")
     ctx = PolicyContext.from_snapshot(shared)
-    assert refusal(shared.processes[5310], ctx) == (policy.ZOMBIE,
+    assert signal_refusal(shared.processes[5310], ctx) == (policy.ZOMBIE,
                                                      "zombie, parent PID 5300 (python)")
     orphan = dataclasses.replace(shared.processes[5310], ppid=424242)
     assert refusal_reason(orphan, ctx) == "zombie, parent PID 424242 (?)"
@@ -164,11 +164,11 @@ def test_other_users_need_root_or_sudo() -> None:
     shared = load("shared-node")  # the agent runs as alice, uid 1000, not root
     bob = shared.processes[6100]
     ctx = PolicyContext.from_snapshot(shared)
-    assert refusal(bob, ctx) == (policy.OWNER, "owned by bob; connect as root or with sudo")
+    assert signal_refusal(bob, ctx) == (policy.OWNER, "owned by bob; connect as root or with sudo")
     assert refusal_reason(shared.processes[5400], ctx) is None  # alice's own
     assert refusal_reason(bob, PolicyContext.from_snapshot(shared, is_sudo=True)) is None
     unknown = dataclasses.replace(shared.processes[5400], uid=None)
-    assert refusal(unknown, ctx)[0] == policy.OWNER
+    assert signal_refusal(unknown, ctx)[0] == policy.OWNER
     nameless = dataclasses.replace(bob, user=None)
     assert refusal_reason(nameless, ctx) == "owned by uid 1001; connect as root or with sudo"
 
@@ -180,17 +180,17 @@ def test_containers_other_than_our_own() -> None:
     assert refusal_reason(hidden.processes[88], ctx) is None
     train = load("train-node")
     boxed = dataclasses.replace(train.processes[4520], container="docker-91ac0e55d2f1")
-    assert refusal(boxed, PolicyContext.from_snapshot(train)) == (
+    assert signal_refusal(boxed, PolicyContext.from_snapshot(train)) == (
         policy.CONTAINER, "runs in container docker-91ac0e55d2f1; stop the container")
     # a container is never stopped for you, --stop-units or not
-    assert refusal(boxed, PolicyContext.from_snapshot(train, stop_units=True))[0] == \
+    assert signal_refusal(boxed, PolicyContext.from_snapshot(train, stop_units=True))[0] == \
         policy.CONTAINER
 
 
 def test_systemd_services_need_stop_units() -> None:
     unit = load("unit-vllm")
     worker = unit.processes[2260]
-    assert refusal(worker, PolicyContext.from_snapshot(unit)) == (
+    assert signal_refusal(worker, PolicyContext.from_snapshot(unit)) == (
         policy.UNIT, "belongs to vllm-minimax.service; stop the unit or pass --stop-units")
     assert refusal_reason(worker, PolicyContext.from_snapshot(unit, stop_units=True)) is None
 
@@ -210,7 +210,7 @@ def test_service_unit(unit, service) -> None:
 
 def test_unknown_start_time_cannot_be_signalled(train: Snapshot, ctx: PolicyContext) -> None:
     proc = dataclasses.replace(train.processes[4360], starttime=None)
-    assert refusal(proc, ctx)[0] == policy.IDENTITY
+    assert signal_refusal(proc, ctx)[0] == policy.IDENTITY
 
 
 def test_most_final_reason_wins(train: Snapshot, ctx: PolicyContext) -> None:
@@ -218,12 +218,12 @@ def test_most_final_reason_wins(train: Snapshot, ctx: PolicyContext) -> None:
     proc = ProcessInfo(pid=3901, ppid=3870, starttime=1, state="Z", uid=1001, user="bob",
                        comm="sshd", cmdline="", unit="ssh.service")
     nonroot = dataclasses.replace(ctx, is_root=False, uid=1000)
-    assert refusal(proc, nonroot)[0] == policy.PROTECTED
+    assert signal_refusal(proc, nonroot)[0] == policy.PROTECTED
     zombie = dataclasses.replace(proc, comm="python")
-    assert refusal(zombie, nonroot)[0] == policy.ZOMBIE
+    assert signal_refusal(zombie, nonroot)[0] == policy.ZOMBIE
     alive = dataclasses.replace(zombie, state="S")
-    assert refusal(alive, nonroot)[0] == policy.OWNER
-    assert refusal(alive, ctx)[0] == policy.UNIT
+    assert signal_refusal(alive, nonroot)[0] == policy.OWNER
+    assert signal_refusal(alive, ctx)[0] == policy.UNIT
 
 
 _procs = st.builds(
@@ -266,7 +266,7 @@ def test_never_signal_list_holds_under_every_option(proc: ProcessInfo,
         or any(policy.fnmatch.fnmatchcase(s, g) for g in ctx.protect
                for s in (proc.cmdline, proc.comm))
     )
-    got = refusal(proc, ctx)
+    got = signal_refusal(proc, ctx)
     if absolute:
         assert got is not None and got[0] == policy.PROTECTED
     if got is None:
@@ -462,3 +462,83 @@ def test_display_server_with_unexplained_memory_stays_a_holder_in_status() -> No
     roles = policy.holder_roles(snap, 64)
     assert roles[1650].role == policy.ROLE_HOLDER and "display server" in roles[1650].reason
     assert policy.holder_roles(snap, 5000)[1650].role == policy.ROLE_CLIENT
+
+
+def test_the_tolerance_and_comm_length_have_one_definition() -> None:
+    """Issue 11: the 64 MiB tolerance is core/policy.DEFAULT_TOLERANCE_MIB everywhere (plan,
+    clean options and --tolerance-mib, runbook clean steps, status's "busy"), and the comm
+    length is core/model.COMM_MAX; no other module spells either number."""
+    import inspect
+
+    from gpufleet.core import model
+    from gpufleet.core.plan import make_plan
+    from gpufleet.ops.clean import CleanOptions
+    from gpufleet.render import status
+
+    assert inspect.signature(make_plan).parameters["tolerance_mib"].default == \
+        policy.DEFAULT_TOLERANCE_MIB
+    assert CleanOptions().tolerance_mib == status.BUSY_TOLERANCE_MIB == policy.DEFAULT_TOLERANCE_MIB
+    assert model.COMM_MAX == 15 and not hasattr(policy, "COMM_LEN")
+    root = Path(policy.__file__).resolve().parent.parent
+    spelled = re.compile(r"(?i)toleran\w*\W[^\n]*\b64\b(?! MiB)|COMM_\w+ = ")
+    for path in root.rglob("*.py"):
+        if path.name == "agent.py":  # the agent is sent alone: it cannot import the core
+            continue
+        text = path.read_text()
+        hits = [m.group(0) for m in spelled.finditer(text)]
+        if path == root / "core" / "policy.py":
+            hits = [h for h in hits if h != "TOLERANCE_MIB = 64"]  # DEFAULT_TOLERANCE_MIB
+        if path == root / "core" / "model.py":
+            hits = [h for h in hits if not h.startswith("COMM_MAX = ")]
+        assert not hits, (path, hits)
+
+
+def _probe3() -> tuple[dict[int, tuple[list, list]], list[list[str]], dict]:
+    """tests/fixtures/recorded/clients_maps_probe3.txt (real H200, driver 580.159.04): five
+    processes with the same device files open, and nvidia-smi's rows while they all run."""
+    import ast
+
+    lines = (RECORDED / "clients_maps_probe3.txt").read_text().splitlines()
+    seen = {}
+    for line in lines[:5]:
+        m = re.search(r"pid=(\d+) fds=(\[.*?\]) maps=(\[.*?\])$", line)
+        assert m, line
+        seen[int(m.group(1))] = (ast.literal_eval(m.group(2)), ast.literal_eval(m.group(3)))
+    assert lines[5] == "== compute apps while all run"
+    rows = [[x.strip() for x in line.replace(" MiB", "").split(",")] for line in lines[6:8]]
+    doc = _doc("basic", STATUS)
+    doc["gpus"][0].update(uuid=rows[0][3], memory_used_mib=2075)  # recorded: 2075 MiB used
+    doc["compute_apps"] = [{"pid": int(p), "process_name": n, "used_mib": int(mib),
+                            "gpu_uuid": u} for p, n, mib, u in rows]
+    doc["holders"] = []
+    for pid, (fds, maps) in seen.items():
+        _with_holder(doc, pid, fds, maps, comm="python3", cmdline="python3 probe.py")
+    return seen, rows, doc
+
+
+def test_recorded_probe3_only_a_mapped_nvidia_uvm_is_a_cuda_context() -> None:
+    """A cuInit-only process maps /dev/nvidia0 and /dev/nvidiactl, holds no memory and is not
+    listed: a mapped nvidiaN alone is not a CUDA context; a mapped nvidia-uvm is (recorded)."""
+    seen, rows, doc = _probe3()
+    kinds = {pid: policy.maps_kind(tuple(maps), False) for pid, (_, maps) in seen.items()}
+    listed = {int(r[0]) for r in rows}
+    assert listed == {440, 461}  # the two CUDA processes with a context
+    assert {p for p, k in kinds.items() if k == policy.MAPS_CUDA} == listed
+    assert seen[464][1] == ["/dev/nvidia0", "/dev/nvidiactl"] and kinds[464] == policy.MAPS_CLIENT
+    roles = policy.holder_roles(parse_snapshot(doc), 64)
+    assert set(roles) == {438, 464, 466}  # NVML client (nvidiactl), cuInit only, smi loop
+    assert all(r.role == policy.ROLE_CLIENT for r in roles.values()), roles
+
+
+def test_recorded_probe3_when_the_listing_is_missing_only_contexts_are_holders() -> None:
+    """The same processes on a host whose nvidia-smi cannot list them (agent in a container,
+    2075 MiB unexplained): the CUDA processes are holders; the cuInit-only process, the NVML
+    client and the nvidia-smi loop stay clients (before, the cuInit-only one was a holder)."""
+    _, _, doc = _probe3()
+    doc["compute_apps"] = []
+    doc["facts"]["in_container"] = True
+    roles = policy.holder_roles(parse_snapshot(doc), 64)
+    assert {p: r.role for p, r in roles.items()} == {
+        438: policy.ROLE_CLIENT, 440: policy.ROLE_HOLDER, 461: policy.ROLE_HOLDER,
+        464: policy.ROLE_CLIENT, 466: policy.ROLE_CLIENT}
+    assert "nvidia-uvm" in roles[440].reason

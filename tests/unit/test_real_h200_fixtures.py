@@ -194,9 +194,9 @@ def test_plan_from_the_real_snapshot(clean_cli, manifest):
     engine, stubborn = manifest["engine"], manifest["stubborn"]
     assert waves == {engine: (0, engine), stubborn: (0, stubborn),
                      **{w: (1, engine) for w in manifest["workers"]}}
-    assert manifest["trainer"] not in waves and plan.refusal(manifest["trainer"]) is None
+    assert manifest["trainer"] not in waves and plan.refusal_of(manifest["trainer"]) is None
     # the NVML poller (no CUDA, no memory; real H200) is a GPU client, not a refusal (issue 10)
-    assert plan.refusal(manifest["poller"]) is None
+    assert plan.refusal_of(manifest["poller"]) is None
     assert [c.pid for c in plan.clients] == [manifest["poller"]]
 
     # the request the CLI sent is the one this plan makes

@@ -415,11 +415,12 @@ from gpufleet.core.model import parse_snapshot  # noqa: E402
 from gpufleet.runbook import run as runner  # noqa: E402
 
 
-def _snap(gpus, apps=(), holders=(), procs=None, wsl2=False):
-    """A snapshot document as the agent prints it: gpus as (index, used, total, free)."""
+def _snap(gpus, apps=(), holders=(), procs=None, wsl2=False, facts=None, mapped=None):
+    """A snapshot document as the agent prints it: gpus as (index, used, total, free);
+    ``mapped``: {pid: mapped device files} (omitted = not available, like older agents)."""
     doc = {
         "agent_version": 1,
-        "facts": {"hostname": "h", "wsl2": wsl2},
+        "facts": dict({"hostname": "h", "wsl2": wsl2}, **(facts or {})),
         "nvidia_smi": {"ok": True},
         "gpus": [{"index": i, "uuid": f"GPU-{i}", "name": "Fake", "minor": i,
                   "memory_used_mib": used, "memory_total_mib": total, "memory_free_mib": free,
@@ -427,7 +428,9 @@ def _snap(gpus, apps=(), holders=(), procs=None, wsl2=False):
                  for i, used, total, free in gpus],
         "compute_apps": [{"pid": pid, "process_name": "python3", "used_mib": mib, "gpu_uuid": f"GPU-{i}"}
                          for pid, i, mib in apps],
-        "holders": [{"pid": pid, "devices": list(devs)} for pid, devs in holders],
+        "holders": [dict({"pid": pid, "devices": list(devs)},
+                         **({"mapped": mapped[pid]} if pid in (mapped or {}) else {}))
+                    for pid, devs in holders],
         "processes": {str(pid): dict({"pid": pid, "ppid": 1, "starttime": 100 + pid, "comm": f"p{pid}",
                                       "cmdline": f"p{pid}"}, **extra)
                       for pid, extra in (procs or {}).items()},
@@ -484,13 +487,34 @@ def test_no_holders_counts_listed_memory_and_unlisted_device_holders() -> None:
     listed = _snap(EIGHT_FREE, apps=[(7, 2, 500)], procs={7: {}})
     found = runner.check_conditions(_that("{no_holders_on: 0-3}"), listed, None)
     assert _held(found) == [False] and "GPU 2: p7 7" in found[0][1]
-    # Nobody lists pid 9 (another PID namespace), but it holds /dev/nvidia1.
-    unlisted = _snap(EIGHT_FREE, holders=[(9, ["/dev/nvidia1", "/dev/nvidiactl"])], procs={9: {}})
+    # Nobody lists pid 9 (another PID namespace: the agent runs in a container), but it holds
+    # /dev/nvidia1, where 30000 MiB are used that no listed process explains.
+    gpus = [(i, 30000 if i == 1 else 0, 49140, 18524 if i == 1 else 48524) for i in range(8)]
+    unlisted = _snap(gpus, holders=[(9, ["/dev/nvidia1", "/dev/nvidiactl"])], procs={9: {}},
+                     facts={"in_container": True})
     assert _held(runner.check_conditions(_that("{no_holders_on: 0-3}"), unlisted, None)) == [False]
     assert _held(runner.check_conditions(_that("{no_holders_on: 4-7}"), unlisted, None)) == [True]
     # The agent itself (and its ancestors) are never holders.
     me = _snap(EIGHT_FREE, holders=[(3, ALL_DEVS)], procs={3: {"relation": "self"}})
     assert _held(runner.check_conditions(_that("{no_holders_on: 0-7}"), me, None)) == [True]
+
+
+def test_no_holders_does_not_count_gpu_clients() -> None:
+    """Issue 10: a monitor (NVML client: every device file open, nothing mapped), an
+    nvidia-smi run (nvidiactl mapped) and a cuInit-only process (nvidia0 + nvidiactl mapped,
+    recorded probe3) hold no GPU memory: a runbook's no_holders_on must not fail on them."""
+    clients = {8: [], 10: ["/dev/nvidiactl"], 11: ["/dev/nvidia0", "/dev/nvidiactl"]}
+    snap = _snap(EIGHT_FREE, holders=[(p, ALL_DEVS) for p in clients], procs={p: {} for p in clients},
+                 mapped=clients)
+    found = runner.check_conditions(_that("{no_holders_on: 0-7}"), snap, None)
+    assert _held(found) == [True], found
+    # a CUDA context (nvidia-uvm mapped) with memory nobody lists, on a host that cannot list
+    # every process: a holder, and the condition fails
+    gpus = [(i, 9000 if i == 0 else 0, 49140, 39524 if i == 0 else 48524) for i in range(8)]
+    cuda = _snap(gpus, holders=[(12, ALL_DEVS)], procs={12: {}}, facts={"in_container": True},
+                 mapped={12: ["/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"]})
+    found = runner.check_conditions(_that("{no_holders_on: 0}"), cuda, None)
+    assert _held(found) == [False] and "GPU 0: p12 12" in found[0][1]
 
 
 def test_holders_alive_needs_the_same_identity() -> None:

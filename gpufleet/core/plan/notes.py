@@ -1,0 +1,142 @@
+"""Step 5 of the plan: its notes, what an operator should know about this host and plan (pure).
+
+Notes say what the planner cannot see or did on purpose; they never change a decision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gpufleet.core.model import Snapshot, ledger
+from gpufleet.core.plan.evidence import Evidence
+from gpufleet.core.plan.types import PlanScope, Target
+
+
+@dataclass(frozen=True)
+class NoteInputs:
+    """What the notes are about: the host, the scope, the evidence and the final targets."""
+
+    snapshot: Snapshot
+    scope: PlanScope
+    threshold_mib: int
+    ev: Evidence
+    targets: tuple[Target, ...]
+    family_notes: tuple[str, ...] = ()
+
+
+def plan_notes(inp: NoteInputs) -> tuple[str, ...]:
+    """Every note, in the order the plan shows them."""
+    return (tuple(host_notes(inp.snapshot)) + tuple(memory_notes(inp))
+            + tuple(target_notes(inp)) + tuple(leftover_notes(inp)))
+
+
+def host_notes(snapshot: Snapshot) -> list[str]:
+    """What this host hides from the agent: a failed nvidia-smi, WSL2, a container, fds."""
+    facts = snapshot.facts
+    notes = []
+    if not snapshot.nvidia_smi_ok:
+        notes.append(
+            f"nvidia-smi failed ({snapshot.nvidia_smi_error or 'no reason given'}): targets come "
+            "from device files only and memory cannot be checked")
+    if facts.wsl2:
+        notes.append(
+            "WSL2: nvidia-smi gives no per-process memory (and may list no processes) and "
+            "there is no /dev/nvidiaN; /dev/dxg holders are targets only when the scope is "
+            "every GPU")
+    if facts.in_container:
+        notes.append(
+            f"the agent runs in container {facts.container or '?'}: processes of other PID "
+            "namespaces cannot be signalled from here")
+    fd_note = unreadable_fds_note(snapshot)
+    if fd_note is not None:
+        notes.append(fd_note)
+    return notes
+
+
+def memory_notes(inp: NoteInputs) -> list[str]:
+    """Memory on scope GPUs that no visible process explains."""
+    notes = []
+    for row in ledger(inp.snapshot):
+        if row.index in inp.scope.indices and (row.unattributed_mib or 0) > (
+                inp.threshold_mib + row.driver_allowance_mib):  # the driver's share is not hidden
+            notes.append(
+                f"GPU {row.index}: {row.unattributed_mib} MiB used that nvidia-smi attributes to "
+                "no process (other PID namespace, WSL2, display clients or a driver leak)")
+    invisible = inp.ev.invisible
+    if invisible:
+        mib = sum(r.used_mib or 0 for r in invisible)
+        notes.append(
+            f"{len({r.pid for r in invisible})} process(es) listed by nvidia-smi are not visible "
+            f"here ({mib} MiB on scope GPUs); they cannot be signalled from this PID namespace")
+    return notes
+
+
+def target_notes(inp: NoteInputs) -> list[str]:
+    """What signalling the targets reaches beyond the scope."""
+    notes = []
+    spanning = [t for t in inp.targets if not inp.scope.covers(t.gpus)]
+    if spanning:
+        notes.append(
+            "include_spanning: PIDs " + ", ".join(str(t.pid) for t in spanning)
+            + " also hold memory on GPUs outside the scope; it is freed too")
+    notes.extend(inp.family_notes)
+    # Siblings are not a parent's children: ending a target does not signal them, but a job
+    # (process group) often dies as one. Say so rather than guess application behaviour.
+    procs, listed = inp.snapshot.processes, inp.ev.listed
+    chosen = {t.pid for t in inp.targets}
+    for t in inp.targets:
+        proc = procs[t.pid]
+        if proc.pgid is None or t.wave != 0:
+            continue
+        outside = sorted(
+            p.pid for p in procs.values()
+            if p.pgid == proc.pgid and p.session == proc.session and p.pid not in chosen
+            and p.pid in listed and not inp.scope.covers(listed[p.pid][0]))
+        if outside:
+            notes.append(
+                f"PID {t.pid} shares process group {proc.pgid} with PIDs "
+                f"{', '.join(map(str, outside))} on GPUs outside the scope; ending it may bring "
+                "down that whole job")
+    return notes
+
+
+def leftover_notes(inp: NoteInputs) -> list[str]:
+    """What is left alone on purpose: GPU clients, vanished holders, or nothing at all."""
+    notes = []
+    clients = sorted(inp.ev.clients.values(), key=lambda c: c.pid)
+    if clients:
+        notes.append(
+            f"{len(clients)} GPU client(s) with device files open but no evidence of GPU memory "
+            "(monitors, exporters, nvidia-smi runs) are left alone: "
+            + ", ".join(f"{c.pid} {c.name}" for c in clients))
+    vanished = inp.snapshot.holders_vanished
+    if vanished:
+        notes.append(
+            f"{len(vanished)} process(es) with device files open exited before "
+            "their details were read (short runs such as a concurrent nvidia-smi); not holders")
+    if not inp.targets:
+        notes.append("nothing to signal")
+    return notes
+
+
+def unreadable_fds_note(snapshot: Snapshot) -> Optional[str]:
+    """Why some processes' open files could not be read -- the true reason (root in a
+    container is refused PID 1's fds; hidepid hides other users), not a guess."""
+    facts = snapshot.facts
+    if facts.can_read_all_fds:
+        return None
+    if facts.hidepid:
+        return ("/proc is mounted hidepid and the agent is not root: other users' processes, "
+                "and device-file holders among them, are hidden")
+    if snapshot.fd_unreadable:
+        shown = snapshot.fd_unreadable[:5]
+        more = len(snapshot.fd_unreadable) - len(shown)
+        return ("cannot read the open files of PID "
+                + ", ".join(f"{u.pid} ({u.comm or '?'}): {u.reason}" for u in shown)
+                + (f" and {more} more" if more > 0 else "")
+                + "; device-file holders among them would be missing")
+    if not facts.is_root:
+        return ("cannot read every process's file descriptors (not root): other users' "
+                "device-file holders may be missing")
+    return ("cannot read every process's file descriptors (this agent did not say which; "
+            "running as root): device-file holders among them may be missing")
