@@ -102,5 +102,5 @@ def test_clean_threshold_allows_the_share_of_processes_left(n: int) -> None:
     assert everything.threshold_mib == {0: 74}
     kept = make_plan(snap, [0], host="h200", tolerance_mib=64, unattributed_mib=10,
                      protect=("python3 worker.py 0",))
-    assert kept.refusal(100) is not None
+    assert kept.refusal_of(100) is not None
     assert kept.threshold_mib == {0: 74 + driver_allowance_mib(1)}

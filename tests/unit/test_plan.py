@@ -123,9 +123,12 @@ def test_targets_never_depend_on_names() -> None:
 
 def test_threshold_is_expected_unattributed_plus_tolerance() -> None:
     plan = make_plan(load("train-node"), (2, 5), unattributed_mib=300, tolerance_mib=32)
-    # + the driver's share for the one listed process the plan leaves on GPU 2 (4341, refused)
-    assert plan.refusal(4341) is not None
-    assert plan.threshold_mib == {2: 332 + driver_allowance_mib(1), 5: 332}
+    # + the driver's share for the listed processes the plan leaves on GPU 2 (4341 and, as
+    # part of 4341's family that also uses GPU 3, 4362: both refused)
+    assert plan.refusal_of(4341) is not None and plan.refusal_of(4362) is not None
+    left = {a.pid for a in load("train-node").apps_on(2)} - plan.target_pids
+    assert left == {4341, 4362}
+    assert plan.threshold_mib == {2: 332 + driver_allowance_mib(2), 5: 332}
 
 
 @pytest.mark.parametrize("scope,words", [((), "empty"), ((0, 8), "no GPU 8"), ((-1,), "negative"),
