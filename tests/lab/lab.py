@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 HERE = Path(__file__).resolve().parent
 if str(HERE / "fakenvml") not in sys.path:
     sys.path.insert(0, str(HERE / "fakenvml"))
-import build as fakenvml_build  # noqa: E402  (tests/lab/fakenvml/build.py)
+import fakenvml_build  # noqa: E402  (tests/lab/fakenvml/fakenvml_build.py)
 SSHD = "/usr/sbin/sshd"
 LAB_USER = "gflabuser"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -624,7 +624,7 @@ class Lab:
         # The fake nvidia-smi's interpreter: one every user can run, by absolute path.
         system_python = shutil.which("python3", path="/usr/bin:/bin")
         self._smi_python = os.path.realpath(system_python or sys.executable)
-        # The fake libnvidia-ml.so.1, compiled once per source (tests/lab/fakenvml/build.py).
+        # The fake libnvidia-ml.so.1, compiled once per source (tests/lab/fakenvml/fakenvml_build.py).
         try:
             self.nvml_library: Path = fakenvml_build.build()
         except fakenvml_build.BuildError as exc:

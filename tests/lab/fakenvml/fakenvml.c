@@ -252,31 +252,45 @@ static jnode *jvalue(jparser *j, int depth) {
     return n;
 }
 
-/* Parse a whole file; NULL when missing or not valid JSON. */
-static jnode *jload(const char *path, int *missing) {
+/* A whole file into a malloc'ed buffer (*len bytes); NULL when it cannot be read. */
+static char *slurp(const char *path, size_t *len, int *missing) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (missing) *missing = fd < 0 && errno == ENOENT;
     if (fd < 0) return NULL;
-    size_t cap = 4096, len = 0;
+    size_t cap = 4096, n = 0;
     char *buf = malloc(cap);
     for (;;) {
         if (!buf) { close(fd); return NULL; }
-        if (len == cap) {
+        if (n == cap) {
             cap *= 2;
             char *grown = realloc(buf, cap);
             if (!grown) { free(buf); close(fd); return NULL; }
             buf = grown;
         }
-        ssize_t got = read(fd, buf + len, cap - len);
+        ssize_t got = read(fd, buf + n, cap - n);
         if (got < 0 && errno == EINTR) continue;
         if (got <= 0) break;
-        len += (size_t)got;
+        n += (size_t)got;
     }
     close(fd);
+    *len = n;
+    return buf;
+}
+
+static jnode *jparse(const char *buf, size_t len) {
     jparser j = {buf, buf + len, 0};
     jnode *root = jvalue(&j, 0);
-    free(buf);
     if (j.bad) { jfree(root); return NULL; }
+    return root;
+}
+
+/* Parse a whole file; NULL when missing or not valid JSON. */
+static jnode *jload(const char *path, int *missing) {
+    size_t len = 0;
+    char *buf = slurp(path, &len, missing);
+    if (!buf) return NULL;
+    jnode *root = jparse(buf, len);
+    free(buf);
     return root;
 }
 
@@ -394,8 +408,8 @@ typedef struct {
 } config;
 
 static config g_cfg;
-static struct stat g_cfg_stat;
 static int g_cfg_valid;
+static unsigned g_cfg_gen; /* bumped at every re-parse */
 static char g_root[4096];
 
 static const char *root_dir(void) {
@@ -483,27 +497,59 @@ static void parse_config(jnode *doc, config *c) {
     c->init_error = (int)num_or(jget(doc, "nvml_init_error"), 0);
 }
 
-/* The current configuration; re-parsed only when config.json changed (writers rename a new file
- * into place, so inode + mtime + size tell). NULL when it exists but cannot be read. */
+/* The current configuration. Writers rename a new config.json into place; a call trusts the
+ * parsed copy while the file's inode, size and times are unchanged and it was compared with the
+ * file less than 1 ms ago, else it reads the text again (re-parsing only when the bytes differ):
+ * a query sees every change, an in-place writer's within 1 ms. NULL when unreadable. */
+static char *g_cfg_text;
+static size_t g_cfg_len;
+static struct stat g_cfg_stat;
+static double g_cfg_checked = -1;
+
+static double now_s(void);
+
+static int same_stat(const struct stat *a, const struct stat *b) {
+    return a->st_ino == b->st_ino && a->st_dev == b->st_dev && a->st_size == b->st_size &&
+           a->st_mtim.tv_sec == b->st_mtim.tv_sec && a->st_mtim.tv_nsec == b->st_mtim.tv_nsec &&
+           a->st_ctim.tv_sec == b->st_ctim.tv_sec && a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
+}
+
 static const config *load_config(void) {
     char path[4200];
     const char *root = root_dir();
     snprintf(path, sizeof path, "%s/config.json", root);
     struct stat st;
-    if (stat(path, &st) != 0) {
-        memset(&st, 0, sizeof st); /* missing: DEFAULTS */
-    }
-    if (g_cfg_valid && !strcmp(g_root, root) && st.st_ino == g_cfg_stat.st_ino &&
-        st.st_dev == g_cfg_stat.st_dev && st.st_size == g_cfg_stat.st_size &&
-        st.st_mtim.tv_sec == g_cfg_stat.st_mtim.tv_sec &&
-        st.st_mtim.tv_nsec == g_cfg_stat.st_mtim.tv_nsec)
+    if (stat(path, &st) != 0) memset(&st, 0, sizeof st);
+    double now = now_s();
+    int same_root = g_cfg_valid && !strcmp(g_root, root);
+    if (same_root && same_stat(&st, &g_cfg_stat) && now - g_cfg_checked >= 0 &&
+        now - g_cfg_checked < 0.001)
         return &g_cfg;
+    size_t len = 0;
     int missing = 0;
-    jnode *doc = jload(path, &missing);
-    if (!doc && !missing) return NULL;
+    char *text = slurp(path, &len, &missing);
+    if (!text && !missing) return NULL;
+    if (!text) { /* no config.json: DEFAULTS */
+        text = strdup("{}");
+        len = 2;
+        if (!text) return NULL;
+    }
+    if (same_root && len == g_cfg_len && !memcmp(text, g_cfg_text, len)) {
+        free(text);
+        g_cfg_stat = st;
+        g_cfg_checked = now;
+        return &g_cfg;
+    }
+    jnode *doc = jparse(text, len);
+    if (!doc) { free(text); return NULL; }
     parse_config(doc, &g_cfg);
     jfree(doc);
+    g_cfg_gen++;
+    free(g_cfg_text);
+    g_cfg_text = text;
+    g_cfg_len = len;
     g_cfg_stat = st;
+    g_cfg_checked = now;
     snprintf(g_root, sizeof g_root, "%s", root);
     g_cfg_valid = 1;
     return &g_cfg;
@@ -586,10 +632,6 @@ static int dead_since(const char *dead_path, double delay, double now, double *s
     return 1;
 }
 
-static int cmp_name(const void *a, const void *b) {
-    return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
 static int cmp_app(const void *a, const void *b) {
     const app *x = a, *y = b;
     if (x->gpu != y->gpu) return x->gpu - y->gpu;
@@ -605,69 +647,144 @@ static int cmp_alloc(const void *a, const void *b) {
     return ((const alloc_t *)a)->idx - ((const alloc_t *)b)->idx;
 }
 
-static void take(const config *c, snapshot_t *s) {
-    memset(s, 0, sizeof(*s));
-    for (int i = 0; i < c->gpus; i++) s->used[i] = c->gpu[i].ghost;
-    int app_cap = 0, touched[MAX_GPUS] = {0}, allocated[MAX_GPUS] = {0};
-    char pdir[4200];
-    snprintf(pdir, sizeof pdir, "%s/procs", root_dir());
+/* One holder record, parsed. Records are written once (renamed into place) and never changed,
+ * so a parsed record is reused while the directory entry keeps its name and inode. */
+typedef struct {
+    char name[64];
+    ino_t ino;
+    int ok;
+    long pid;
+    unsigned long long starttime;
+    int nal, nvis;
+    alloc_t al[MAX_GPUS];
+    int vis[MAX_GPUS];
+} record;
+
+static record *g_recs;
+static int g_nrecs;
+
+static int cmp_record(const void *a, const void *b) {
+    return strcmp(((const record *)a)->name, ((const record *)b)->name);
+}
+
+static void parse_record(const char *path, record *r) {
+    jnode *rec = jload(path, NULL);
+    r->ok = rec && jget(rec, "pid") && jget(rec, "starttime");
+    if (r->ok) {
+        r->pid = (long)num_or(jget(rec, "pid"), 0);
+        r->starttime = (unsigned long long)num_or(jget(rec, "starttime"), 0);
+        jnode *alloc = jget(rec, "alloc");
+        if (alloc && alloc->type == J_OBJ)
+            for (jnode *m = alloc->child; m && r->nal < MAX_GPUS; m = m->next)
+                r->al[r->nal++] = (alloc_t){atoi(m->key), num_or(m, 0)};
+        qsort(r->al, (size_t)r->nal, sizeof(alloc_t), cmp_alloc);
+        jnode *vis = jget(rec, "visible");
+        if (vis && vis->type == J_ARR)
+            for (jnode *m = vis->child; m && r->nvis < MAX_GPUS; m = m->next)
+                r->vis[r->nvis++] = (int)num_or(m, -1);
+    }
+    jfree(rec);
+}
+
+/* The records now in procs/, sorted by name as fake_nvidia_smi's sorted(os.listdir()). */
+static record *list_records(const char *pdir, int *count) {
     DIR *d = opendir(pdir);
-    char **names = NULL;
-    int nnames = 0, cap = 0;
+    int n = 0, cap = 0;
+    record *out = NULL;
     if (d) {
         struct dirent *e;
         while ((e = readdir(d))) {
             size_t len = strlen(e->d_name);
-            if (len < 6 || strcmp(e->d_name + len - 5, ".json")) continue;
-            if (nnames == cap) {
+            if (len < 6 || len >= sizeof(out->name) || strcmp(e->d_name + len - 5, ".json")) continue;
+            if (n == cap) {
                 cap = cap ? cap * 2 : 16;
-                char **grown = realloc(names, sizeof(char *) * (size_t)cap);
+                record *grown = realloc(out, sizeof(record) * (size_t)cap);
                 if (!grown) break;
-                names = grown;
+                out = grown;
             }
-            names[nnames++] = strdup(e->d_name);
+            record *r = &out[n++];
+            memset(r, 0, sizeof(*r) - sizeof(r->al) - sizeof(r->vis));
+            memcpy(r->name, e->d_name, len + 1);
+            r->ino = e->d_ino;
+            r->ok = -1; /* not parsed yet */
         }
         closedir(d);
     }
-    qsort(names, (size_t)nnames, sizeof(char *), cmp_name);
+    if (n) qsort(out, (size_t)n, sizeof(record), cmp_record);
+    *count = n;
+    return out;
+}
+
+/* A snapshot is reused for at most this long by the same process, and only while config.json's
+ * text and the procs/ listing (names and inodes) are unchanged: an agent reads memory and
+ * processes of every GPU in a burst, and rescanning /proc for each call would cost ~25x more. */
+#define SNAPSHOT_TTL_S 0.001
+
+static snapshot_t g_snap;
+static double g_snap_time = -1;
+static unsigned g_snap_cfg_gen;
+
+static void copy_snapshot(const snapshot_t *from, snapshot_t *to) {
+    *to = *from;
+    to->apps = NULL;
+    if (from->napps) {
+        to->apps = malloc(sizeof(app) * (size_t)from->napps);
+        if (to->apps) memcpy(to->apps, from->apps, sizeof(app) * (size_t)from->napps);
+        else to->napps = 0;
+    }
+}
+
+static void take(const config *c, snapshot_t *s) {
+    char pdir[4200];
+    snprintf(pdir, sizeof pdir, "%s/procs", root_dir());
+    int nnames = 0;
+    record *recs = list_records(pdir, &nnames);
     double now = now_s();
-    /* live holders' records, kept for the touch pass */
-    jnode **live_recs = calloc((size_t)(nnames ? nnames : 1), sizeof(jnode *));
-    int nlive = 0;
+    int same_listing = nnames == g_nrecs;
+    for (int k = 0; same_listing && k < nnames; k++)
+        same_listing = recs[k].ino == g_recs[k].ino && !strcmp(recs[k].name, g_recs[k].name);
+    if (same_listing && g_snap_time >= 0 && g_snap_cfg_gen == g_cfg_gen &&
+        now - g_snap_time >= 0 && now - g_snap_time < SNAPSHOT_TTL_S) {
+        free(recs);
+        copy_snapshot(&g_snap, s);
+        return;
+    }
+    /* reuse parsed records (both lists are sorted by name) */
+    for (int k = 0, j = 0; k < nnames; k++) {
+        while (j < g_nrecs && strcmp(g_recs[j].name, recs[k].name) < 0) j++;
+        if (j < g_nrecs && !strcmp(g_recs[j].name, recs[k].name) && g_recs[j].ino == recs[k].ino)
+            recs[k] = g_recs[j];
+    }
+    memset(s, 0, sizeof(*s));
+    for (int i = 0; i < c->gpus; i++) s->used[i] = c->gpu[i].ghost;
+    int app_cap = 0, touched[MAX_GPUS] = {0}, allocated[MAX_GPUS] = {0};
+    char *counted_live = calloc((size_t)(nnames ? nnames : 1), 1);
     for (int k = 0; k < nnames; k++) {
+        record *r = &recs[k];
         char path[4400], dead_path[4400];
-        snprintf(path, sizeof path, "%s/%s", pdir, names[k]);
-        snprintf(dead_path, sizeof dead_path, "%s/%.*s.dead", pdir,
-                 (int)(strlen(names[k]) - 5), names[k]);
-        jnode *rec = jload(path, NULL);
-        if (!rec || !jget(rec, "pid") || !jget(rec, "starttime")) { jfree(rec); continue; }
-        long pid = (long)num_or(jget(rec, "pid"), 0);
-        unsigned long long want = (unsigned long long)num_or(jget(rec, "starttime"), 0);
+        snprintf(path, sizeof path, "%s/%s", pdir, r->name);
+        snprintf(dead_path, sizeof dead_path, "%s/%.*s.dead", pdir, (int)(strlen(r->name) - 5), r->name);
+        if (r->ok == -1) parse_record(path, r);
+        if (!r->ok) continue;
         char state = 0;
         unsigned long long start = 0;
-        int exists = proc_state(pid, &state, &start);
-        int live = exists && state != 'Z' && state != 'X' && start == want;
+        int exists = proc_state(r->pid, &state, &start);
+        int live = exists && state != 'Z' && state != 'X' && start == r->starttime;
         if (!live) {
             double since = 0;
             int known = dead_since(dead_path, c->release_delay_s, now, &since);
             if (!(known && now - since < c->release_delay_s)) {
                 unlink(path);
                 unlink(dead_path);
-                jfree(rec);
+                r->ok = 0;
+                r->ino = 0; /* gone: the listing changed */
                 continue;
             }
         }
-        jnode *alloc = jget(rec, "alloc");
-        alloc_t al[MAX_GPUS * 2];
-        int nal = 0;
-        if (alloc && alloc->type == J_OBJ)
-            for (jnode *m = alloc->child; m && nal < MAX_GPUS * 2; m = m->next)
-                al[nal++] = (alloc_t){atoi(m->key), num_or(m, 0)};
-        qsort(al, (size_t)nal, sizeof(alloc_t), cmp_alloc);
-        for (int a = 0; a < nal; a++) {
-            int idx = al[a].idx;
-            if (idx < 0 || idx >= c->gpus || !al[a].mib) continue;
-            s->used[idx] += al[a].mib;
+        for (int a = 0; a < r->nal; a++) {
+            int idx = r->al[a].idx;
+            if (idx < 0 || idx >= c->gpus || !r->al[a].mib) continue;
+            s->used[idx] += r->al[a].mib;
             if (live) {
                 allocated[idx] = 1;
                 if (s->napps == app_cap) {
@@ -676,19 +793,17 @@ static void take(const config *c, snapshot_t *s) {
                     if (!grown) continue;
                     s->apps = grown;
                 }
-                s->apps[s->napps++] = (app){(unsigned)pid, idx, al[a].mib};
+                s->apps[s->napps++] = (app){(unsigned)r->pid, idx, r->al[a].mib};
             }
         }
-        if (live && nal) live_recs[nlive++] = rec;
-        else jfree(rec);
+        if (counted_live) counted_live[k] = live && r->nal;
     }
-    if (c->touch_mib) {
+    if (c->touch_mib && counted_live) {
         /* fake_nvidia_smi.snapshot's touch_mib (recorded, h200-two-gpus.log) */
-        for (int r = 0; r < nlive; r++) {
-            jnode *vis = jget(live_recs[r], "visible");
-            if (!vis || vis->type != J_ARR) continue;
-            for (jnode *m = vis->child; m; m = m->next) {
-                int idx = (int)num_or(m, -1);
+        for (int k = 0; k < nnames; k++) {
+            if (!counted_live[k]) continue;
+            for (int v = 0; v < recs[k].nvis; v++) {
+                int idx = recs[k].vis[v];
                 if (idx >= 0 && idx < c->gpus && !allocated[idx] && !touched[idx]) {
                     touched[idx] = 1;
                     s->used[idx] += c->touch_mib;
@@ -696,10 +811,7 @@ static void take(const config *c, snapshot_t *s) {
             }
         }
     }
-    for (int r = 0; r < nlive; r++) jfree(live_recs[r]);
-    free(live_recs);
-    for (int k = 0; k < nnames; k++) free(names[k]);
-    free(names);
+    free(counted_live);
     if (c->unlisted_base || c->unlisted_per_process) {
         int count[MAX_GPUS] = {0};
         for (int a = 0; a < s->napps; a++) count[s->apps[a].gpu]++;
@@ -713,6 +825,13 @@ static void take(const config *c, snapshot_t *s) {
     }
     qsort(s->apps, (size_t)s->napps, sizeof(app), cmp_app);
     if (c->hidden_pids) s->napps = 0; /* container PID namespace: the driver lists none */
+    free(g_recs);
+    g_recs = recs;
+    g_nrecs = nnames;
+    free(g_snap.apps);
+    copy_snapshot(s, &g_snap);
+    g_snap_time = now;
+    g_snap_cfg_gen = g_cfg_gen;
 }
 
 /* --- library state ---------------------------------------------------------------------------- */
@@ -898,7 +1017,6 @@ API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *min
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
     if (!minorNumber) return NVML_ERROR_INVALID_ARGUMENT;
-    if (c->wsl2) return NVML_ERROR_NOT_SUPPORTED; /* no /dev/nvidiaN on WSL2 (unrecorded) */
     *minorNumber = (unsigned)c->gpu[device.handle->index].minor;
     return NVML_SUCCESS;
 }
