@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -232,7 +232,7 @@ class State:
     def smi_query(self) -> dict:
         """The same facts through the fake nvidia-smi (query-gpu, compute-apps, -q, the table)."""
         fields = "index,uuid,name,pci.bus_id,memory.used,memory.total,memory.reserved,memory.free,utilization.gpu,temperature.gpu"
-        gpus = []
+        gpus: list[dict[str, Any]] = []
         for line in self.smi("--query-gpu=" + fields, "--format=csv,noheader,nounits").splitlines():
             v = [x.strip() for x in line.split(",")]
             gpus.append({"index": int(v[0]), "uuid": v[1], "name": v[2], "bus_id": v[3],
