@@ -65,6 +65,22 @@ def recorded_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def fake_nvml_library() -> Path:
+    """The lab's fake libnvidia-ml.so.1 (tests/lab/fakenvml), compiled once per source hash with
+    the system C compiler; without one its tests skip loudly (fail under CI)."""
+    sys.path.insert(0, str(LAB_DIR / "fakenvml"))
+    try:
+        import fakenvml_build
+    finally:
+        sys.path.remove(str(LAB_DIR / "fakenvml"))
+    try:
+        return fakenvml_build.build()
+    except fakenvml_build.BuildError as exc:
+        require("fake libnvidia-ml.so.1", str(exc))
+        raise
+
+
+@pytest.fixture(scope="session")
 def lab(tmp_path_factory: Any) -> Iterator[Any]:
     """The session's Lab: add hosts with ``lab.add_host(...)`` (they live until the session ends;
     use ``make_host`` for hosts that end with the test)."""

@@ -11,8 +11,11 @@ State lives in ``$FAKEGPU_ROOT`` (default /run/fakegpu, per lab host):
 * ``procs/<pid>.json``: one record per holder (written by fakecuda.py):
   ``{"pid", "starttime", "alloc": {"<index>": MiB}}``. A holder counts while /proc/<pid> exists
   with the same starttime and is not a zombie (recorded: a zombie holds no GPU memory); once
-  dead, its memory stays ``release_delay_s`` more (the death time is written into the record the
-  first time it is seen), then the record is deleted;
+  dead, its memory stays ``release_delay_s`` more, then the record is deleted;
+* ``procs/<pid>.dead``: the time a holder was first seen dead (text, seconds since the epoch),
+  written once (linked into place, first writer wins) by this fake or by the lab's fake
+  ``libnvidia-ml.so.1`` (tests/lab/fakenvml/fakenvml.c), so the two never disagree about when
+  its memory is released;
 * ``resets.jsonl``: one line per successful ``--gpu-reset``.
 
 Stdlib only and few imports: it is run very often.
@@ -196,6 +199,36 @@ def _write_json(path, doc):
     os.rename(tmp, path)
 
 
+def dead_since(dead_path, delay, now):
+    """When the holder was first seen dead (procs/<pid>.dead), recording ``now`` the first time
+    (only with a release delay). The file is linked into place complete, so the first fake to see
+    the death wins and a reader never sees half a number (fakenvml.c does the same)."""
+    try:
+        with open(dead_path) as f:
+            text = f.read()
+        return float(text) if text.strip() else None
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        return None
+    if delay <= 0:
+        return None
+    tmp = "%s.%d.tmp" % (dead_path, os.getpid())
+    try:
+        with open(tmp, "w") as f:
+            f.write("%.6f\n" % now)
+        os.chmod(tmp, 0o666)
+        try:
+            os.link(tmp, dead_path)
+        except FileExistsError:
+            return dead_since(dead_path, 0, now)
+        finally:
+            os.unlink(tmp)
+    except OSError:
+        pass
+    return now
+
+
 def holders(cfg):
     """Records that count now: [(record, live)]; dead records past the delay are deleted."""
     pdir = os.path.join(ROOT, "procs")
@@ -220,20 +253,16 @@ def holders(cfg):
         if live:
             out.append((rec, True))
             continue
-        since = rec.get("dead_since")
-        if since is None and delay > 0:
-            rec["dead_since"] = since = now
-            try:
-                _write_json(path, rec)
-            except OSError:
-                pass
-        if since is not None and now - float(since) < delay:
+        dead_path = path[: -len(".json")] + ".dead"
+        since = dead_since(dead_path, delay, now)
+        if since is not None and now - since < delay:
             out.append((rec, False))
             continue
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        for p in (path, dead_path):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
     return out
 
 

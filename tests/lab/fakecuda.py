@@ -14,8 +14,8 @@ What real CUDA does that gpufleet depends on (recorded in /work/shared/recorded)
 * an allocation larger than the free memory fails (torch.OutOfMemoryError, exit 1).
 
 This program registers its allocation in $FAKEGPU_ROOT/procs/<pid>.json with its starttime; the
-fake nvidia-smi decides liveness itself (pid + starttime, not a zombie), so a record never needs
-to be removed on exit.
+fake nvidia-smi and the fake libnvidia-ml.so.1 (fakenvml/) decide liveness themselves (pid +
+starttime, not a zombie), so a record never needs to be removed on exit.
 
 Usage (all optional)::
 

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -29,11 +30,21 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 HERE = Path(__file__).resolve().parent
+if str(HERE / "fakenvml") not in sys.path:
+    sys.path.insert(0, str(HERE / "fakenvml"))
+import fakenvml_build  # noqa: E402  (tests/lab/fakenvml/fakenvml_build.py)
 SSHD = "/usr/sbin/sshd"
 LAB_USER = "gflabuser"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_SMI = "/usr/bin/nvidia-smi"
 WSL2_SMI = "/usr/lib/wsl/lib/nvidia-smi"
+# Where the driver package puts libnvidia-ml.so.1: the multiarch library dir, one of ld.so's
+# default search dirs (so dlopen("libnvidia-ml.so.1") finds it); on WSL2 /usr/lib/wsl/lib.
+DEFAULT_NVML = "/usr/lib/%s/libnvidia-ml.so.1" % (sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu")
+WSL2_NVML = "/usr/lib/wsl/lib/libnvidia-ml.so.1"
+# nvml="broken": the library loads, nvmlInit fails (NVML_ERROR_LIB_RM_VERSION_MISMATCH, nvml.h:
+# "RM detects a driver/library version mismatch", the usual failure after a driver upgrade).
+BROKEN_NVML_ERROR = 18
 START_TIMEOUT_S = 15.0
 
 
@@ -52,6 +63,8 @@ def check() -> Optional[str]:
     for tool in (SSHD, "ssh", "ssh-keygen", "unshare", "nsenter"):
         if not (os.access(tool, os.X_OK) if tool.startswith("/") else shutil.which(tool)):
             return "%s not found (install openssh-server, openssh-client, util-linux)" % tool
+    if fakenvml_build.compiler() is None:
+        return "no C compiler for the fake libnvidia-ml.so.1 (install gcc, libc6-dev)"
     probe = _run(["unshare", "-m", "-p", "-f", "-u", "--mount-proc", "true"], timeout=20)
     if probe.returncode != 0:
         why = probe.stderr.strip() or probe.returncode
@@ -207,6 +220,7 @@ class LabHost:
         self.dir = hostdir
         self.options = options
         self.nvidia_smi: Optional[str] = options["nvidia_smi"]
+        self.nvml: Optional[str] = options.get("nvml")  # the library's path in the host, or None
         self.gpus: int = options["config"]["gpus"]
         self.wsl2: bool = options["wsl2"]
         pub = (hostdir / "ssh_host_ed25519_key.pub").read_text().split()
@@ -610,6 +624,11 @@ class Lab:
         # The fake nvidia-smi's interpreter: one every user can run, by absolute path.
         system_python = shutil.which("python3", path="/usr/bin:/bin")
         self._smi_python = os.path.realpath(system_python or sys.executable)
+        # The fake libnvidia-ml.so.1, compiled once per source (tests/lab/fakenvml/fakenvml_build.py).
+        try:
+            self.nvml_library: Path = fakenvml_build.build()
+        except fakenvml_build.BuildError as exc:
+            raise LabError("the fake libnvidia-ml.so.1 did not build: %s" % exc)
         self._counter = 0
 
     @staticmethod
@@ -642,6 +661,7 @@ class Lab:
         netns: Optional[str] = None,
         listen: Optional[str] = None,
         path_prefix: Optional[str] = None,
+        nvml: Union[bool, str, None] = True,
         **config: Any,
     ) -> LabHost:
         """Start one host. ``driver``: ok | fail | hang | garbage. ``nvidia_smi``: a path inside
@@ -653,12 +673,16 @@ class Lab:
         ``listen``: sshd also listens on this address of it, and the host's ``address`` is it
         (bench/ reaches hosts through a delayed link this way). ``path_prefix``: a
         directory put first on the SSH session's PATH (e.g. "/root/bin", in the host's private
-        /root, for a fake systemctl that the agent then finds as `systemctl`).
+        /root, for a fake systemctl that the agent then finds as `systemctl`). ``nvml``: the
+        fake libnvidia-ml.so.1: True (the default place, found by name), an absolute path inside
+        the host, "broken" (installed, nvmlInit fails) or False/None (no library).
         """
         if driver not in ("ok", "fail", "hang", "garbage"):
             raise ValueError("driver must be ok, fail, hang or garbage")
         if nvidia_smi not in (None, "default") and not str(nvidia_smi).startswith("/"):
             raise ValueError("nvidia_smi must be an absolute path, 'default' or None")
+        if not (nvml in (True, False, None, "default", "broken") or str(nvml).startswith("/")):
+            raise ValueError("nvml must be True, False, None, 'broken' or an absolute path")
         with self._lock:
             self._counter += 1
             name = name or "gpu-%02d" % self._counter
@@ -680,13 +704,19 @@ class Lab:
             "wsl2": wsl2, "fail": driver == "fail", "hang": driver == "hang",
             "garbage": driver == "garbage", "minors": minors,
         }
+        if nvml == "broken":
+            cfg["nvml_init_error"] = BROKEN_NVML_ERROR
         cfg.update(config)
+        if nvml in (True, "default", "broken"):
+            nvml = WSL2_NVML if wsl2 else DEFAULT_NVML
+        elif not nvml:
+            nvml = None
         hostdir = self.dir / "hosts" / name
         hostdir.mkdir(parents=True, exist_ok=True)
         self._keygen(hostdir / "ssh_host_ed25519_key", name)
         (hostdir / "authorized_keys").write_text(self.client_pub + "\n")
         options = dict(config=cfg, nvidia_smi=nvidia_smi, python3=python3, wsl2=wsl2,
-                       smi_python=self._smi_python, netns=netns, listen=listen)
+                       smi_python=self._smi_python, netns=netns, listen=listen, nvml=nvml)
         last: Optional[Exception] = None
         for _attempt in range(3):  # a free port can be taken between choosing and binding
             port = _free_port()
@@ -699,12 +729,14 @@ class Lab:
             spec = {
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
                 "nvidia_smi": nvidia_smi, "python3": python3, "smi_python": self._smi_python,
+                "nvml": nvml,
                 "path": (path_prefix + ":" if path_prefix else "") + DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs(),
                 "sshd_config": self._sshd_config(port)
                 + ("ListenAddress %s\n" % listen if listen else "") + sshd_extra.strip() + "\n",
                 "files": {
                     "fake_nvidia_smi.py": str(HERE / "fake_nvidia_smi.py"),
                     "fakecuda.py": str(HERE / "fakecuda.py"),
+                    "libnvidia-ml.so.1": str(self.nvml_library),
                     "ssh_host_ed25519_key": str(hostdir / "ssh_host_ed25519_key"),
                     "authorized_keys": str(hostdir / "authorized_keys"),
                 },

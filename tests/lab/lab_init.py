@@ -14,6 +14,9 @@ Started by lab.py as ``unshare -m -p -f -u --mount-proc --kill-child python3 lab
   the lab's Python (spec "keep") stays visible at its path when it lives under /root or /tmp;
 * the fake nvidia-smi placed at the chosen path through an overlay of its nearest existing
   directory (so /usr/local/nvidia/bin/nvidia-smi works without touching the real disk);
+* the fake libnvidia-ml.so.1 (tests/lab/fakenvml) at the chosen path the same way, as the
+  driver package installs it (libnvidia-ml.so.<driver> and the libnvidia-ml.so.1 link; a plain
+  file on WSL2), so dlopen("libnvidia-ml.so.1") finds it through ld.so's default directories;
 * /proc/driver/nvidia/gpus/<bus>/information files (tmpfs over /proc/driver) that give each
   GPU's minor number, as the real driver does;
 * a host without python3 on PATH gets PATH = a directory of symlinks to /usr/bin and /usr/sbin
@@ -134,6 +137,20 @@ def place_smi(path, wrapper):
     overlay(anchor, {rel: (wrapper, 0o755)}, "smi")
 
 
+def place_nvml(path, data, driver, wsl2):
+    """Put the fake libnvidia-ml.so.1 at ``path`` (an overlay, like the fake nvidia-smi)."""
+    anchor = os.path.dirname(path)
+    while not os.path.isdir(anchor) and anchor not in ("", "/"):
+        anchor = os.path.dirname(anchor)
+    rel = os.path.relpath(path, anchor)
+    if wsl2 or not path.endswith(".so.1"):
+        overlay(anchor, {rel: (data, 0o755)}, "nvml")
+        return
+    real = path[: -len(".1")] + "." + driver  # libnvidia-ml.so.580.159.04
+    overlay(anchor, {os.path.relpath(real, anchor): (data, 0o755)}, "nvml")
+    os.symlink(os.path.basename(real), path)
+
+
 def nopython_path():
     """PATH dir with every /usr/bin and /usr/sbin command except python*: python3 'not found'."""
     farm = "/run/gflab/nopy-bin"
@@ -228,6 +245,8 @@ def setup(spec, files):
         umount("/run/gflab/stage/%d" % n)
     if spec["nvidia_smi"]:
         place_smi(spec["nvidia_smi"], wrapper)
+    if spec.get("nvml"):
+        place_nvml(spec["nvml"], files["libnvidia-ml.so.1"], spec["config"]["driver"], spec["wsl2"])
     path = spec["path"]
     if not spec["python3"]:
         path = nopython_path()

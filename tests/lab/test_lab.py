@@ -444,3 +444,89 @@ def test_proc_driver_information_gives_minors(make_host):
     if probe.exists():  # the probe's recording of a real H200 (cat -A), when present
         assert shape == [re.sub(r"(GPU-[0-9a-f-]+|\d+:\d+:\d+\.\d|Minor: \^I \d+)", "X", x) for x in probe.read_text().splitlines()]
     assert host.ssh("touch /proc/driver/nvidia/x").returncode != 0
+
+
+# --- the fake libnvidia-ml.so.1 ------------------------------------------------------------------
+
+# What an NVML client does on a real host: dlopen by name (or a known path), init, then per GPU
+# UUID, memory (nvmlMemory_v2_t) and compute processes (nvmlProcessInfo_t); nvml.h layouts.
+NVML_PROBE = r"""
+import ctypes as C, json, sys
+try:
+    lib = C.CDLL(sys.argv[1])
+except OSError as e:
+    print(json.dumps({"load": str(e)})); sys.exit(0)
+rc = lib.nvmlInit_v2()
+if rc:
+    lib.nvmlErrorString.restype = C.c_char_p
+    print(json.dumps({"init": rc, "error": lib.nvmlErrorString(rc).decode()})); sys.exit(0)
+class Mem(C.Structure):
+    _fields_ = [("version", C.c_uint)] + [(f, C.c_ulonglong) for f in ("total", "reserved", "free", "used")]
+class Proc(C.Structure):
+    _fields_ = [("pid", C.c_uint), ("used", C.c_ulonglong), ("gi", C.c_uint), ("ci", C.c_uint)]
+n = C.c_uint(); lib.nvmlDeviceGetCount_v2(C.byref(n)); gpus = []
+for i in range(n.value):
+    d = C.c_void_p(); lib.nvmlDeviceGetHandleByIndex_v2(i, C.byref(d))
+    u = C.create_string_buffer(96); lib.nvmlDeviceGetUUID(d, u, 96)
+    m = Mem(version=C.sizeof(Mem) | 2 << 24); assert lib.nvmlDeviceGetMemoryInfo_v2(d, C.byref(m)) == 0
+    k = C.c_uint(0); procs = (Proc * 64)(); k.value = 64
+    assert lib.nvmlDeviceGetComputeRunningProcesses_v3(d, C.byref(k), procs) == 0
+    gpus.append({"uuid": u.value.decode(), "used": m.used >> 20, "total": m.total >> 20,
+                 "reserved": m.reserved >> 20, "procs": [[p.pid, p.used] for p in procs[:k.value]]})
+lib.nvmlShutdown()
+print(json.dumps({"gpus": gpus}))
+"""
+
+
+def nvml_probe(host, target="libnvidia-ml.so.1", user="root"):
+    res = host.ssh(["python3", "-c", NVML_PROBE, target], user=user)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_nvml_resolves_by_name_and_reads_the_hosts_gpus(lab, make_host):
+    host = make_host(gpus=2, ghost_mib={1: 100})
+    pid = host.spawn_holder(gpus=[1], mib=716)
+    for user in ("root", lab.user):
+        got = nvml_probe(host, user=user)
+        smi = host.smi("--query-gpu=uuid,memory.used,memory.total,memory.reserved", "--format=csv,noheader,nounits").stdout
+        want = [dict(zip(("uuid", "used", "total", "reserved"), [v.strip() for v in line.split(",")]))
+                for line in smi.splitlines()]
+        assert [{k: str(g[k]) for k in want[0]} for g in got["gpus"]] == want
+        assert [g["procs"] for g in got["gpus"]] == [[], [[pid, 716 << 20]]]
+    assert got["gpus"][1]["used"] == 816
+    # Installed as the driver package does, in the host only.
+    listing = host.ssh("ls -l /usr/lib/*-linux-gnu/libnvidia-ml.so.1").stdout
+    assert "libnvidia-ml.so.1 -> libnvidia-ml.so.580.159.04" in listing
+    assert host.nvml and not os.path.exists(host.nvml)
+    host.kill(pid)
+    assert host.wait_gone(pid, 10)
+    assert [g["used"] for g in nvml_probe(host)["gpus"]] == [0, 100]
+
+
+def test_host_without_nvml_and_with_a_broken_one(make_host):
+    bare = make_host(gpus=1, nvml=False)
+    assert bare.nvml is None
+    assert "libnvidia-ml.so.1" in nvml_probe(bare)["load"]
+    assert bare.ssh("ls /usr/lib/*-linux-gnu/ | grep -c nvidia-ml").stdout.strip() == "0"
+    assert bare.gpu_used() == [0]  # nvidia-smi still works
+    broken = make_host(gpus=1, nvml="broken")
+    assert nvml_probe(broken) == {"init": 18, "error": "Driver/library version mismatch"}
+    assert broken.gpu_used() == [0]
+    failed = make_host(gpus=1, driver="fail")  # the driver itself: NVML and nvidia-smi both fail
+    assert nvml_probe(failed)["init"] == 9
+    assert failed.smi().returncode == 9
+
+
+def test_nvml_on_wsl2_and_off_the_search_path(make_host):
+    wsl = make_host(wsl2=True, gpus=1)
+    assert wsl.nvml == "/usr/lib/wsl/lib/libnvidia-ml.so.1"
+    pid = wsl.spawn_holder(gpus=[0], mib=716)
+    got = nvml_probe(wsl, "/usr/lib/wsl/lib/libnvidia-ml.so.1")
+    assert got["gpus"][0]["procs"] == [[pid, 2**64 - 1]]  # NVML_VALUE_NOT_AVAILABLE under WDDM
+    assert got["gpus"][0]["used"] == 716
+    odd = make_host(gpus=1, nvml="/usr/local/nvidia/lib64/libnvidia-ml.so.1")
+    assert "cannot open" in nvml_probe(odd)["load"]
+    assert len(nvml_probe(odd, "/usr/local/nvidia/lib64/libnvidia-ml.so.1")["gpus"]) == 1
+    with pytest.raises(ValueError):
+        odd.lab.add_host("bad-nvml", nvml="relative.so")

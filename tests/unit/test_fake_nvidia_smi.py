@@ -345,13 +345,15 @@ def test_release_delay_keeps_memory_after_death(ada):
     p.wait()
     t0 = time.monotonic()
     assert ada.used()[0] == 5000  # the driver has not released it yet
-    rec = json.loads((ada.root / "procs" / ("%d.json" % p.pid)).read_text())
-    assert rec["dead_since"] > 0
+    # The death time is shared with the fake libnvidia-ml.so.1: procs/<pid>.dead, seconds.
+    dead = ada.root / "procs" / ("%d.dead" % p.pid)
+    assert abs(float(dead.read_text()) - time.time()) < 10
     # A dead process is no longer a compute app even while its memory is still counted.
     assert ada.out("--query-compute-apps=pid", "--format=csv,noheader") == ""
     wait_for(lambda: ada.used()[0] == 0, timeout=delay + 10)
     assert time.monotonic() - t0 >= delay - 0.2
     assert not (ada.root / "procs" / ("%d.json" % p.pid)).exists()
+    assert not dead.exists()
 
 
 def test_zombie_holds_no_memory(ada):
