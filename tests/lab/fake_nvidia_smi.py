@@ -2,7 +2,7 @@
 """A fake ``nvidia-smi`` for the test lab, faithful to the output recorded on real H200 hosts.
 
 Why a fake: gpufleet must be tested end to end (SSH, agent, parsing, clean) on machines without
-GPUs. Every format below is copied from /work/shared/recorded/*.log (driver 580.159.04); what
+GPUs. Every format below is copied from tests/fixtures/recorded/logs/*.log (driver 580.159.04); what
 the recordings do not show is marked "unrecorded" and kept close to what the driver prints.
 
 State lives in ``$FAKEGPU_ROOT`` (default /run/fakegpu, per lab host):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A fake CUDA program for the test lab: holds "GPU memory" the way a real CUDA process does.
 
-What real CUDA does that gpufleet depends on (recorded in /work/shared/recorded):
+What real CUDA does that gpufleet depends on (recorded in tests/fixtures/recorded/logs):
 
 * it opens EVERY /dev/nvidiaN (several fds on the GPUs it uses, a few on the others, even with
   CUDA_VISIBLE_DEVICES), plus /dev/nvidiactl and /dev/nvidia-uvm; on WSL2 it opens /dev/dxg;
