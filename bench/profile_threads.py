@@ -6,16 +6,33 @@ and gpufleet works in a thread per host): prints the merged top functions at exi
 Times are per-thread wall inside each function, so with many threads they include waiting for
 the GIL; use them to find where the Python work is, and `time`/cgroups for CPU totals.
 """
-import cProfile, pstats, threading, sys, io, atexit
+import atexit
+import cProfile
+import pstats
+import sys
+import threading
+
+from gpufleet.cli import main
+
 profs = []
 _orig = threading.Thread.run
+
+
 def run(self):
-    p = cProfile.Profile(); profs.append(p)
+    p = cProfile.Profile()
+    profs.append(p)
     p.enable()
-    try: _orig(self)
-    finally: p.disable()
+    try:
+        _orig(self)
+    finally:
+        p.disable()
+
+
 threading.Thread.run = run
-main_p = cProfile.Profile(); profs.append(main_p)
+main_p = cProfile.Profile()
+profs.append(main_p)
+
+
 def report():
     st = None
     for p in profs:
@@ -24,9 +41,10 @@ def report():
         except TypeError:
             pass
     st.sort_stats("tottime").print_stats(35)
+
+
 atexit.register(report)
 sys.argv = ["gpufleet"] + sys.argv[1:]
-from gpufleet.cli import main
 main_p.enable()
 try:
     main()

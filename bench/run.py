@@ -390,7 +390,7 @@ def summarize(runs: list[dict]) -> dict:
         cells.setdefault((r["rtt_ms"], r["n"], r["tool"]), []).append(r)
     out = {}
     for key, rows in cells.items():
-        def stat(field: str) -> Optional[list]:
+        def stat(field: str, rows: list = rows) -> Optional[list]:
             vals = [x[field] for x in rows if x.get(field) is not None]
             if not vals:
                 return None

@@ -266,7 +266,7 @@ def parse_stat(text):
             "starttime": int(rest[19]),
         }
     except ValueError as exc:
-        raise ParseError("bad stat: %s" % exc)
+        raise ParseError("bad stat: %s" % exc) from None
 
 
 def has_exited(st):

@@ -24,7 +24,6 @@ from faultkit import (
     agent_audit,
     assert_gone_exactly,
     assert_no_traceback,
-    assert_one_line_error,
     census,
     real_python,
     run_cli,
@@ -275,7 +274,7 @@ def test_hostile_command_line_options(lab: Any, make_host: Any, home: Path, cana
     LEDGER.hostile("audit-log path", 1)
     run = run_cli(home, inv, "clean", "--yes", "--json", "--audit-log", audit)
     assert run.rc == 0, str(run)
-    assert signals(json.loads(l) for l in audit.read_text().splitlines()) == [
+    assert signals(json.loads(line) for line in audit.read_text().splitlines()) == [
         (job, "TERM", "sent")]
     assert canary.found([host]) == []
     assert_gone_exactly(host, before, {job})

@@ -63,7 +63,7 @@ def test_sshd_killed_mid_clean_leaves_a_host_record_and_an_unknown_outcome(
     wait, lock released) and every signal is in the host-side audit."""
     host = make_host("net-sever", gpus=2)
     stubborn = host.spawn_holder(gpus=[0], mib=2000, title="stubborn", ignore_term=True)
-    other = host.spawn_holder(gpus=[1], mib=700, title="other-gpu")
+    _other = host.spawn_holder(gpus=[1], mib=700, title="other-gpu")
     settle(host)
     before = census(host)
     inv = lab.inventory_yaml([host])
@@ -104,7 +104,7 @@ def test_sshd_killed_mid_clean_leaves_a_host_record_and_an_unknown_outcome(
 def test_wrong_user_and_wrong_key_signal_nothing(lab: Any, make_host: Any, home: Path,
                                                 tmp_path: Path) -> None:
     host = make_host("net-auth", gpus=1)
-    job = host.spawn_holder(gpus=[0], mib=900, title="job")
+    _job = host.spawn_holder(gpus=[0], mib=900, title="job")
     settle(host)
     before = census(host)
     stray = tmp_path / "stray_ed25519"
@@ -181,7 +181,7 @@ def test_proxyjump_clean_acts_on_the_target_never_on_the_jump_host(lab: Any, mak
                                                                  home: Path) -> None:
     jump = make_host("jumpbox", gpus=1)
     target = make_host("behind", gpus=2)
-    jump_job = jump.spawn_holder(gpus=[0], mib=600, title="job")
+    _jump_job = jump.spawn_holder(gpus=[0], mib=600, title="job")
     target_job = target.spawn_holder(gpus=[0], mib=600, title="job")
     for h in (jump, target):
         settle(h)

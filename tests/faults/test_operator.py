@@ -35,8 +35,8 @@ def test_ctrl_c_during_a_multi_host_clean(lab: Any, make_host: Any, home: Path) 
     B and C are never started; the exit code says interrupted."""
     a, b, c = make_host("int-a", gpus=1), make_host("int-b", gpus=1), make_host("int-c", gpus=1)
     a_job = a.spawn_holder(gpus=[0], mib=900, title="stubborn", ignore_term=True)
-    b_job = b.spawn_holder(gpus=[0], mib=900, title="job")
-    c_job = c.spawn_holder(gpus=[0], mib=900, title="job")
+    _b_job = b.spawn_holder(gpus=[0], mib=900, title="job")
+    _c_job = c.spawn_holder(gpus=[0], mib=900, title="job")
     befores = {}
     for h in (a, b, c):
         settle(h)
@@ -68,7 +68,7 @@ def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any
     planned must not be acted on afterwards -- the operator said stop before any signal."""
     slow = make_host("plan-slow", gpus=1, driver="hang")
     ready = make_host("plan-ready", gpus=1)
-    job = ready.spawn_holder(gpus=[0], mib=900, title="job")
+    _job = ready.spawn_holder(gpus=[0], mib=900, title="job")
     befores = {}
     for h in (slow, ready):
         settle(h)
@@ -138,8 +138,8 @@ def test_gpus_naming_a_gpu_that_does_not_exist(lab: Any, make_host: Any, home: P
     means nothing is signalled anywhere (exit 2, one line per problem); an index beyond any
     possible GPU is refused before connecting."""
     big, small = make_host("four-gpus", gpus=4), make_host("two-gpus", gpus=2)
-    big_job = big.spawn_holder(gpus=[2, 3], mib=700, title="job")
-    small_job = small.spawn_holder(gpus=[1], mib=700, title="job")
+    _big_job = big.spawn_holder(gpus=[2, 3], mib=700, title="job")
+    _small_job = small.spawn_holder(gpus=[1], mib=700, title="job")
     befores = {}
     for h in (big, small):
         settle(h)

@@ -93,7 +93,7 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
     except KeyError:
         res = _run(["useradd", "-m", "-s", "/bin/bash", name])
         if res.returncode not in (0, 9):  # 9: already exists (a parallel lab won the race)
-            raise LabError("useradd %s failed: %s" % (name, res.stderr.strip()))
+            raise LabError("useradd %s failed: %s" % (name, res.stderr.strip())) from None
         pw = pwd.getpwnam(name)
     # useradd leaves the password "!" (locked): without PAM, sshd refuses a locked account
     # even for key logins. "*" means "no password" and is not locked.
@@ -628,7 +628,7 @@ class Lab:
         try:
             self.nvml_library: Path = fakenvml_build.build()
         except fakenvml_build.BuildError as exc:
-            raise LabError("the fake libnvidia-ml.so.1 did not build: %s" % exc)
+            raise LabError("the fake libnvidia-ml.so.1 did not build: %s" % exc) from None
         self._counter = 0
 
     @staticmethod
