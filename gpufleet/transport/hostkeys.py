@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import paramiko
 from paramiko.hostkeys import HostKeys
 
-from gpufleet.errors import GpufleetError
+from gpufleet.errors import GpufleetError, HostKeyError
 
 STRICT = "strict"
 ACCEPT_NEW = "accept-new"
@@ -39,16 +39,6 @@ UNKNOWN = "unknown"
 CHANGED = "changed"
 OTHER_TYPE = "other-type"  # only keys of other types are known: refused like a change
 REVOKED = "revoked"
-
-
-class HostKeyError(GpufleetError):
-    """A host key gpufleet will not accept; the message says why and what to do."""
-
-    def __init__(self, message: str, verdict: str, keytype: str = "", fingerprint: str = ""):
-        super().__init__(message)
-        self.verdict = verdict
-        self.keytype = keytype
-        self.fingerprint = fingerprint
 
 
 def gpufleet_known_hosts() -> Path:
