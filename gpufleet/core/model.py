@@ -39,7 +39,7 @@ could not be read, with the reason ("permission denied as root", ...).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from gpufleet.core.results import HostOutcome
