@@ -20,7 +20,7 @@ A host's failure is a value (gpufleet.core.results) carrying one of the kinds be
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # some host failed, is dirty, or the model does not fit
@@ -44,31 +44,42 @@ SSH = "ssh"  # another SSH protocol error
 COMMAND = "command"  # connected, but the command failed or ran past its timeout (python3
 #                      missing, sudo wants a password, an exit status, the command timeout)
 AGENT = "agent"  # the agent ran but its output is unusable (not JSON, wrong version)
+USAGE = "usage"  # the operator's input does not fit this host (--gpus 9 on an 8-GPU host)
+BUSY = "busy"  # another gpufleet clean holds the host's lock
 INTERRUPTED = "interrupted"  # Ctrl-C: not started, or no longer waited for
 INTERNAL = "internal"  # anything else that broke (a bug): still one row, never a traceback
 
 KINDS = (REFUSED, TIMEOUT, DNS, NETWORK, PROXY, CLOSED, BANNER, HANDSHAKE, HOSTKEY, AUTH,
-         SSHCONFIG, SSH, COMMAND, AGENT, INTERRUPTED, INTERNAL)
+         SSHCONFIG, SSH, COMMAND, AGENT, USAGE, BUSY, INTERRUPTED, INTERNAL)
 # The host could not be reached at all: `clean` calls its verdict "unreachable".
 UNREACHABLE_KINDS = frozenset({REFUSED, TIMEOUT, DNS, NETWORK, PROXY, CLOSED})
 
 
 class GpufleetError(Exception):
-    """An error with the exit code the CLI turns it into, and the kind of failure it is."""
+    """An error with the exit code the CLI turns it into, and the kind of failure it is.
+
+    ``more``: further error lines (one per host, say); ``notes``: lines said after them. The
+    CLI prints ``gpufleet: error: LINE`` for the message and each of ``more``, then
+    ``gpufleet: NOTE`` for each note (:func:`lines`).
+    """
 
     exit_code = EXIT_FAILED
     kind = INTERNAL
 
-    def __init__(self, message: str, exit_code: Optional[int] = None):
+    def __init__(self, message: str, exit_code: Optional[int] = None, *,
+                 more: Sequence[str] = (), notes: Sequence[str] = ()):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+        self.more = tuple(more)
+        self.notes = tuple(notes)
 
 
 class UsageError(GpufleetError):
     """Bad input: command line, inventory, runbook. Exit 2, nothing signalled."""
 
     exit_code = EXIT_USAGE
+    kind = USAGE
 
 
 class InventoryError(UsageError):
@@ -161,6 +172,15 @@ def kind_of(exc: BaseException) -> str:
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED
     return INTERNAL
+
+
+def lines(exc: BaseException) -> list[str]:
+    """What the CLI prints on stderr for an error that ends a command (one line each)."""
+    out = [f"gpufleet: error: {exc}"]
+    if isinstance(exc, GpufleetError):
+        out += [f"gpufleet: error: {m}" for m in exc.more]
+        out += [f"gpufleet: {n}" for n in exc.notes]
+    return out
 
 
 def describe(exc: BaseException) -> str:
