@@ -117,7 +117,8 @@ def _on_interrupt(phase: list[Any]) -> Callable[[list[Any]], None]:
     from gpufleet.cli.progress import echo_err
 
     def say(in_flight: list[Any]) -> None:
-        names = ", ".join(getattr(h, "host", None) or getattr(h, "name", "?") for h in in_flight)
+        names = ", ".join(str(getattr(h, "host", None) or getattr(h, "name", "?"))
+                          for h in in_flight)
         echo_err(phase[0] if phase else None)(
             f"gpufleet: interrupted: waiting for {len(in_flight)} host(s) already running"
             f"{' (' + names + ')' if names else ''} to finish; no new host is started "

@@ -128,7 +128,7 @@ def wait_floors(plan: Plan, before: Snapshot) -> dict[str, int]:
         others = [a for a in before.apps_on(index) if a.pid not in targets]
         if not others or any(a.used_mib is None for a in others):
             continue
-        floors[str(index)] = sum(int(a.used_mib) for a in others)
+        floors[str(index)] = sum(a.used_mib or 0 for a in others)  # none is None (above)
     return floors
 
 

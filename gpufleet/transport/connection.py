@@ -90,7 +90,7 @@ def dial_tcp(host: str, port: int, timeout: float) -> socket.socket:
     deadline = time.monotonic() + timeout
     where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     infos = _resolve(host, port, timeout)
-    last: Optional[BaseException] = None
+    last: Optional[OSError] = None
     for family, socktype, proto, _name, addr in infos:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -398,7 +398,7 @@ def connection_for(host: Host) -> HostConnection:
     the inventory identity_file is tried before ssh_config's IdentityFile, like ``-i``.
     Raises SshConfigError when OpenSSH cannot resolve it.
     """
-    port = int(host.port) if getattr(host, "port", None) else None
+    port = int(host.port) if host.port else None
     resolved = sshconfig.resolve(ssh_alias(host), port=port,
                                   user=getattr(host, "user", None) or None)
     ct = resolved.values.get("connecttimeout")

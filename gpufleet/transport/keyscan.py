@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import paramiko
 
@@ -77,7 +77,7 @@ class TrustResult:
     added: bool  # False: it was already known
 
 
-def trust(host: Host, path: Optional[os.PathLike] = None,
+def trust(host: Host, path: Optional[Union[str, os.PathLike[str]]] = None,
           fetched: Optional[tuple[str, str, paramiko.PKey]] = None) -> TrustResult:
     """Record the key ``host`` presents now in ``path`` (default ~/.config/gpufleet/known_hosts).
 

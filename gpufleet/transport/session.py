@@ -323,12 +323,13 @@ class SshSession(Session):
         if not self.connected and self._was_open:  # dropped since (host rebooted): once more
             self.close()
             self._connect()
-        if self.error is not None or self.conn is None:
+        transport = self.conn.transport if self.conn is not None else None
+        if self.error is not None or transport is None:
             raise TransportError(self.error or "not connected",
                                  kind=self.error_kind or errors.CLOSED)
         command = " ".join(shlex.quote(a) for a in argv)
         try:
-            return exec_channel(self.conn.transport, command, stdin, timeout)
+            return exec_channel(transport, command, stdin, timeout)
         except TransportError:
             raise
         except (paramiko.SSHException, OSError, EOFError) as exc:
