@@ -9,6 +9,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from gpufleet.core import policy
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
+from gpufleet.errors import COMMAND
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
 BUSY_TOLERANCE_MIB = 64  # same default as clean's --tolerance-mib
@@ -172,7 +173,8 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
         "host": res.host,
         "ok": bool(res.ok and snap is not None and snap.nvidia_smi_ok),
         "error": res.error if not res.ok else (None if snap is None or snap.nvidia_smi_ok else snap.nvidia_smi_error),
-        **res.error_kind_field(),
+        **(res.error_kind_field() if not res.ok else
+           {} if snap is None or snap.nvidia_smi_ok else {"error_kind": COMMAND}),
         "seconds": round(res.seconds, 3),
         "facts": snap.facts.as_dict() if snap else {},
         "gpus": [],
