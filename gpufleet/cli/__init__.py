@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import click
 
 from gpufleet.errors import EXIT_INTERRUPTED, EXIT_USAGE, GpufleetError, UsageError
+from gpufleet.errors import lines as error_lines
 from gpufleet.render.common import terminal_safe  # the one definition; commands import it from here
 
 
@@ -83,7 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         exc.show()
         sys.exit(EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code)
     except GpufleetError as exc:
-        click.echo(f"gpufleet: error: {exc}", err=True)
+        for line in error_lines(exc):
+            click.echo(line, err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         click.echo("gpufleet: interrupted", err=True)

@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import click
 
 from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
-from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
-from gpufleet.render.status import to_json
-from gpufleet.render.clean import clean_document, outcome_table, plan_text
 from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
+from gpufleet.errors import UsageError
+from gpufleet.render.clean import clean_document, outcome_table, plan_text
+from gpufleet.render.common import to_json
 
 
 @cli.command()
@@ -42,11 +42,9 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     Exit 0 all clean (or the plan, with --dry-run); 1 any host dirty, unreachable or failed;
     2 usage/inventory error or no --yes in a non-interactive run (nothing signalled).
     """
-    from gpufleet.ops.clean import CleanOptions, clean_host, execute_plan, plan_host
-    from gpufleet.ops.fanout import run_hosts
     from gpufleet.cli.progress import HostProgress
     from gpufleet.config.selection import parse_gpu_list
-    from gpufleet.transport import open_session, predial
+    from gpufleet.ops.clean import CleanOptions, HostClean, run_clean
 
     if disable_units and not stop_units:
         raise UsageError("--disable-units needs --stop-units")
@@ -57,94 +55,55 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     opts = CleanOptions(gpus=gpus, grace_s=grace_s, timeout_s=timeout_s, tolerance_mib=tolerance_mib,
                         protect=tuple(protect), include_spanning=include_spanning, stop_units=stop_units,
                         disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log)
-    interactive = sys.stdin.isatty() and not as_json
-    interrupted: list = []
-    phase: list = []  # the progress line (stderr, terminal only) of the fan-out running now
-    fan = dict(forks=app.forks, on_interrupt=_on_interrupt(interrupted, phase), make_error=_not_run)
+    phase: list[HostProgress] = []  # the progress line (stderr, terminal only) of the fan-out now
 
-    def progress(items, label: str) -> HostProgress:
+    def progress(items: Sequence[Any], label: str) -> HostProgress:
         phase[:] = [HostProgress(items, label)]
         return phase[0]
 
-    if dry_run:
-        # every TCP connect starts now, outside the forks bound, as for a real clean
-        with predial(selected, app.forks) as dials, progress(selected, "clean: planning") as p:
-            results = run_hosts(selected, lambda h: clean_host(h, opts, dry_run=True, dial=dials.take(h)),
-                                **fan, **p.callbacks())
-    else:
-        # Plan everywhere first, holding each connection; act only when every host's plan is
-        # valid (nothing is signalled on the strength of input that failed validation, e.g.
-        # --gpus 9 on an 8-GPU host), after asking when there is no --yes; then act on the
-        # same connections.
-        sessions: dict[str, object] = {}
+    def on_planned(results: list[HostClean]) -> None:
+        if not yes:
+            _show_plans(results, as_json)
 
-        def plan_only(h, dials):
-            session = open_session(h, dials.take(h))
-            sessions[h.name] = session.__enter__()
-            return plan_host(h, sessions[h.name], opts)
-
-        try:
-            # every TCP connect starts now, outside the forks bound (unreachable hosts cost
-            # one connect_timeout in all); handshakes and plans stay inside it
-            with predial(selected, app.forks) as dials, progress(selected, "clean: planning") as p:
-                results = run_hosts(selected, _as_value(lambda h: plan_only(h, dials)), **fan,
-                                    **p.callbacks())
-            if interrupted:  # Ctrl-C while planning: nothing is signalled anywhere
-                results = [_value(h, r) for h, r in zip(selected, results)]
-                click.echo(terminal_safe(outcome_table(results)))
-                click.echo("gpufleet: interrupted while planning: nothing signalled on any host",
-                           err=True)
-                return EXIT_INTERRUPTED
-            if not yes:
-                _show_plans(results, as_json)
-            bad_input = [r for r in results if r.usage_error]
-            if bad_input:
-                for r in bad_input:
-                    click.echo(f"gpufleet: error: {r.error}", err=True)
-                click.echo("gpufleet: nothing signalled on any host", err=True)
-                return EXIT_USAGE
-            if not yes:
-                if not interactive:
-                    click.echo("gpufleet: error: not a terminal and no --yes: plan shown, nothing signalled",
-                               err=True)
-                    return EXIT_USAGE
-                if not any(r.plan and r.plan.targets for r in results):
-                    click.echo("nothing to signal")
-                elif not click.confirm("Signal the processes above?", default=False):
-                    click.echo("nothing signalled")
-                    return EXIT_USAGE
-            by_host = {h.name: h for h in selected}
-            with progress(selected, "clean") as p:
-                results = run_hosts(
-                    [_value(h, r) for h, r in zip(selected, results)],
-                    lambda r: execute_plan(by_host[r.host], sessions[r.host], r, opts) if r.host in sessions else r,
-                    **fan, **p.callbacks())
-        finally:
-            for session in sessions.values():
-                try:
-                    session.__exit__(None, None, None)
-                except Exception:
-                    pass
-
-    results = [_value(h, r) for h, r in zip(selected, results)]
+    run = run_clean(selected, opts, forks=app.forks, dry_run=dry_run, on_planned=on_planned,
+                    confirm=_confirm(yes, interactive=sys.stdin.isatty() and not as_json),
+                    progress=progress, on_interrupt=_on_interrupt(phase))
+    if run.interrupted == "planning" and not dry_run:  # nothing is signalled anywhere
+        click.echo(terminal_safe(outcome_table(run.results)))
+        click.echo("gpufleet: interrupted while planning: nothing signalled on any host", err=True)
+        return run.exit_code
+    if run.declined:
+        click.echo("nothing signalled")
+        return run.exit_code
     if dry_run and not as_json:
-        _show_plans(results, False)
+        _show_plans(run.results, False)
     if as_json:
-        click.echo(to_json(clean_document(results, dry_run)))
+        click.echo(to_json(clean_document(run.results, dry_run)))
     else:
-        click.echo(terminal_safe(outcome_table(results)))
-    if interrupted:
+        click.echo(terminal_safe(outcome_table(run.results)))
+    if run.interrupted:
         click.echo("gpufleet: interrupted: hosts already running finished their sequence (above); "
                    "no other host was started", err=True)
-        return EXIT_INTERRUPTED
-    if any(r.usage_error for r in results):
-        return EXIT_USAGE
-    if dry_run:
-        return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
-    return EXIT_OK if all(r.verdict == "clean" for r in results) else EXIT_FAILED
+    return run.exit_code
 
 
-def _show_plans(results, as_json: bool) -> None:
+def _confirm(yes: bool, interactive: bool) -> Callable[[list[Any]], bool]:
+    """ops.clean's confirm step: --yes acts; otherwise ask on a terminal, refuse elsewhere."""
+
+    def confirm(results: list[Any]) -> bool:
+        if yes:
+            return True
+        if not interactive:
+            raise UsageError("not a terminal and no --yes: plan shown, nothing signalled")
+        if not any(r.plan and r.plan.targets for r in results):
+            click.echo("nothing to signal")
+            return True
+        return click.confirm("Signal the processes above?", default=False)
+
+    return confirm
+
+
+def _show_plans(results: Sequence[Any], as_json: bool) -> None:
     if as_json:
         return
     for r in results:
@@ -153,52 +112,17 @@ def _show_plans(results, as_json: bool) -> None:
             click.echo("")
 
 
-def _on_interrupt(flag: list, phase: list):
+def _on_interrupt(phase: list[Any]) -> Callable[[list[Any]], None]:
     """Ctrl-C: say what is still being waited for (a clean in flight must report what it
     signalled); fanout starts no new host. ``phase``: the progress line to keep clear of."""
     from gpufleet.cli.progress import echo_err
 
-    def say(in_flight) -> None:
-        flag.append(True)
-        names = ", ".join(getattr(h, "host", None) or getattr(h, "name", "?") for h in in_flight)
+    def say(in_flight: list[Any]) -> None:
+        names = ", ".join(str(getattr(h, "host", None) or getattr(h, "name", "?"))
+                          for h in in_flight)
         echo_err(phase[0] if phase else None)(
             f"gpufleet: interrupted: waiting for {len(in_flight)} host(s) already running"
             f"{' (' + names + ')' if names else ''} to finish; no new host is started "
             "(Ctrl-C again to stop waiting)")
 
     return say
-
-
-def _not_run(item, message: str):
-    """fanout's value for a host it did not start, or stopped waiting for: a HostClean row
-    (the work items are Hosts while planning, HostCleans while acting)."""
-    from gpufleet.ops.clean import HostClean
-
-    name = getattr(item, "host", None) if isinstance(item, HostClean) else getattr(item, "name", None)
-    out = HostClean(host=str(name or item), ok=False, verdict="interrupted")
-    if isinstance(item, HostClean):
-        out.before, out.plan = item.before, item.plan
-    out.error = message + ("; nothing signalled" if message.startswith("not started") else
-                           f"; run `gpufleet status --host {out.host}`")
-    return out
-
-
-def _as_value(func):
-    """Wrap a per-host function so any exception becomes that host's error row."""
-    from gpufleet.ops.clean import HostClean
-
-    def run(h):
-        try:
-            return func(h)
-        except Exception as exc:
-            return HostClean(host=h.name, ok=False, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-
-    return run
-
-
-def _value(host, result):
-    from gpufleet.ops.clean import HostClean
-
-    if isinstance(result, HostClean):
-        return result
-    return HostClean(host=host.name, ok=False, error=str(result) or "failed")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import click
 
-from gpufleet.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from gpufleet.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from gpufleet.cli import AppContext, cli, selection_options
 from gpufleet.render.common import terminal_safe, to_json
 
@@ -51,9 +51,8 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
             return EXIT_OK
         changing = ", ".join(sorted({s.kind for s in runbook.steps if s.mutating}))
         if as_json or not sys.stdin.isatty():
-            click.echo(f"gpufleet: error: this runbook changes hosts ({changing}); not a terminal "
-                       "and no --yes: plan shown, nothing done", err=True)
-            return EXIT_USAGE
+            raise UsageError(f"this runbook changes hosts ({changing}); not a terminal and no "
+                             "--yes: plan shown, nothing done")
         if not click.confirm(f"Run these steps ({changing}) on {len(selected)} host(s)?", default=False):
             click.echo("nothing done")
             return EXIT_USAGE

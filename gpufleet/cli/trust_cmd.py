@@ -23,7 +23,6 @@ def trust(app: AppContext, names, path: Optional[str], yes: bool) -> int:
     """
     import sys
 
-    from gpufleet.transport.hostkeys import HostKeyError
     from gpufleet.transport import TransportError, fetch_host_key, predial, trust as record
 
     hosts = app.select(list(names), [], [], False)
@@ -45,7 +44,7 @@ def trust(app: AppContext, names, path: Optional[str], yes: bool) -> int:
                         failed = True
                         continue
                 result = record(host, path, fetched)  # the key shown above, not a new fetch
-            except (HostKeyError, TransportError) as exc:
+            except TransportError as exc:  # HostKeyError too: it is one
                 click.echo(f"{host.name}: {exc}", err=True)
                 failed = True
                 continue

@@ -12,14 +12,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-from gpufleet.errors import UsageError, one_line
-
-
-class LoadError(Exception):
-    def __init__(self, line: int, message: str):
-        super().__init__(message)
-        self.line = line
-        self.message = message
+from gpufleet.errors import LoadError, UsageError, one_line
 
 
 class LineMap(dict):

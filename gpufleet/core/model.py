@@ -39,8 +39,11 @@ could not be read, with the reason ("permission denied as root", ...).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+from gpufleet.core.results import HostOutcome
+from gpufleet.errors import SnapshotError
 
 AGENT_VERSION = 1
 COMM_MAX = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to this many bytes
@@ -49,10 +52,6 @@ _NVIDIA_DEV = re.compile(r"^/dev/nvidia(\d+)$")
 # The warning the agent gives about unreadable open files (gpufleet/remote/agent.py
 # denied_warning); status prints it only when it could matter (gpufleet.policy).
 FD_DENIED_WARNING = "cannot read the open files of "
-
-
-class SnapshotError(ValueError):
-    """The agent's document is not what this controller understands."""
 
 
 @dataclass(frozen=True)
@@ -396,12 +395,12 @@ def ledger(snapshot: Snapshot, expected_unattributed_mib: int = 0) -> tuple[GpuL
 
 
 @dataclass(frozen=True)
-class HostResult:
-    """One host's outcome of one command: a failure is a value, never an exception."""
+class HostResult(HostOutcome):
+    """One host's snapshot, or why there is none: a failure is a value, never an exception."""
 
     host: str
     ok: bool
     error: Optional[str] = None
     snapshot: Optional[Snapshot] = None
     seconds: float = 0.0
-    data: Mapping[str, Any] = field(default_factory=dict)
+    error_kind: Optional[str] = None

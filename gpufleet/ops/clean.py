@@ -1,24 +1,34 @@
-"""Controller side of `gpufleet clean`: snapshot -> plan -> (confirm) -> agent clean -> verdict.
+"""`gpufleet clean` over many hosts: snapshot -> plan -> (confirm) -> agent clean -> verdict.
 
 Two execs per host over one SSH connection: the snapshot the plan is made from, and the clean
 sequence itself (identity re-check, TERM, grace, KILL, wait for memory, final snapshot), which
 runs on the host in one go so a slow link adds nothing between signal and verification.
-Runbooks call ``plan_host`` / ``execute_plan`` on a session they already hold.
+
+:func:`run_clean` is the whole command: every host's TCP connect starts at once (pre-dial),
+every host is planned (its session held open), and only when every plan is valid and the
+operator agreed (the CLI's ``confirm`` callback) is anything signalled, on the same sessions.
+A dry run is the same path stopped after planning. Runbooks call ``plan_host`` /
+``execute_plan`` on a session they already hold.
 """
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
+from gpufleet import errors
+from gpufleet.config.inventory import Host
+from gpufleet.config.selection import parse_gpu_list
+from gpufleet.core.model import HostResult, Snapshot, parse_snapshot
+from gpufleet.core.plan import Plan, make_plan, to_request
+from gpufleet.core.results import Failure, HostOutcome
+from gpufleet.errors import SnapshotError, UsageError, first_line, kind_of
 from gpufleet.ops import audit
 from gpufleet.ops.collect import result_from_reply, snapshot_request
-from gpufleet.errors import UsageError
-from gpufleet.config.inventory import Host
-from gpufleet.core.model import HostResult, SnapshotError, parse_snapshot
-from gpufleet.core.plan import Plan, make_plan, to_request
 from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
-from gpufleet.config.selection import parse_gpu_list
+from gpufleet.ops.fanout import NOT_STARTED, run_hosts
+from gpufleet.transport import Session, open_session, predial
 
 AGENT_MARGIN_S = 5.0  # the controller waits this much longer than the agent's own deadline
 
@@ -41,37 +51,48 @@ class CleanOptions:
 
 
 @dataclass
-class HostClean:
-    """Everything one host's clean produced; failures are values (``error``)."""
+class HostClean(HostOutcome):
+    """Everything one host's clean produced; failures are values (``error``, ``error_kind``)."""
 
     host: str
     ok: bool = True
     error: Optional[str] = None
     verdict: str = "error"
     reason: Optional[str] = None
-    usage_error: bool = False
     outcome_unknown: bool = False  # the clean ran but its report never came back
     before: Optional[HostResult] = None
     plan: Optional[Plan] = None
     agent_doc: Optional[dict[str, Any]] = None
-    after: Optional[Any] = None
+    after: Optional[Snapshot] = None
     seconds: float = 0.0
     verdict_detail: dict[str, Any] = field(default_factory=dict)
+    error_kind: Optional[str] = None
+
+    @property
+    def usage_error(self) -> bool:
+        """The operator's input is wrong for this host (--gpus 9 on 8 GPUs): nothing may be
+        signalled anywhere."""
+        return self.error_kind == errors.USAGE
+
+    def fail(self, failure: Failure, verdict: Optional[str] = None) -> "HostClean":
+        """Mark it failed; the verdict, unless given, comes from the kind: "unreachable" when
+        the host could not be reached at all, else "error"."""
+        self.ok, self.error, self.error_kind = False, failure.message, failure.kind
+        self.verdict = verdict or ("unreachable" if failure.unreachable else "error")
+        return self
 
 
-def plan_host(host: Host, session: Any, opts: CleanOptions) -> HostClean:
+def plan_host(host: Host, session: Session, opts: CleanOptions) -> HostClean:
     """Exec 1: the snapshot, and the pure plan made from it."""
     started = time.monotonic()
     reply = session.run_agent(snapshot_request(host), timeout=float(host.command_timeout))
     before = result_from_reply(host, reply, started)
     out = HostClean(host=host.name, before=before)
     if not before.ok or before.snapshot is None:
-        out.ok, out.error, out.verdict = False, before.error, "unreachable" if _is_connect_error(before.error) else "error"
-        return out
+        return out.fail(before.failure or Failure(errors.AGENT, "agent failed"))
     snap = before.snapshot
     if not snap.nvidia_smi_ok:
-        out.ok, out.error = False, f"nvidia-smi failed: {snap.nvidia_smi_error}"
-        return out
+        return out.fail(Failure(errors.COMMAND, f"nvidia-smi failed: {snap.nvidia_smi_error}"))
     try:
         scope = parse_gpu_list(opts.gpus, available=[g.index for g in snap.gpus], host=host.name)
         out.plan = make_plan(
@@ -80,19 +101,14 @@ def plan_host(host: Host, session: Any, opts: CleanOptions) -> HostClean:
             disable_units=opts.disable_units, unattributed_mib=int(host.unattributed_mib or 0),
             tolerance_mib=opts.tolerance_mib, is_sudo=bool(host.sudo), host=host.name)
     except UsageError as exc:
-        out.ok, out.error, out.usage_error = False, str(exc), True
-        return out
+        return out.fail(Failure(errors.USAGE, str(exc)))
     out.verdict = "planned"
     out.seconds = time.monotonic() - started
     return out
 
 
-def _is_connect_error(error: Optional[str]) -> bool:
-    text = (error or "").lower()
-    return any(w in text for w in ("refused", "timed out", "unreachable", "no route", "resolve", "connect"))
-
-
-def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[Any] = None) -> dict[str, Any]:
+def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[Snapshot] = None
+                  ) -> dict[str, Any]:
     request = to_request(plan, grace_s=opts.grace_s, timeout_s=opts.timeout_s, shm=opts.shm,
                          reset=opts.reset, operator=opts.operator, lock_path=opts.lock_path,
                          nvidia_smi=host.nvidia_smi)
@@ -101,7 +117,7 @@ def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[A
     return request
 
 
-def wait_floors(plan: Plan, before: Any) -> dict[str, int]:
+def wait_floors(plan: Plan, before: Snapshot) -> dict[str, int]:
     """Per scope GPU, MiB that nvidia-smi lists for processes the plan will not signal.
 
     That memory will not come back, so the agent stops waiting once only it is left. A GPU
@@ -113,11 +129,11 @@ def wait_floors(plan: Plan, before: Any) -> dict[str, int]:
         others = [a for a in before.apps_on(index) if a.pid not in targets]
         if not others or any(a.used_mib is None for a in others):
             continue
-        floors[str(index)] = sum(int(a.used_mib) for a in others)
+        floors[str(index)] = sum(a.used_mib or 0 for a in others)  # none is None (above)
     return floors
 
 
-def execute_plan(host: Host, session: Any, planned: HostClean, opts: CleanOptions) -> HostClean:
+def execute_plan(host: Host, session: Session, planned: HostClean, opts: CleanOptions) -> HostClean:
     """Exec 2: the agent runs the whole sequence; the verdict is computed here from its report."""
     from gpufleet.core.verdict import make_verdict
 
@@ -129,24 +145,24 @@ def execute_plan(host: Host, session: Any, planned: HostClean, opts: CleanOption
     reply = session.run_agent(request, timeout=float(request["deadline_s"]) + AGENT_MARGIN_S)
     planned.seconds += time.monotonic() - started
     if not reply.ok or reply.doc is None:
-        planned.ok = False
-        planned.verdict = "error"
         planned.outcome_unknown = True
-        planned.error = (f"{reply.error or 'agent failed'}; the outcome on the host is unknown: "
-                         f"run `gpufleet status --host {host.name}` (the host keeps an audit record)")
-        return planned
+        # the host was reached and may have signalled: never "unreachable"
+        return planned.fail(Failure(
+            reply.error_kind or errors.AGENT,
+            f"{reply.error or 'agent failed'}; the outcome on the host is unknown: "
+            f"run `gpufleet status --host {host.name}` (the host keeps an audit record)"),
+            verdict="error")
     doc = reply.doc
     planned.agent_doc = doc
     _record_signals(host, planned, opts)
     if doc.get("lock") == "busy":
-        planned.ok, planned.verdict = False, "busy"
-        planned.error = "another gpufleet clean holds this host's lock; nothing was signalled"
-        return planned
+        return planned.fail(Failure(errors.BUSY, "another gpufleet clean holds this host's lock; "
+                                    "nothing was signalled"), verdict="busy")
     try:
         planned.after = parse_snapshot(doc["after"]) if doc.get("after") else None
     except SnapshotError as exc:
         planned.after = None
-        planned.error = f"final snapshot unreadable: {exc}"
+        planned.error, planned.error_kind = f"final snapshot unreadable: {exc}", exc.kind
     assert planned.before is not None and planned.before.snapshot is not None
     result = make_verdict(planned.plan, doc, planned.before.snapshot)
     planned.verdict = result.verdict
@@ -169,25 +185,165 @@ def _record_signals(host: Host, planned: HostClean, opts: CleanOptions) -> None:
         started_at=float(started_at) if isinstance(started_at, (int, float)) else None))
 
 
-def clean_host(host: Host, opts: CleanOptions, dry_run: bool, dial: Optional[Any] = None) -> HostClean:
-    """Plan and (unless dry_run) execute on one connection: the `--yes` fast path.
-    ``dial``: the host's pre-dialled connection (transport.predial)."""
-    from gpufleet.transport import open_session
 
-    started = time.monotonic()
+# --------------------------------------------------------------------------- the command
+
+
+class ProgressLine(Protocol):
+    """What the CLI's progress line gives run_hosts (cli.progress.HostProgress)."""
+
+    def callbacks(self) -> Any: ...
+
+
+# (work items, label) -> the progress line of one fan-out, as a context manager
+ProgressFactory = Callable[[Sequence[Any], str], AbstractContextManager[ProgressLine]]
+
+
+@dataclass
+class CleanRun:
+    """What `clean` did, for the CLI to render and turn into an exit code."""
+
+    results: list[HostClean]
+    dry_run: bool
+    interrupted: Optional[str] = None  # "planning" (nothing signalled) or "acting"
+    declined: bool = False  # the operator answered no: nothing signalled
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return errors.EXIT_INTERRUPTED
+        if self.declined or any(r.usage_error for r in self.results):
+            return errors.EXIT_USAGE
+        if self.dry_run:
+            return errors.EXIT_OK if all(r.ok for r in self.results) else errors.EXIT_FAILED
+        return errors.EXIT_OK if all(r.verdict == "clean" for r in self.results) else errors.EXIT_FAILED
+
+
+def run_clean(hosts: Sequence[Host], opts: CleanOptions, *, forks: int = 32, dry_run: bool = False,
+              on_planned: Optional[Callable[[list[HostClean]], None]] = None,
+              confirm: Optional[Callable[[list[HostClean]], bool]] = None,
+              progress: Optional[ProgressFactory] = None,
+              on_interrupt: Optional[Callable[[list[Any]], None]] = None) -> CleanRun:
+    """Plan every host (sessions held), then, unless ``dry_run``, act on the same sessions.
+
+    ``on_planned(planned)`` is called when every host is planned (not in a dry run: there
+    the CLI shows the plans with the outcome); ``confirm(planned)`` once every plan is valid
+    and before anything is
+    signalled; False: nothing is signalled (``declined``); it may raise (UsageError: not a
+    terminal and no --yes). Any host's invalid input (--gpus 9 on an 8-GPU host) raises
+    UsageError before ``confirm``: nothing is signalled anywhere. Ctrl-C while planning:
+    nothing is signalled; while acting: hosts already running finish (``on_interrupt``
+    hears which), no other host starts. ``progress(items, label)``: the progress line.
+    """
+    state: dict[str, Any] = {"phase": "planning", "interrupted": None}
+
+    def interrupted(in_flight: list[Any]) -> None:
+        state["interrupted"] = state["phase"]
+        if on_interrupt is not None:
+            on_interrupt(in_flight)
+
+    fan: dict[str, Any] = dict(forks=forks, on_interrupt=interrupted, make_error=not_run)
+    sessions: dict[str, Session] = {}
     try:
-        with open_session(host, dial) as session:
-            planned = plan_host(host, session, opts)
-            if dry_run or not planned.ok:
-                return planned
-            return execute_plan(host, session, planned, opts)
-    except Exception as exc:  # a failed host is a value
-        return HostClean(host=host.name, ok=False, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                         verdict="unreachable" if _is_connect_error(str(exc)) else "error",
-                         seconds=time.monotonic() - started)
+        results = _plan_all(hosts, opts, sessions if not dry_run else None, fan, progress)
+        if dry_run or state["interrupted"]:
+            return CleanRun(results, dry_run, state["interrupted"])
+        if on_planned is not None:
+            on_planned(results)
+        _refuse_bad_input(results)
+        if confirm is not None and not confirm(results):
+            return CleanRun(results, dry_run, declined=True)
+        state["phase"] = "acting"
+        by_host = {h.name: h for h in hosts}
+
+        def act(r: HostClean) -> HostClean:
+            if r.host not in sessions:
+                return r
+            return execute_plan(by_host[r.host], sessions[r.host], r, opts)
+
+        with _progress(progress, results, "clean") as line:
+            acted = run_hosts(results, act, **fan, **_callbacks(line))
+        return CleanRun([as_row(h, r) for h, r in zip(hosts, acted)], dry_run,
+                        state["interrupted"])
+    finally:
+        for session in sessions.values():
+            try:
+                session.close()
+            except Exception:
+                pass
 
 
-def used_by_index(snapshot: Any, scope: Sequence[int]) -> list[dict[str, Any]]:
-    if snapshot is None:
-        return []
-    return [{"index": g.index, "memory_used_mib": g.memory_used_mib} for g in snapshot.gpus if g.index in scope]
+def _plan_all(hosts: Sequence[Host], opts: CleanOptions, sessions: Optional[dict[str, Session]],
+              fan: dict[str, Any], progress: Optional[ProgressFactory]) -> list[HostClean]:
+    """Every host's plan, its session kept in ``sessions`` for acting (None: a dry run, each
+    session closed once planned). Every TCP connect starts now, outside the forks bound
+    (unreachable hosts cost one connect_timeout in all); handshakes and plans stay inside it."""
+    with predial(hosts, fan["forks"]) as dials:
+
+        def plan(h: Host) -> HostClean:
+            session: Optional[Session] = None
+            try:
+                session = open_session(h, dials.take(h))
+                if sessions is not None:
+                    sessions[h.name] = session
+                return plan_host(h, session, opts)
+            except Exception as exc:  # a failed host is a value
+                return HostClean(host=h.name).fail(Failure(kind_of(exc), first_line(exc)))
+            finally:
+                if sessions is None and session is not None:
+                    session.close()
+
+        with _progress(progress, hosts, "clean: planning") as line:
+            planned = run_hosts(hosts, plan, **fan, **_callbacks(line))
+    return [as_row(h, r) for h, r in zip(hosts, planned)]
+
+
+def _refuse_bad_input(results: Sequence[HostClean]) -> None:
+    """Nothing is signalled anywhere on the strength of input that failed validation."""
+    bad = [r.error or "invalid input" for r in results if r.usage_error]
+    if bad:
+        raise UsageError(bad[0], more=bad[1:], notes=("nothing signalled on any host",))
+
+
+class _NoProgress:
+    def __enter__(self) -> "_NoProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def callbacks(self) -> dict[str, Any]:
+        return {}
+
+
+def _progress(factory: Optional[ProgressFactory], items: Sequence[Any], label: str
+              ) -> AbstractContextManager[Any]:
+    return factory(items, label) if factory is not None else _NoProgress()
+
+
+def _callbacks(line: Any) -> dict[str, Any]:
+    return dict(line.callbacks())
+
+
+def not_run(item: Union[Host, HostClean], failure: Failure) -> HostClean:
+    """fanout's value for a host it did not start, or stopped waiting for: a HostClean row
+    (the work items are Hosts while planning, HostCleans while acting)."""
+    name = item.host if isinstance(item, HostClean) else item.name
+    out = HostClean(host=str(name))
+    if isinstance(item, HostClean):
+        out.before, out.plan = item.before, item.plan
+    if failure.kind != errors.INTERRUPTED:  # the work function raised: an error row
+        if isinstance(item, HostClean):  # while acting: what the host did is not known
+            out.outcome_unknown = True
+            failure = Failure(failure.kind, failure.message + f"; run `gpufleet status --host {out.host}`")
+        return out.fail(failure)
+    tail = ("; nothing signalled" if failure.message == NOT_STARTED else
+            f"; run `gpufleet status --host {out.host}`")
+    return out.fail(Failure(failure.kind, failure.message + tail), verdict="interrupted")
+
+
+def as_row(host: Host, result: Any) -> HostClean:
+    """Whatever fanout gave for ``host``, as its HostClean row."""
+    if isinstance(result, HostClean):
+        return result
+    return HostClean(host=host.name).fail(Failure(errors.INTERNAL, str(result) or "failed"))

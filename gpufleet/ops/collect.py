@@ -5,14 +5,14 @@ modules (model, plan, render) never import it.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from gpufleet.ops.fanout import run_hosts
 from gpufleet.config.inventory import Host
-from gpufleet.core.model import HostResult, SnapshotError, parse_snapshot
-from gpufleet.transport import open_session, predial
+from gpufleet.core.model import HostResult, parse_snapshot
+from gpufleet.errors import AGENT, INTERNAL, SnapshotError, first_line, kind_of
+from gpufleet.ops.fanout import run_hosts
+from gpufleet.transport import AgentReply, Dialled, open_session, predial
 
 DEADLINE_MARGIN_S = 2.0
 
@@ -28,18 +28,21 @@ def snapshot_request(host: Host) -> dict[str, Any]:
     }
 
 
-def result_from_reply(host: Host, reply: Any, started: float) -> HostResult:
+def result_from_reply(host: Host, reply: AgentReply, started: float) -> HostResult:
+    """The host's row from the agent's reply; the reply's failure kind travels with it."""
     seconds = time.monotonic() - started
     if not reply.ok or reply.doc is None:
-        return HostResult(host=host.name, ok=False, error=reply.error or "agent failed", seconds=seconds)
+        return HostResult(host=host.name, ok=False, error=reply.error or "agent failed",
+                          seconds=seconds, error_kind=reply.error_kind or AGENT)
     try:
         snap = parse_snapshot(reply.doc)
     except SnapshotError as exc:
-        return HostResult(host=host.name, ok=False, error=str(exc), seconds=seconds)
+        return HostResult(host=host.name, ok=False, error=str(exc), seconds=seconds,
+                          error_kind=exc.kind)
     return HostResult(host=host.name, ok=True, snapshot=snap, seconds=seconds)
 
 
-def snapshot_host(host: Host, dial: Optional[cf.Future] = None) -> HostResult:
+def snapshot_host(host: Host, dial: Optional[Dialled] = None) -> HostResult:
     """One SSH connection, one exec: everything the host knows (``dial``: its pre-dialled
     connection, see transport.predial)."""
     started = time.monotonic()
@@ -47,13 +50,9 @@ def snapshot_host(host: Host, dial: Optional[cf.Future] = None) -> HostResult:
         with open_session(host, dial) as session:
             reply = session.run_agent(snapshot_request(host), timeout=float(host.command_timeout))
     except Exception as exc:  # a failed host is a value, whatever broke
-        return HostResult(host=host.name, ok=False, error=_short(exc), seconds=time.monotonic() - started)
+        return HostResult(host=host.name, ok=False, error=first_line(exc)[:300],
+                          seconds=time.monotonic() - started, error_kind=kind_of(exc))
     return result_from_reply(host, reply, started)
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:300]
 
 
 def snapshot_hosts(hosts: Sequence[Host], forks: int = 32,
@@ -70,6 +69,7 @@ def snapshot_hosts(hosts: Sequence[Host], forks: int = 32,
             out = run_hosts(hosts, lambda h: snapshot_host(h, dials.take(h)), forks=forks,
                             on_start=on_start, on_result=on_result)
     return [
-        r if isinstance(r, HostResult) else HostResult(host=h.name, ok=False, error=str(r))
+        r if isinstance(r, HostResult) else HostResult(host=h.name, ok=False, error=str(r),
+                                                       error_kind=INTERNAL)
         for h, r in zip(hosts, out)
     ]

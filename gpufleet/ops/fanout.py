@@ -14,6 +14,8 @@ import threading
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from gpufleet.core.model import HostResult
+from gpufleet.core.results import Failure
+from gpufleet.errors import INTERRUPTED, describe, kind_of
 
 H = TypeVar("H")
 
@@ -25,9 +27,10 @@ def host_name(host: Any) -> str:
     return str(getattr(host, "name", host))
 
 
-def error_result(host: Any, message: str) -> HostResult:
+def error_result(host: Any, failure: Failure) -> HostResult:
     """The default error value: a failed HostResult for that host."""
-    return HostResult(host=host_name(host), ok=False, error=message)
+    return HostResult(host=host_name(host), ok=False, error=failure.message,
+                      error_kind=failure.kind)
 
 
 def _block_sigint() -> None:
@@ -40,19 +43,13 @@ def _block_sigint() -> None:
         pass
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {first}"[:300] if first else type(exc).__name__
-
-
 def run_hosts(
     hosts: Sequence[H],
     fn: Callable[[H], Any],
     forks: int = 32,
     on_interrupt: Optional[Callable[[list], None]] = None,
     on_result: Optional[Callable[[H, Any], None]] = None,
-    make_error: Callable[[H, str], Any] = error_result,
+    make_error: Callable[[H, Failure], Any] = error_result,
     on_start: Optional[Callable[[H], None]] = None,
 ) -> list:
     """``[fn(h) for h in hosts]``, at most ``forks`` at a time, in ``hosts`` order.
@@ -60,9 +57,10 @@ def run_hosts(
     ``on_interrupt(in_flight_hosts)`` is called on Ctrl-C (to tell the operator what is still
     being waited for); ``on_start(host)`` as a host's work begins and ``on_result(host,
     value)`` as it finishes (the progress display, gpufleet.progress; their errors are ignored).
-    Hosts never started are ``make_error(host, NOT_STARTED)``; after a second Ctrl-C, the
-    still-running ones are ``make_error(host, ABANDONED)`` (their threads end on their own
-    timeouts). Returns the list; never raises for a host's failure.
+    Hosts never started are ``make_error(host, Failure("interrupted", NOT_STARTED))``; after
+    a second Ctrl-C, the still-running ones get ABANDONED (their threads end on their own
+    timeouts); a host whose ``fn`` raised gets the exception's kind and one line. Returns the
+    list; never raises for a host's failure.
     """
     hosts = list(hosts)
     n = len(hosts)
@@ -90,7 +88,7 @@ def run_hosts(
         try:
             value = fn(hosts[i])
         except Exception as exc:  # a failed host is a value
-            value = make_error(hosts[i], _describe(exc))
+            value = make_error(hosts[i], Failure(kind_of(exc), describe(exc)[:300]))
         with cond:
             if not done[i]:  # else abandoned after a second Ctrl-C: that value stands
                 results[i] = value
@@ -134,7 +132,7 @@ def run_hosts(
                 with cond:
                     abandoned = in_flight()
                     for i in abandoned:
-                        results[i] = make_error(hosts[i], ABANDONED)
+                        results[i] = make_error(hosts[i], Failure(INTERRUPTED, ABANDONED))
                         done[i] = True
     finally:
         with cond:
@@ -143,5 +141,5 @@ def run_hosts(
 
     for i in range(n):
         if not done[i]:
-            results[i] = make_error(hosts[i], NOT_STARTED)
+            results[i] = make_error(hosts[i], Failure(INTERRUPTED, NOT_STARTED))
     return results

@@ -96,6 +96,7 @@ def host_document(r: Any) -> dict[str, Any]:
         "host": r.host,
         "ok": bool(r.ok),
         "error": r.error,
+        **r.error_kind_field(),
         "verdict": r.verdict,
         "reason": r.reason,
         "outcome_unknown": bool(getattr(r, "outcome_unknown", False)),

@@ -32,9 +32,18 @@ def fmt_mib(value: Optional[int]) -> str:
     return f"{value}MiB"
 
 
+def error_cell(error: Optional[str], label: str = "ERROR", width: Optional[int] = 100) -> str:
+    """A failed host's cell in every table: ``LABEL: message`` on one line, cut to ``width``
+    (None: whole; the whole text is printed under the table)."""
+    text = " ".join(str(error or "failed").split())
+    if width is not None and len(text) > width:
+        text = text[: width - 1] + "…"
+    return f"{label}: {text}"
+
+
 def to_json(doc: Any) -> str:
     """Every --json document: indented, keys in the order they were built."""
     return json.dumps(doc, indent=2, sort_keys=False)
 
 
-__all__ = ["NA", "fmt_mib", "terminal_safe", "to_json"]
+__all__ = ["NA", "error_cell", "fmt_mib", "terminal_safe", "to_json"]

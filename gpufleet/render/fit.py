@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from gpufleet.core.fit import FitReport
+from gpufleet.render.common import error_cell
 
 HEADERS = ["HOST", "GPU", "TOTAL", "FREE", "VLLM FREE", "REQUESTED", "START-UP", "KV CACHE",
            "MAX UTIL", "MIN UTIL", "VERDICT"]
@@ -18,7 +19,7 @@ def table_rows(report: FitReport) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for hf in report.hosts:
         if hf.error is not None:
-            rows.append([hf.host, "-", "", "", "", "", "", "", "", "", f"error: {hf.error}"])
+            rows.append([hf.host, "-", "", "", "", "", "", "", "", "", error_cell(hf.error, "error", width=None)])
             continue
         for r in hf.results:
             rows.append([

@@ -9,7 +9,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 from gpufleet.core import policy
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
-from gpufleet.render.common import NA, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
+from gpufleet.errors import COMMAND
+from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
 BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB  # clean's --tolerance-mib default
 
@@ -61,20 +62,15 @@ def gpu_is_busy(snapshot: Snapshot, gpu: GpuInfo, expected_mib: int) -> bool:
     return used is not None and used > expected_mib + BUSY_TOLERANCE_MIB
 
 
-def _error_cell(error: Optional[str], width: int = 100) -> str:
-    text = " ".join(str(error or "failed").split())
-    return "ERROR: " + (text if len(text) <= width else text[: width - 1] + "…")
-
-
 def status_rows(results: Sequence[HostResult], expected: dict[str, int]) -> list[list[str]]:
     rows: list[list[str]] = []
     for res in results:
         snap = res.snapshot
         if not res.ok or snap is None:
-            rows.append([res.host, "-", "-", "-", "-", "-", _error_cell(res.error)])
+            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(res.error)])
             continue
         if not snap.nvidia_smi_ok:
-            rows.append([res.host, "-", "-", "-", "-", "-", _error_cell(snap.nvidia_smi_error)])
+            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(snap.nvidia_smi_error)])
             continue
         if not snap.gpus:
             rows.append([res.host, "-", "no GPUs", "-", "-", "-", "-"])
@@ -177,6 +173,8 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
         "host": res.host,
         "ok": bool(res.ok and snap is not None and snap.nvidia_smi_ok),
         "error": res.error if not res.ok else (None if snap is None or snap.nvidia_smi_ok else snap.nvidia_smi_error),
+        **(res.error_kind_field() if not res.ok else
+           {} if snap is None or snap.nvidia_smi_ok else {"error_kind": COMMAND}),
         "seconds": round(res.seconds, 3),
         "facts": snap.facts.as_dict() if snap else {},
         "gpus": [],

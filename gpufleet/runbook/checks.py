@@ -9,12 +9,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from gpufleet.core import policy
 from gpufleet.core.model import Snapshot, ledger
+from gpufleet.errors import StepFailed
 from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
-
-
-# Here, the lowest of the runner modules, because report_lines raises it too.
-class StepFailed(Exception):
-    """A step's own failure, with the one-line reason shown to the operator."""
 
 
 # --------------------------------------------------------------------------- conditions (pure)

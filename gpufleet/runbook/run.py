@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
-from gpufleet.errors import first_line
+from gpufleet.core.results import Failure, HostOutcome
+from gpufleet.errors import INTERNAL, first_line, kind_of, one_line
 from gpufleet.runbook.kinds import describe
 from gpufleet.runbook.model import Runbook, Step
 from gpufleet.runbook.checks import (
@@ -60,20 +61,24 @@ class StepResult:
 
 
 @dataclass
-class HostRun:
+class HostRun(HostOutcome):
+    """One host's run of a runbook; ``error_kind``: what stopped it (the first failed step's
+    kind, or why the host could not be reached)."""
+
     host: str
     ok: bool
     error: Optional[str]
     steps: list[StepResult]
     seconds: float = 0.0
+    error_kind: Optional[str] = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"host": self.host, "ok": self.ok, "error": self.error,
+        return {"host": self.host, "ok": self.ok, "error": self.error, **self.error_kind_field(),
                 "seconds": round(self.seconds, 3), "steps": [s.as_dict() for s in self.steps]}
 
 
 def _short(text: Any, width: int = DETAIL_MAX) -> str:
-    one = " ".join(str(text).split())
+    one = one_line(text)
     return one if len(one) <= width else one[: width - 1] + "…"
 
 
@@ -113,11 +118,12 @@ def run_steps(runbook: Runbook, host: Host, session: Any, operator: str = "gpufl
     ctx = _HostRun(host, session, operator, audit_log)
     results: list[StepResult] = []
     error: Optional[str] = None
+    kind: Optional[str] = None
     if _needs_baseline(runbook):
         try:
             ctx.baseline = ctx.snapshot(float(host.command_timeout))
         except Exception as exc:  # the host could not be read: nothing ran
-            error = f"first snapshot: {_exc_text(exc)}"
+            error, kind = f"first snapshot: {_exc_text(exc)}", kind_of(exc)
     for step in runbook.steps:
         if error is not None:
             results.append(StepResult(step.name, step.kind, SKIPPED))
@@ -129,8 +135,10 @@ def run_steps(runbook: Runbook, host: Host, session: Any, operator: str = "gpufl
             res = StepResult(step.name, step.kind, OK, time.monotonic() - t0, _short(detail))
         except StepFailed as exc:
             res = StepResult(step.name, step.kind, FAILED, time.monotonic() - t0, _short(str(exc)))
+            kind = kind or exc.kind
         except Exception as exc:  # transport errors, timeouts: this step failed
             res = StepResult(step.name, step.kind, FAILED, time.monotonic() - t0, _exc_text(exc))
+            kind = kind or kind_of(exc)
         if step.kind in _STALE_AFTER:
             ctx.latest = None
         results.append(res)
@@ -144,8 +152,9 @@ def run_steps(runbook: Runbook, host: Host, session: Any, operator: str = "gpufl
     failed = [r for r in results if r.outcome == FAILED]
     if error is None and failed:
         error = f"{len(failed)} step(s) failed: " + ", ".join(repr(r.name) for r in failed)
-    return HostRun(host=host.name, ok=not failed and error is None, error=error, steps=results,
-                   seconds=time.monotonic() - started)
+    ok = not failed and error is None
+    return HostRun(host=host.name, ok=ok, error=error, steps=results,
+                   seconds=time.monotonic() - started, error_kind=None if ok else kind)
 
 
 def run_host(runbook: Runbook, host: Host, operator: str = "gpufleet", audit_log: Optional[str] = None,
@@ -162,12 +171,13 @@ def run_host(runbook: Runbook, host: Host, operator: str = "gpufleet", audit_log
             if getattr(session, "error", None):  # unreachable: nothing ran
                 return HostRun(host=host.name, ok=False, error=_short(session.error),
                                steps=[StepResult(s.name, s.kind, SKIPPED) for s in runbook.steps],
-                               seconds=time.monotonic() - started)
+                               seconds=time.monotonic() - started,
+                               error_kind=getattr(session, "error_kind", None) or INTERNAL)
             return run_steps(runbook, host, session, operator, audit_log, on_step)
     except Exception as exc:  # could not connect (or the session broke on close)
         return HostRun(host=host.name, ok=False, error=_exc_text(exc),
                        steps=[StepResult(s.name, s.kind, SKIPPED) for s in runbook.steps],
-                       seconds=time.monotonic() - started)
+                       seconds=time.monotonic() - started, error_kind=kind_of(exc))
 
 
 def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operator: str = "gpufleet",
@@ -179,9 +189,10 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
     run_hosts's ``on_start`` / ``on_result`` (progress.HostProgress.callbacks)."""
     from gpufleet.ops.fanout import run_hosts
 
-    def make_error(host: Host, message: str) -> HostRun:
-        return HostRun(host=host.name, ok=False, error=message,
-                       steps=[StepResult(s.name, s.kind, SKIPPED) for s in runbook.steps])
+    def make_error(host: Host, failure: Failure) -> HostRun:
+        return HostRun(host=host.name, ok=False, error=failure.message,
+                       steps=[StepResult(s.name, s.kind, SKIPPED) for s in runbook.steps],
+                       error_kind=failure.kind)
 
     def run(h: Host, opener: Optional[Callable[[Host], Any]]) -> HostRun:
         return run_host(runbook, h, operator, audit_log, on_step, opener)

@@ -1,20 +1,15 @@
 """The transport: run the agent or an argv on one Host, over SSH or locally (the public face).
 
 session: one connection per host reused by several runs; connection: ssh_config, ProxyJump,
-host keys, dialling and pre-dialling; auth: public-key auth only; hostkeys: strict /
-accept-new; run: one bounded raw run on an exec channel or a local subprocess. Other packages
-import from here only.
+host keys, dialling; dial: pre-dialling (every TCP connect at once); keyscan: the key
+exchange alone (`gpufleet trust`); auth: public-key auth only; hostkeys: strict / accept-new;
+run: one bounded raw run on an exec channel or a local subprocess. Other packages import
+from here only, and no module imports another's private names.
 """
-from gpufleet.transport.connection import (
-    MAX_HOPS,
-    Predial,
-    TransportError,
-    TrustResult,
-    connection_for,
-    fetch_host_key,
-    predial,
-    trust,
-)
+from gpufleet.errors import TransportError
+from gpufleet.transport.connection import MAX_HOPS, connection_for, transport_error
+from gpufleet.transport.dial import Dialled, Predial, predial
+from gpufleet.transport.keyscan import TrustResult, fetch_host_key, trust
 from gpufleet.transport.run import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP
 from gpufleet.transport.session import (
     AgentReply,
@@ -28,6 +23,7 @@ from gpufleet.transport.session import (
 
 __all__ = [
     "INLINE_STDIN", "KILL_AFTER_S", "MAX_HOPS", "STDERR_KEEP", "AgentReply", "ArgvResult",
-    "LocalSession", "Predial", "Session", "SshSession", "TransportError", "TrustResult",
-    "connection_for", "deadline_for", "fetch_host_key", "open_session", "predial", "trust",
+    "Dialled", "LocalSession", "Predial", "Session", "SshSession", "TransportError",
+    "TrustResult", "connection_for", "deadline_for", "fetch_host_key", "open_session",
+    "predial", "transport_error", "trust",
 ]

@@ -15,6 +15,8 @@ from typing import Optional
 import paramiko
 from paramiko.auth_strategy import AuthStrategy, InMemoryPrivateKey, OnDiskPrivateKey
 
+from gpufleet.errors import AuthFailed
+
 
 def _pub_blob(path: str) -> Optional[bytes]:
     try:
@@ -24,11 +26,7 @@ def _pub_blob(path: str) -> Optional[bytes]:
         return None
 
 
-class _AuthFailed(Exception):
-    """No key was accepted; the connection adds user@host to ``detail``."""
-
-
-class _BatchAuth(AuthStrategy):
+class BatchAuth(AuthStrategy):
     """Public-key auth only, never a prompt (OpenSSH BatchMode): see the module docstring."""
 
     def __init__(self, ssh_config, fabric_config, username):
@@ -114,7 +112,7 @@ class _BatchAuth(AuthStrategy):
                 parts = ["no key to try: no identity_file, ssh-agent key or ~/.ssh/id_*"]
             if "partial" in repr(getattr(exc, "result", "")).lower():
                 parts.append("the server wants a second factor; gpufleet never prompts")
-            raise _AuthFailed("; ".join(parts)) from None
+            raise AuthFailed("; ".join(parts)) from None
         finally:
             if self.agent is not None:
                 try:

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import paramiko
 from paramiko.hostkeys import HostKeys
 
-from gpufleet.errors import GpufleetError
+from gpufleet.errors import GpufleetError, HostKeyError
 
 STRICT = "strict"
 ACCEPT_NEW = "accept-new"
@@ -39,16 +39,6 @@ UNKNOWN = "unknown"
 CHANGED = "changed"
 OTHER_TYPE = "other-type"  # only keys of other types are known: refused like a change
 REVOKED = "revoked"
-
-
-class HostKeyError(GpufleetError):
-    """A host key gpufleet will not accept; the message says why and what to do."""
-
-    def __init__(self, message: str, verdict: str, keytype: str = "", fingerprint: str = ""):
-        super().__init__(message)
-        self.verdict = verdict
-        self.keytype = keytype
-        self.fingerprint = fingerprint
 
 
 def gpufleet_known_hosts() -> Path:
@@ -175,7 +165,7 @@ def matches(name: str, patterns: Iterable[str]) -> bool:
 
 def lookup(name: str, files: Sequence[Path]) -> list[KnownKey]:
     """Every entry (any marker) of ``files`` whose host patterns match ``name``."""
-    out = []
+    out: list[KnownKey] = []
     for path in files:
         out.extend(e for e in read_known_hosts(path) if matches(name, e.patterns))
     return out
@@ -216,9 +206,11 @@ def refusal(name: str, keytype: str, blob: bytes, verdict: Verdict, hint: str = 
     """The operator-facing error for a key that is not accepted."""
     fp = fingerprint_blob(blob)
     e = verdict.entry
-    if verdict.verdict == REVOKED:
+    if e is None:  # only UNKNOWN comes without an entry
+        verdict = Verdict(UNKNOWN)
+    if verdict.verdict == REVOKED and e is not None:
         msg = f"REVOKED host key for {name} ({keytype} {fp}), revoked at {e.where}; refusing"
-    elif verdict.verdict in (CHANGED, OTHER_TYPE):
+    elif verdict.verdict in (CHANGED, OTHER_TYPE) and e is not None:
         known = f"{e.keytype} {e.fingerprint}"
         msg = (
             f"HOST KEY CHANGED for {name}: it now presents {keytype} {fp}, {e.where} has {known}; "

@@ -1,6 +1,6 @@
 """One bounded run of an argv, as raw bytes: an SSH exec channel, or a local subprocess.
 
-Internal to gpufleet.transport (import from there); its sessions turn a ``_Raw`` into a reply
+Internal to gpufleet.transport (import from there); its sessions turn a ``RawRun`` into a reply
 or a one-line error. Both ways stop waiting at ``timeout`` and report ``timed_out``: over SSH
 the channel is closed (the remote side bounds itself, see gpufleet.transport); locally the
 process runs in a new session and its process group is ended (TERM, then KILL).
@@ -18,7 +18,9 @@ from typing import Optional, Sequence
 
 import paramiko
 
-from gpufleet.transport.connection import TransportError, _reason
+from gpufleet import errors
+from gpufleet.errors import TransportError
+from gpufleet.transport.connection import transport_error
 
 KILL_AFTER_S = 2  # `timeout -k`: SIGKILL this long after SIGTERM
 STDERR_KEEP = 64 * 1024
@@ -26,14 +28,17 @@ INLINE_STDIN = 1 << 20  # below the SSH window: sendall cannot block on a remote
 
 
 @dataclass
-class _Raw:
+class RawRun:
+    """What one run gave, uninterpreted (the session says what it means)."""
+
     exit_code: Optional[int]
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
 
 
-def _exec(transport: paramiko.Transport, command: str, stdin: bytes, timeout: float) -> _Raw:
+def exec_channel(transport: paramiko.Transport, command: str, stdin: bytes, timeout: float
+                 ) -> RawRun:
     """One exec channel: send stdin, read stdout/stderr until exit status or ``timeout``."""
     deadline = time.monotonic() + timeout
     chan = transport.open_session(timeout=max(0.1, timeout))
@@ -48,8 +53,8 @@ def _exec(transport: paramiko.Transport, command: str, stdin: bytes, timeout: fl
             chan.exec_command(command)
         except paramiko.SSHException as exc:
             if time.monotonic() >= deadline:
-                return _Raw(None, b"", b"", timed_out=True)
-            raise TransportError(f"exec refused: {_reason(exc)}") from None
+                return RawRun(None, b"", b"", timed_out=True)
+            raise TransportError(f"exec refused: {transport_error(exc)}", kind=errors.SSH) from None
 
         def feed() -> None:
             try:
@@ -79,7 +84,7 @@ def _exec(transport: paramiko.Transport, command: str, stdin: bytes, timeout: fl
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return _Raw(None, b"".join(out), bytes(err[-STDERR_KEEP:]), timed_out=True)
+                return RawRun(None, b"".join(out), bytes(err[-STDERR_KEEP:]), timed_out=True)
             if chan.eof_received:
                 chan.status_event.wait(remaining)  # no more data; only the status to come
             else:
@@ -89,25 +94,25 @@ def _exec(transport: paramiko.Transport, command: str, stdin: bytes, timeout: fl
         while chan.recv_stderr_ready():
             err += chan.recv_stderr(65536)
         code = chan.recv_exit_status() if chan.exit_status_ready() else -1
-        return _Raw(code, b"".join(out), bytes(err[-STDERR_KEEP:]))
+        return RawRun(code, b"".join(out), bytes(err[-STDERR_KEEP:]))
     finally:
         watchdog.cancel()
         chan.close()
 
 
-def _run_local(argv: Sequence[str], stdin: bytes, timeout: float) -> _Raw:
+def run_local(argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
     """The same argv without SSH: no shell; the process group is ended at the timeout."""
     try:
         proc = subprocess.Popen(
             list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, close_fds=True)
     except FileNotFoundError:
-        return _Raw(127, b"", f"{argv[0]}: not found".encode())
+        return RawRun(127, b"", f"{argv[0]}: not found".encode())
     except PermissionError:
-        return _Raw(126, b"", f"{argv[0]}: Permission denied".encode())
+        return RawRun(126, b"", f"{argv[0]}: Permission denied".encode())
     try:
         out, err = proc.communicate(stdin, timeout=timeout)
-        return _Raw(proc.returncode, out, err[-STDERR_KEEP:])
+        return RawRun(proc.returncode, out, err[-STDERR_KEEP:])
     except subprocess.TimeoutExpired:
         pass
     for sig, wait in ((signal.SIGTERM, KILL_AFTER_S), (signal.SIGKILL, KILL_AFTER_S)):
@@ -125,4 +130,4 @@ def _run_local(argv: Sequence[str], stdin: bytes, timeout: float) -> _Raw:
             if pipe:
                 pipe.close()
         proc.wait(timeout=KILL_AFTER_S)
-    return _Raw(None, out or b"", (err or b"")[-STDERR_KEEP:], timed_out=True)
+    return RawRun(None, out or b"", (err or b"")[-STDERR_KEEP:], timed_out=True)

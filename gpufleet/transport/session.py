@@ -32,19 +32,19 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import paramiko
 
-from gpufleet.transport.run import KILL_AFTER_S, _exec, _Raw, _run_local
-from gpufleet.transport.connection import (
-    TransportError,
-    _Connection,
-    _reason,
-    connection_for,
-)
-
+from gpufleet import errors
+from gpufleet.config.inventory import Host
+from gpufleet.errors import TransportError
+from gpufleet.transport.connection import HostConnection, connection_for, transport_error
+from gpufleet.transport.dial import Dialled
+from gpufleet.transport.run import KILL_AFTER_S, RawRun, exec_channel, run_local
 
 
 @dataclass(frozen=True)
 class AgentReply:
-    """What one agent run gave: the parsed document, or why there is none."""
+    """What one agent run gave: the parsed document, or why there is none (``error``, and
+    its ``error_kind``: gpufleet.errors kinds). Not a per-host row (core.results): it has no
+    host; the rows are made from it (ops.collect.result_from_reply)."""
 
     ok: bool
     doc: Optional[dict] = None
@@ -52,6 +52,7 @@ class AgentReply:
     exit_code: Optional[int] = None
     seconds: float = 0.0
     stderr: bytes = b""
+    error_kind: Optional[str] = None
 
 
 class ArgvResult(NamedTuple):
@@ -83,7 +84,7 @@ def _last_line(data: bytes) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def _command_error(raw: _Raw, host: Any, what: str, timeout: float) -> Optional[str]:
+def _command_error(raw: RawRun, host: Host, what: str, timeout: float) -> Optional[str]:
     """Why a run failed as one line, or None if it exited 0."""
     if raw.timed_out:
         return f"{what} timed out after {timeout:g}s"
@@ -119,13 +120,13 @@ def _command_error(raw: _Raw, host: Any, what: str, timeout: float) -> Optional[
 _PY2_STDIN = "'file' object has no attribute 'buffer'"
 
 
-def _too_old(host: Any, what: str) -> str:
+def _too_old(host: Host, what: str) -> str:
     python = getattr(host, "python", None) or "python3"
     return (f"{python} on {getattr(host, 'name', 'host')} is too old ({what}; gpufleet needs "
             "3.6+): set python: in the inventory")
 
 
-def _wrapper_error(raw: _Raw, sudo: bool, uses_timeout: bool) -> Optional[str]:
+def _wrapper_error(raw: RawRun, sudo: bool, uses_timeout: bool) -> Optional[str]:
     text = raw.stderr.decode("utf-8", "replace")
     if sudo and ("a password is required" in text or "a terminal is required" in text):
         return ("sudo needs a password on this host (gpufleet runs sudo -n and never prompts)")
@@ -146,7 +147,7 @@ def deadline_for(timeout: float) -> float:
     return max(0.1, timeout - margin)
 
 
-def _agent_command(host: Any) -> list[str]:
+def _agent_command(host: Host) -> list[str]:
     from gpufleet.remote import bootstrap_command
 
     return bootstrap_command(getattr(host, "python", None) or "python3", bool(getattr(host, "sudo", False)))
@@ -155,17 +156,19 @@ def _agent_command(host: Any) -> list[str]:
 class Session:
     """A host's open connection, reused by several runs; a context manager.
 
-    ``open_session`` never raises for an unreachable host: ``error`` then holds the reason
-    and every run returns it as a failure value (``run_argv`` raises TransportError).
+    ``open_session`` never raises for an unreachable host: ``error`` then holds the reason,
+    ``error_kind`` its kind, and every run returns it as a failure value (``run_argv`` raises
+    TransportError).
     """
 
-    def __init__(self, host: Any):
+    def __init__(self, host: Host):
         self.host = host
         self.error: Optional[str] = None
+        self.error_kind: Optional[str] = None
         self.connect_seconds = 0.0
 
     # subclass interface
-    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> _Raw:
+    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
         raise NotImplementedError
 
     def _wrap_timeout(self, argv: list[str], timeout: float) -> list[str]:
@@ -195,29 +198,31 @@ class Session:
         req["deadline_s"] = own if given is None else min(float(given), own)
         try:
             raw = self._run(_agent_command(self.host), encode_request(req), timeout)
-        except TransportError as exc:
-            return AgentReply(False, None, str(exc), None, time.monotonic() - started)
         except Exception as exc:  # a failed host is a value, whatever broke
-            return AgentReply(False, None, _reason(exc), None, time.monotonic() - started)
+            failed = transport_error(exc)
+            return AgentReply(False, None, str(failed), None, time.monotonic() - started,
+                              error_kind=failed.kind)
         seconds = time.monotonic() - started
+
+        def failed_run(message: str, kind: str, doc: Optional[dict] = None) -> AgentReply:
+            return AgentReply(False, doc, message, raw.exit_code, seconds, raw.stderr, kind)
+
         error = _command_error(raw, self.host, "agent", timeout)
         if error is not None:
-            return AgentReply(False, None, error, raw.exit_code, seconds, raw.stderr)
+            return failed_run(error, errors.COMMAND)
         text = raw.stdout.decode("utf-8", "replace").strip()
         if not text:
-            return AgentReply(False, None, "agent printed nothing", raw.exit_code, seconds, raw.stderr)
+            return failed_run("agent printed nothing", errors.AGENT)
         try:
             doc = json.loads(text)
         except ValueError:
             head = text.splitlines()[0][:80]
-            return AgentReply(False, None, f"agent output is not JSON: {head!r}", raw.exit_code,
-                              seconds, raw.stderr)
+            return failed_run(f"agent output is not JSON: {head!r}", errors.AGENT)
         if not isinstance(doc, dict):
-            return AgentReply(False, None, "agent output is not a JSON object", raw.exit_code,
-                              seconds, raw.stderr)
+            return failed_run("agent output is not a JSON object", errors.AGENT)
         if doc.get("python_too_old"):  # the agent's own version check (3.0 - 3.5)
-            return AgentReply(False, doc, _too_old(self.host, f"Python {doc.get('python')}"),
-                              raw.exit_code, seconds, raw.stderr)
+            return failed_run(_too_old(self.host, f"Python {doc.get('python')}"), errors.COMMAND,
+                              doc)
         return AgentReply(True, doc, None, raw.exit_code, seconds, raw.stderr)
 
     def run_argv(self, argv: Sequence[str], stdin: bytes = b"", timeout: Optional[float] = None,
@@ -246,15 +251,15 @@ class Session:
             # failures of the wrappers (not of the command) are the transport's
             error = _wrapper_error(raw, sudo, uses_timeout)
         if error:
-            raise TransportError(error, raw.stdout, raw.stderr)
+            raise TransportError(error, raw.stdout, raw.stderr, kind=errors.COMMAND)
         return ArgvResult(raw.exit_code if raw.exit_code is not None else -1, raw.stdout, raw.stderr)
 
 
 class LocalSession(Session):
     """``connection: local``: the same argv through subprocess, no shell, no SSH."""
 
-    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> _Raw:
-        return _run_local(argv, stdin, timeout)
+    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
+        return run_local(argv, stdin, timeout)
 
 
 class SshSession(Session):
@@ -264,13 +269,17 @@ class SshSession(Session):
     command); used for the first connect only, a reconnect dials afresh.
     """
 
-    def __init__(self, host: Any, dial: Optional[cf.Future] = None):
+    def __init__(self, host: Host, dial: Optional[Dialled] = None):
         super().__init__(host)
-        self.conn: Optional[_Connection] = None
+        self.conn: Optional[HostConnection] = None
         self._was_open = False
         self._connect(dial)
 
-    def _connect(self, dial: Optional[cf.Future] = None) -> None:
+    def _failed(self, exc: BaseException, prefix: str = "") -> None:
+        failed = transport_error(exc)
+        self.error, self.error_kind = prefix + str(failed), failed.kind
+
+    def _connect(self, dial: Optional[Dialled] = None) -> None:
         started = time.monotonic()
         conn = None
         if dial is not None:
@@ -279,26 +288,27 @@ class SshSession(Session):
             except cf.CancelledError:
                 conn = None  # given up (interrupted): dial here, as without a pre-dial
             except Exception as exc:  # the dial failed: the same row error as dialling here
-                self.error = _reason(exc)
+                self._failed(exc)
                 self.connect_seconds = time.monotonic() - started
                 return
         try:
             if conn is None:
                 conn = connection_for(self.host)
         except Exception as exc:
-            self.error = f"ssh config: {_reason(exc)}"
+            self._failed(exc, "ssh config: ")
+            self.error_kind = errors.SSHCONFIG
             return
         try:
             conn.open()
             self.conn = conn
             self._was_open = True
-            self.error = None
+            self.error = self.error_kind = None
         except Exception as exc:
             try:
                 conn.close()
             except Exception:
                 pass
-            self.error = _reason(exc)
+            self._failed(exc)
         finally:
             self.connect_seconds = time.monotonic() - started
 
@@ -309,19 +319,22 @@ class SshSession(Session):
     def _wrap_timeout(self, argv: list[str], timeout: float) -> list[str]:
         return ["timeout", "-k", str(KILL_AFTER_S), str(max(1, math.ceil(timeout)))] + argv
 
-    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> _Raw:
+    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
         if not self.connected and self._was_open:  # dropped since (host rebooted): once more
             self.close()
             self._connect()
-        if self.error is not None or self.conn is None:
-            raise TransportError(self.error or "not connected")
+        transport = self.conn.transport if self.conn is not None else None
+        if self.error is not None or transport is None:
+            raise TransportError(self.error or "not connected",
+                                 kind=self.error_kind or errors.CLOSED)
         command = " ".join(shlex.quote(a) for a in argv)
         try:
-            return _exec(self.conn.transport, command, stdin, timeout)
+            return exec_channel(transport, command, stdin, timeout)
         except TransportError:
             raise
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise TransportError(f"connection lost: {_reason(exc)}") from None
+            raise TransportError(f"connection lost: {transport_error(exc)}",
+                                 kind=errors.CLOSED) from None
 
     def close(self) -> None:
         if self.conn is not None:
@@ -332,7 +345,7 @@ class SshSession(Session):
             self.conn = None
 
 
-def open_session(host: Any, dial: Optional[cf.Future] = None) -> Session:
+def open_session(host: Host, dial: Optional[Dialled] = None) -> Session:
     """Open the host's session (connects now for ssh); never raises for host failures.
 
     ``dial``: the host's pre-dialled connection (``predial(hosts, forks).take(host)``), so its

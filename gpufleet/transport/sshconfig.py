@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import paramiko
 
-from gpufleet.errors import GpufleetError
+from gpufleet.errors import SshConfigError, first_line
 
 SSH_G_TIMEOUT_S = 15.0  # Match exec commands run inside ssh -G; a hung one must not hang us
 USER_CONFIG = "~/.ssh/config"
@@ -45,10 +45,6 @@ _SINGLE = ("hostname", "user", "port", "proxyjump", "proxycommand", "connecttime
            "stricthostkeychecking", "identitiesonly", "hostkeyalias")
 _LISTS = ("userknownhostsfile", "globalknownhostsfile")
 _NOISE = ("Pseudo-terminal will not be allocated",)
-
-
-class SshConfigError(GpufleetError):
-    """ssh_config cannot give this alias a destination; one line, for the host's row."""
 
 
 @dataclass(frozen=True)
@@ -241,9 +237,7 @@ def _from_paramiko(alias: str, port: Optional[int], user: Optional[str]) -> dict
                 parsed.parse(fh)
         found = dict(parsed.lookup(alias))
     except Exception as exc:  # paramiko's parse/Match errors: the host's row, one line
-        text = str(exc).strip().splitlines()
-        raise SshConfigError(f"ssh_config for {alias}: {text[0] if text else type(exc).__name__}"
-                             ) from None
+        raise SshConfigError(f"ssh_config for {alias}: {first_line(exc)}") from None
     values = {k: v for k, v in found.items() if k in _SINGLE or k in _LISTS or k == "identityfile"}
     values.setdefault("hostname", alias)
     # -p / -l act as on ssh's command line: they win over the config

@@ -496,3 +496,33 @@ def test_local_missing_python():
     reply = agent(Host(name="here", connection="local", python="/nonexistent/python3"))
     assert not reply.ok
     assert reply.error == "/nonexistent/python3 not found on host (set python: in the inventory)"
+
+
+# --------------------------------------------------------------------------- failure kinds
+
+
+def test_each_connect_failure_has_its_kind(lab, shared, tmp_path):
+    """The row's message stays as it was; the kind says what happened, for verdicts."""
+    dead, hole = lab.dead_host("tr-kind-dead"), lab.blackholed_host("tr-kind-hole")
+    kh = tmp_path / "kh"
+    kh.write_text(lab.wrong_host_key_line(shared) + "\n")
+    nxdomain = Host(name="tr-kind-dns", address="nonexistent.invalid", port=22,
+                    connect_timeout=5, explicit=frozenset({"connect_timeout"}))
+    cases = {
+        "refused": inv(lab, dead, connect_timeout=5),
+        "timeout": inv(lab, hole, connect_timeout=2),
+        "dns": nxdomain,
+        "hostkey": inv(lab, shared, name="tr-kind-key", known_hosts_file=str(kh)),
+    }
+    got = {}
+    for kind, host in cases.items():
+        reply = agent(host)
+        assert not reply.ok
+        got[kind] = reply.error_kind
+    assert got == {k: k for k in cases}
+    with open_session(cases["refused"]) as session:
+        assert session.error == f"connection refused by 127.0.0.1:{dead.port}"
+        assert session.error_kind == "refused"
+        with pytest.raises(TransportError) as err:
+            session.run_argv(["true"])
+    assert err.value.kind == "refused"

@@ -94,7 +94,7 @@ def test_custom_error_values_and_progress_callback():
             raise ValueError("nope")
         return 7
 
-    out = run_hosts(hosts(3), fn, forks=2, make_error=lambda h, msg: ("ERR", h.name, msg),
+    out = run_hosts(hosts(3), fn, forks=2, make_error=lambda h, failure: ("ERR", h.name, failure.message),
                     on_result=lambda h, v: seen.append(h.name))
     assert out == [7, ("ERR", "h01", "ValueError: nope"), 7]
     assert sorted(seen) == ["h00", "h01", "h02"]

@@ -1,4 +1,4 @@
-"""sshconnect.Predial: every host's TCP connect at once; sockets nobody takes are closed.
+"""transport.dial.Predial: every host's TCP connect at once; sockets nobody takes are closed.
 
 Real loopback TCP listeners stand in for the hosts (a pre-dial is a plain TCP connect; the
 SSH side is tested against the lab's sshd in tests/integration/test_predial_lab.py). Whether
@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from gpufleet.transport import connection as sshconnect
-from gpufleet.transport.connection import Predial, TransportError
+from gpufleet.errors import TransportError
+from gpufleet.transport import connection, dial as predialling, keyscan
+from gpufleet.transport.dial import Predial
 
 
 @pytest.fixture(autouse=True)
@@ -87,14 +88,14 @@ def made(monkeypatch):
     """Every connection the dial threads make, kept referenced: a socket dropped without
     close() would otherwise be closed by the garbage collector and hide the leak."""
     conns: list = []
-    real = sshconnect._dial_host
+    real = predialling.dial_host
 
     def keep(h: Any) -> Any:
         conn = real(h)
         conns.append(conn)
         return conn
 
-    monkeypatch.setattr(sshconnect, "_dial_host", keep)
+    monkeypatch.setattr(predialling, "dial_host", keep)
     return conns
 
 
@@ -106,7 +107,7 @@ def test_untaken_sockets_are_closed_and_the_taken_one_is_left_alone(listeners, m
         servers = [accept(s) for s in ls]
         taken = dials.take(hosts[0])
         conn = taken.result(timeout=10)
-        assert conn._predialed is not None
+        assert conn.predialed
     # close(): the two sockets nobody took are closed, the taken one is the taker's
     assert [server_sees_eof(s) for s in servers[1:]] == [True, True]
     assert still_open(servers[0])
@@ -188,7 +189,7 @@ def test_local_hosts_and_jump_hosts_are_not_dialled(listeners, home) -> None:
         assert dials.take(local) is None
         conn = dials.take(jumped).result(timeout=10)
         # the jump is an SSH session: it is dialled by open(), inside the forks bound
-        assert conn.gateway is not None and conn._predialed is None
+        assert conn.gateway is not None and not conn.predialed
         conn.close()
     assert not accepted_now(ls)
 
@@ -200,8 +201,8 @@ def test_a_stale_socket_is_dialled_again(listeners, monkeypatch) -> None:
     with Predial([h]) as dials:
         conn = dials.take(h).result(timeout=10)
     server = accept(ls)
-    monkeypatch.setattr(sshconnect, "PREDIAL_FRESH_S", 0.0)
-    assert conn._take_predialed() is None
+    monkeypatch.setattr(connection, "PREDIAL_FRESH_S", 0.0)
+    assert conn.take_predialed() is None
     assert server_sees_eof(server)
     server.close()
     conn.close()
@@ -210,7 +211,7 @@ def test_a_stale_socket_is_dialled_again(listeners, monkeypatch) -> None:
 def test_descriptor_budget_bounds_the_sockets_held(listeners, monkeypatch) -> None:
     """With room for 2 sockets, 2 hosts are dialled; each one taken lets the next one dial
     (no deadlock: hosts are dialled in the order workers take them)."""
-    monkeypatch.setattr(sshconnect, "_fd_budget", lambda forks: 2)
+    monkeypatch.setattr(predialling, "_fd_budget", lambda forks: 2)
     ls = listeners(4)
     hosts = [host("h%d" % i, port_of(s)) for i, s in enumerate(ls)]
     with Predial(hosts, forks=1) as dials:
@@ -222,7 +223,7 @@ def test_descriptor_budget_bounds_the_sockets_held(listeners, monkeypatch) -> No
             conns.append(dials.take(h).result(timeout=10))
             if i + 2 < len(ls):
                 servers.append(accept(ls[i + 2]))
-        assert all(c._predialed is not None for c in conns)
+        assert all(c.predialed for c in conns)
     for c in conns:
         c.close()
     assert all(server_sees_eof(s) for s in servers)
@@ -240,7 +241,7 @@ def test_fetch_host_key_uses_the_predialled_socket(listeners) -> None:
         server = accept(ls)  # the pre-dial
         dial = dials.take(h)
         with pytest.raises(TransportError):
-            sshconnect.fetch_host_key(h, dial)
+            keyscan.fetch_host_key(h, dial)
     server.settimeout(5)
     assert server.recv(8) == b"SSH-2.0-"
     assert not accepted_now(ls)
@@ -255,6 +256,6 @@ def test_fetch_host_key_reports_the_dial_failure() -> None:
         with Predial([h]) as dials:
             with pytest.raises(TransportError, match="connection refused by 127.0.0.1:%d"
                                % dead.getsockname()[1]):
-                sshconnect.fetch_host_key(h, dials.take(h))
+                keyscan.fetch_host_key(h, dials.take(h))
     finally:
         dead.close()

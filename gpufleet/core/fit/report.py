@@ -28,7 +28,8 @@ from gpufleet.core.fit.arithmetic import (
 from gpufleet.core.fit.suggestions import suggest_alternatives
 from gpufleet.core.gpus import parse_gpu_list
 from gpufleet.core.model import HostResult, Snapshot
-from gpufleet.errors import EXIT_FAILED, EXIT_OK, UsageError
+from gpufleet.core.results import HostOutcome
+from gpufleet.errors import AGENT, COMMAND, EXIT_FAILED, EXIT_OK, UsageError
 
 
 def check_fit(
@@ -123,10 +124,14 @@ def gpus_from_snapshot(snapshot: Snapshot, indices: Optional[Sequence[int]]) -> 
 
 
 @dataclass(frozen=True)
-class HostFit:
+class HostFit(HostOutcome):
+    """One host's fit, or why it could not be checked (``error``, ``error_kind``)."""
+
     host: str
     results: tuple[FitResult, ...] = ()
     error: Optional[str] = None
+    error_kind: Optional[str] = None
+    seconds: float = 0.0  # the snapshot's
 
     @property
     def ok(self) -> bool:
@@ -187,20 +192,22 @@ def fit_host(
     """One host: an unreachable host or unusable numbers are an error value (exit 1); a --tp
     that the selected GPUs cannot hold is a UsageError naming the host (exit 2)."""
     if not result.ok or result.snapshot is None:
-        return HostFit(result.host, error=result.error or "no snapshot")
+        return HostFit(result.host, error=result.error or "no snapshot",
+                       error_kind=result.error_kind or AGENT, seconds=result.seconds)
     snapshot = result.snapshot
     if not snapshot.nvidia_smi_ok:
-        return HostFit(result.host, error=f"nvidia-smi failed: {snapshot.nvidia_smi_error or 'unknown error'}")
+        return HostFit(result.host, error=f"nvidia-smi failed: {snapshot.nvidia_smi_error or 'unknown error'}",
+                       error_kind=COMMAND, seconds=result.seconds)
     try:
         memories = gpus_from_snapshot(snapshot, gpus)
     except ValueError as exc:
-        return HostFit(result.host, error=str(exc))
+        return HostFit(result.host, error=str(exc), error_kind=AGENT, seconds=result.seconds)
     holders = {m.index: holder_uses(snapshot, m.index) for m in memories}
     try:
         results = check_fleet(memories, need, util, context_mib, holders)
     except UsageError as exc:
         raise UsageError(f"{result.host}: {exc}") from None
-    return HostFit(result.host, results=results)
+    return HostFit(result.host, results=results, seconds=result.seconds)
 
 
 def fit_report(
@@ -248,7 +255,7 @@ def _document(fits: Sequence[HostFit], need: ModelNeed, util: float, context_mib
             "bytes_per_param": need.bytes_per_param,
         },
         "hosts": [
-            {"host": hf.host, "ok": hf.ok, "error": hf.error,
+            {"host": hf.host, "ok": hf.ok, "error": hf.error, **hf.error_kind_field(),
              "gpus": [result_dict(r) for r in hf.results]}
             for hf in fits
         ],
