@@ -30,7 +30,7 @@ Agent snapshot document (version 1), the contract between agent and controller::
 *mapped* (/proc/PID/maps), the evidence that tells a CUDA context (maps /dev/nvidiaN and
 /dev/nvidia-uvm) from an NVML client (monitors, exporters: open files, no mappings; a running
 nvidia-smi maps only /dev/nvidiactl). ``null`` = not available (maps unreadable, too big, too
-slow, or an older agent): then only the memory evidence decides (gpufleet.policy.holder_role).
+slow, or an older agent): then only the memory evidence decides (gpufleet.core.policy.holder_role).
 ``holders_vanished``: device-file holders that exited before their details were read (a
 concurrent nvidia-smi run); they are not holders. ``fd_unreadable``: processes whose open files
 could not be read, with the reason ("permission denied as root", ...).
@@ -50,7 +50,7 @@ COMM_MAX = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to this many bytes
 
 _NVIDIA_DEV = re.compile(r"^/dev/nvidia(\d+)$")
 # The warning the agent gives about unreadable open files (gpufleet/remote/agent.py
-# denied_warning); status prints it only when it could matter (gpufleet.policy).
+# denied_warning); status prints it only when it could matter (gpufleet.core.policy).
 FD_DENIED_WARNING = "cannot read the open files of "
 
 

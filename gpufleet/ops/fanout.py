@@ -56,7 +56,7 @@ def run_hosts(
 
     ``on_interrupt(in_flight_hosts)`` is called on Ctrl-C (to tell the operator what is still
     being waited for); ``on_start(host)`` as a host's work begins and ``on_result(host,
-    value)`` as it finishes (the progress display, gpufleet.progress; their errors are ignored).
+    value)`` as it finishes (the progress display, gpufleet.cli.progress; their errors are ignored).
     Hosts never started are ``make_error(host, Failure("interrupted", NOT_STARTED))``; after
     a second Ctrl-C, the still-running ones get ABANDONED (their threads end on their own
     timeouts); a host whose ``fn`` raised gets the exception's kind and one line. Returns the

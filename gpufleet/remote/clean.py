@@ -54,7 +54,7 @@ def valid_unit(name):
 
 
 def refusal(pid, self_pid, ancestors):
-    """The agent's last-resort guard; the real policy is controller-side (gpufleet/policy.py)."""
+    """The agent's last-resort guard; the real policy is controller-side (gpufleet/core/policy.py)."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
         return "refused: pid <= 1"
     if pid == self_pid or pid in ancestors:

@@ -80,7 +80,7 @@ def gpu_query_argv(smi, fields):
 
 
 def snapshot(req, deadline, proc=PROC):
-    """The snapshot document of gpufleet/model.py; every failure is a value in it."""
+    """The snapshot document of gpufleet/core/model.py; every failure is a value in it."""
     t0 = time.monotonic()
     ctx = self_context(proc)
     warnings = ctx["warnings"]

@@ -1,6 +1,6 @@
 """What a runbook step looks at in a snapshot: per-GPU metrics, holders, `assert` conditions, reports.
 
-Internal to gpufleet.runner (import from there). Pure: these take values and return values
+Internal to gpufleet.runbook.run (import from there). Pure: these take values and return values
 (a Snapshot in, findings out) so the unit tests need no host.
 """
 from __future__ import annotations

@@ -8,8 +8,8 @@ mean 'grace'?)``), raised as ``UsageError`` (exit 2).
 
 Variables are ``{{ NAME }}`` (NAME = letters, digits, ``_``), given by ``vars:`` and ``-e
 NAME=VALUE`` (``-e`` wins); an undefined variable is a validation error. How they are
-substituted (as DATA) is gpufleet.runbook.template. The step kinds (their fields, rules and
-``describe``) live in gpufleet.runbook.kinds, the model in gpufleet.runbook.model. The format
+substituted (as DATA) is gpufleet.runbook.load.template. The step kinds (their fields, rules and
+``describe``) live in gpufleet.runbook.kinds, the model in gpufleet.runbook.load.model. The format
 is documented in docs/runbooks.md.
 """
 from __future__ import annotations

@@ -5,8 +5,8 @@ host's remaining steps are ``skipped`` (unless the step says ``continue_on_failu
 other hosts carry on. Every step is bounded by its ``timeout``; waits run their polling loop
 here (``wait_free``) or on the host (``wait_http``), never unbounded.
 
-The step executors live in gpufleet.runner_steps, what they look at in a snapshot (metrics,
-conditions, reports: pure) in gpufleet.runner_checks; import them from here.
+The step executors live in gpufleet.runbook.steps, what they look at in a snapshot (metrics,
+conditions, reports: pure) in gpufleet.runbook.checks; import them from here.
 """
 from __future__ import annotations
 

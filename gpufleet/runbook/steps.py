@@ -1,12 +1,12 @@
 """The runbook step executors: one function per step kind, run on one host's open session.
 
-Internal to gpufleet.runner (import from there). An executor returns a one-line detail or
+Internal to gpufleet.runbook.run (import from there). An executor returns a one-line detail or
 raises ``StepFailed``; it is bounded by its step's ``end`` (monotonic): waits poll here
 (``wait_free``) or on the host (``wait_http``), never unbounded.
 
 Nothing from the runbook or the inventory becomes shell text: ``systemctl`` and the health
 probe are argv lists, the probe's URL travels as JSON on stdin, and ``shell`` steps were
-quoted at load time (gpufleet.runbook).
+quoted at load time (gpufleet.runbook.load).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ exchange alone (`gpufleet trust`) is gpufleet.transport.keyscan.
 What gpufleet changes in fabric's defaults, and why:
 
 * Host keys: fabric puts AutoAddPolicy on its client and on every ProxyJump hop; here each of
-  them gets :class:`gpufleet.hostkeys.HostKeyPolicy` (strict / accept-new, CHANGED always
+  them gets :class:`gpufleet.transport.hostkeys.HostKeyPolicy` (strict / accept-new, CHANGED always
   refused), with the known keys preloaded so the server offers a key type we know.
 * ProxyJump: hops are built here in OpenSSH order (the first hop is dialled directly; fabric
   3 reverses the list), each one with the same host key policy and timeouts.

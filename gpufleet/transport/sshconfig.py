@@ -1,6 +1,6 @@
 """Where ``ssh ALIAS`` would connect: ssh_config resolved by OpenSSH itself (``ssh -G``).
 
-Internal to gpufleet.sshconnect. gpufleet must never reach a host other than the one the
+Internal to gpufleet.transport.connection. gpufleet must never reach a host other than the one the
 operator's ``ssh ALIAS`` reaches, and ssh_config has more rules than any re-implementation
 keeps up with (Include, Match host/originalhost/user/exec/final, tokens, first value wins,
 canonicalisation). So the ``ssh`` client is asked: ``ssh -G [-F FILE] [-p PORT] [-l USER] --

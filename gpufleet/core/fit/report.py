@@ -2,7 +2,7 @@
 JSON document and the exit code out (pure).
 
 The CLI (gpufleet.cli.fit_cmd) collects one snapshot per host, builds a ``ModelNeed``
-(``need_from_options``) and calls ``fit_report``; gpufleet.render.fit draws the table. The
+(``need_from_options``) and calls ``fit_report``; gpufleet.render.status.fit draws the table. The
 per-GPU arithmetic is in gpufleet.core.fit.arithmetic, the alternatives in .suggestions.
 """
 from __future__ import annotations
@@ -218,7 +218,7 @@ def fit_report(
     gpus: Optional[Sequence[int]] = None,
 ) -> FitReport:
     """Per-host results, detail lines, the JSON document and the exit code (0 fits everywhere,
-    1 not); gpufleet.render.fit makes the table from it."""
+    1 not); gpufleet.render.status.fit makes the table from it."""
     util = validate_util(util)
     validate_need(need)
     fits = tuple(fit_host(r, need, util, context_mib, gpus) for r in host_results)
