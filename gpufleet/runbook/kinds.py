@@ -262,9 +262,9 @@ def describe(step: Step) -> str:
             model = f"{p['weights_gib']:g} GiB of weights"
         else:
             model = f"{params_text(p['params'])} {p['dtype'] or 'fp16'}"
-        extra = f" + {p['activations_gib']:g} GiB activations" if p["activations_gib"] else ""
+        activations = f" + {p['activations_gib']:g} GiB activations" if p["activations_gib"] else ""
         tp = f", tp {p['tp']}" if p["tp"] > 1 else ""
-        return (f"vLLM fit check: {model}{extra} on {_gpus_text(p['gpus'])} at util "
+        return (f"vLLM fit check: {model}{activations} on {_gpus_text(p['gpus'])} at util "
                 f"{p['util']:g}{tp}")
     if k == "clear_shm":
         return "remove leftover /dev/shm files (nccl-, psm_, torch_, vllm) no live process holds"
