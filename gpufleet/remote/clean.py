@@ -339,14 +339,25 @@ def clean_shm(req, res, proc=PROC):
         return
     if not names:
         return
-
-    def strip(path):
-        return path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path
-
-    used, denied = scan_fds(lambda t: strip(t) if t.startswith(prefix) else None, (), proc)
+    used, denied = scan_fds(lambda t: _strip_deleted(t) if t.startswith(prefix) else None, (),
+                            proc)
     in_use = set()
     for paths in used.values():
         in_use.update(paths)
+    if not _shm_mapped(prefix, in_use, denied, res, proc):
+        return
+    _remove_shm(names, prefix, in_use, denied, min_age, res)
+
+
+def _strip_deleted(path):
+    """A path as /proc shows it, without the " (deleted)" of an unlinked file."""
+    return path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path
+
+
+def _shm_mapped(prefix, in_use, denied, res, proc):
+    """Add to in_use the paths under prefix that any process maps (PIDs whose maps are
+    unreadable to denied); False (and a warning) when a D-state process's maps could not be
+    read in time: then nothing may be removed."""
     try:
         pids = [n for n in os.listdir(proc) if n.isdigit()]
     except OSError:
@@ -359,7 +370,7 @@ def clean_shm(req, res, proc=PROC):
             if timed_out:
                 res["warnings"].append("shm: maps of PID %s unreadable (D state): nothing "
                                        "removed" % name)
-                return
+                return False
         else:
             try:
                 with open(path, "rb") as f:
@@ -374,7 +385,13 @@ def clean_shm(req, res, proc=PROC):
         for line in raw.decode("utf-8", "replace").splitlines():
             i = line.find(prefix)
             if i >= 0:
-                in_use.add(strip(line[i:].rstrip()))
+                in_use.add(_strip_deleted(line[i:].rstrip()))
+    return True
+
+
+def _remove_shm(names, prefix, in_use, denied, min_age, res):
+    """Unlink the leftovers not in use: regular files older than min_age, and when some
+    process could not be seen, only our own."""
     euid = os.geteuid()
     now = time.time()
     for name in names:
@@ -462,33 +479,10 @@ def _clean_locked(req, deadline, res, t0, proc):
     work_end = time.monotonic() + req["timeout_s"]
     stop_units(req.get("units") or [], req, deadline, reserve, res)
 
-    targets = []
-    for t in req.get("targets") or []:
-        if not isinstance(t, dict):
-            continue
-        wave = t.get("wave", 1)
-        targets.append({"pid": t.get("pid"), "starttime": t.get("starttime"),
-                        "wave": wave if isinstance(wave, int) and not isinstance(wave, bool) else 1,
-                        "outcomes": [], "cmdline": None})
+    targets = _clean_targets(req)
 
     def signal_one(t, signame):
-        why = refusal(t["pid"], ctx["self_pid"], ctx["ancestors"])
-        if why is None and (not isinstance(t["starttime"], int) or isinstance(t["starttime"], bool)):
-            why = "refused: no starttime"
-        if why is not None:
-            outcome = why
-        else:
-            if t["cmdline"] is None:  # for the audit line, only once it is known to be ours
-                st = read_stat(t["pid"], proc)
-                if st is not None and st["starttime"] == t["starttime"]:
-                    raw = read_bytes("%s/%d/cmdline" % (proc, t["pid"]), CMDLINE_MAX * 4)
-                    t["cmdline"] = format_cmdline(raw) if raw is not None else ""
-            outcome = send_signal(t["pid"], t["starttime"], getattr(signal, "SIG" + signame), proc)
-        t["outcomes"].append(outcome)
-        res["signals"].append({"pid": t["pid"], "starttime": t["starttime"], "signal": signame,
-                               "outcome": outcome, "t": round(time.monotonic() - t0, 3)})
-        auditor.record(t["pid"], t["starttime"], t["cmdline"], signame, outcome)
-        return outcome
+        return _signal_target(t, signame, ctx, auditor, res, t0, proc)
 
     grace = float(req["grace_s"])
     poll = max(0.01, float(req["poll_s"]))
@@ -504,6 +498,55 @@ def _clean_locked(req, deadline, res, t0, proc):
     scope = [i for i in (req.get("scope") or []) if isinstance(i, int)]
     res["memory_wait"] = wait_memory(req, scope, min(work_end, deadline.end - reserve), deadline)
 
+    _record_survivors(targets, res, proc)
+
+    if req.get("shm"):
+        clean_shm(req, res, proc)
+
+    after = None
+    if req.get("reset") and scope:
+        pre = snapshot(req, deadline, proc)
+        if not reset_gpus(req, scope, pre, deadline, res):
+            after = pre
+    res["after"] = after if after is not None else snapshot(req, deadline, proc)
+
+
+def _clean_targets(req):
+    """The request's targets as the signalling loop's records (a wave that is no int is 1)."""
+    targets = []
+    for t in req.get("targets") or []:
+        if not isinstance(t, dict):
+            continue
+        wave = t.get("wave", 1)
+        targets.append({"pid": t.get("pid"), "starttime": t.get("starttime"),
+                        "wave": wave if isinstance(wave, int) and not isinstance(wave, bool) else 1,
+                        "outcomes": [], "cmdline": None})
+    return targets
+
+
+def _signal_target(t, signame, ctx, auditor, res, t0, proc):
+    """Signal one target (unless the last-resort guard refuses); record and audit the outcome."""
+    why = refusal(t["pid"], ctx["self_pid"], ctx["ancestors"])
+    if why is None and (not isinstance(t["starttime"], int) or isinstance(t["starttime"], bool)):
+        why = "refused: no starttime"
+    if why is not None:
+        outcome = why
+    else:
+        if t["cmdline"] is None:  # for the audit line, only once it is known to be ours
+            st = read_stat(t["pid"], proc)
+            if st is not None and st["starttime"] == t["starttime"]:
+                raw = read_bytes("%s/%d/cmdline" % (proc, t["pid"]), CMDLINE_MAX * 4)
+                t["cmdline"] = format_cmdline(raw) if raw is not None else ""
+        outcome = send_signal(t["pid"], t["starttime"], getattr(signal, "SIG" + signame), proc)
+    t["outcomes"].append(outcome)
+    res["signals"].append({"pid": t["pid"], "starttime": t["starttime"], "signal": signame,
+                           "outcome": outcome, "t": round(time.monotonic() - t0, 3)})
+    auditor.record(t["pid"], t["starttime"], t["cmdline"], signame, outcome)
+    return outcome
+
+
+def _record_survivors(targets, res, proc):
+    """Every target still there (same start time), with why, in res["survivors"]."""
     for t in targets:
         if not isinstance(t["pid"], int) or isinstance(t["pid"], bool):
             continue
@@ -519,13 +562,3 @@ def _clean_locked(req, deadline, res, t0, proc):
                                         parent["comm"] if parent else None, t["outcomes"],
                                         st["num_threads"]),
         })
-
-    if req.get("shm"):
-        clean_shm(req, res, proc)
-
-    after = None
-    if req.get("reset") and scope:
-        pre = snapshot(req, deadline, proc)
-        if not reset_gpus(req, scope, pre, deadline, res):
-            after = pre
-    res["after"] = after if after is not None else snapshot(req, deadline, proc)

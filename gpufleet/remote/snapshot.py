@@ -95,25 +95,70 @@ def snapshot(req, deadline, proc=PROC):
         smi_doc["error"] = "nvidia-smi not found" + (
             ": %s" % req["nvidia_smi"] if req.get("nvidia_smi") else "")
     else:
-        # both queries run while /proc is scanned: one moment, and half the wall time
-        gpu_job = Job(gpu_query_argv(smi, list(GPU_FIELDS) + list(OPTIONAL_GPU_FIELDS)),
-                      req["smi_timeout_s"], deadline, "nvidia-smi")
-        apps_job = Job([smi, "--query-compute-apps=" + ",".join(APP_FIELDS),
-                        "--format=csv,noheader,nounits"], req["smi_timeout_s"], deadline,
-                       "nvidia-smi")
-    own = set([ctx["self_pid"]])
-    for job in (gpu_job, apps_job):
-        if job is not None and job.pid is not None:
-            own.add(job.pid)
+        gpu_job, apps_job = _start_smi_jobs(smi, req, deadline)
+    jobs = (gpu_job, apps_job)
+    own = set([ctx["self_pid"]]) | _job_pids(jobs)
+    holders, denied, seen_start, mapped = _scan_holders(own, proc)
+    hidden, can_read_all = _fd_visibility(denied, warnings, proc)
+    if smi is not None:
+        gpus, apps, driver, cuda = _query_smi(smi, req, deadline, jobs, smi_doc, warnings)
+    attach_minors(gpus, smi, req, deadline, smi_doc, warnings, proc)
+    by_uuid = dict((g["uuid"], g["index"]) for g in gpus)
+    for a in apps:
+        a["gpu_index"] = by_uuid.get(a["gpu_uuid"])
+    processes, vanished = _settle_holders(holders, seen_start, apps, own, ctx, jobs,
+                                          warnings, proc)
+    facts = _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc)
+    smi_doc["seconds"] = round(smi_doc["seconds"], 3)
+    return {
+        "agent_version": AGENT_VERSION,
+        "mode": "snapshot",
+        "facts": facts,
+        "nvidia_smi": smi_doc,
+        "gpus": gpus,
+        "compute_apps": apps,
+        "holders": [{"pid": p, "devices": sorted(holders[p]), "mapped": mapped[p]}
+                    for p in sorted(holders)],
+        "holders_vanished": vanished,
+        "fd_unreadable": denied_reasons(denied, proc),
+        "processes": processes,
+        "warnings": warnings,
+        "seconds": round(time.monotonic() - t0, 3),
+    }
+
+
+def _start_smi_jobs(smi, req, deadline):
+    """(gpu_job, apps_job): both queries run while /proc is scanned: one moment, and half the
+    wall time."""
+    gpu_job = Job(gpu_query_argv(smi, list(GPU_FIELDS) + list(OPTIONAL_GPU_FIELDS)),
+                  req["smi_timeout_s"], deadline, "nvidia-smi")
+    apps_job = Job([smi, "--query-compute-apps=" + ",".join(APP_FIELDS),
+                    "--format=csv,noheader,nounits"], req["smi_timeout_s"], deadline,
+                   "nvidia-smi")
+    return gpu_job, apps_job
+
+
+def _job_pids(jobs):
+    """The PIDs of our own nvidia-smi children (jobs not started are None)."""
+    return set(job.pid for job in jobs if job is not None and job.pid is not None)
+
+
+def _scan_holders(own, proc):
+    """(holders, denied, seen_start, mapped): the device fds, then at once the maps and the
+    identity they belong to: a holder that is gone (or whose PID was reused) by the time its
+    details are read was no holder (nvidia-smi runs meanwhile)."""
     holders, denied = scan_fds(device_target, own, proc)
-    # maps right after the fds, and the identity they belong to: a holder that is gone (or
-    # whose PID was reused) by the time its details are read was no holder (nvidia-smi runs)
     seen_start = {}
     mapped = {}
     for pid in holders:
         st = read_stat(pid, proc)
         seen_start[pid] = st["starttime"] if st else None
         mapped[pid] = mapped_devices(pid, proc)
+    return holders, denied, seen_start, mapped
+
+
+def _fd_visibility(denied, warnings, proc):
+    """(hidden, can_read_all): whether /proc hides other users, and whether every fd was read."""
     hidden = hidepid_active(proc) and os.geteuid() != 0
     can_read_all = not denied and not hidden
     if hidden:
@@ -121,53 +166,75 @@ def snapshot(req, deadline, proc=PROC):
                         "holders among them, are hidden")
     elif denied:
         warnings.append(denied_warning(denied, proc))
+    return hidden, can_read_all
 
-    if smi is not None:
-        gpus, error, code, secs = query_gpus(smi, req, deadline, gpu_job)
-        smi_doc["seconds"] += secs
-        ares = apps_job.finish()
-        smi_doc["seconds"] += ares.seconds
-        if error is not None:
-            smi_doc.update(error=error, exit_code=code)
-        else:
-            smi_doc["ok"] = True
-            fail = smi_failure(ares)
-            if fail is not None:
-                smi_doc.update(ok=False, error="compute apps: %s" % fail[0], exit_code=fail[1])
-            else:
-                try:
-                    check_complete(ares.out, "--query-compute-apps")
-                    apps, skipped = parse_apps_csv(ares.out)
-                    if skipped:
-                        warnings.append("%d compute app row(s) without a PID skipped" % skipped)
-                except ParseError as exc:
-                    smi_doc.update(ok=False, error=str(exc) if str(exc).startswith("truncated")
-                                   else "unparsable nvidia-smi --query-compute-apps output: %s"
-                                   % exc)
-        for g in gpus:
-            driver = driver or g.pop("driver_version", None)
-            g.pop("driver_version", None)
-            for key in GPU_KEYS.values():
-                if key != "driver_version":
-                    g.setdefault(key, None)
-        # the bare table (for the CUDA version) is skipped only when nvidia-smi is already
-        # crawling (a wedged driver) or time is short; a loaded machine is not a wedged one
-        if gpus and smi_doc["ok"] and req.get("cuda_version", True) and \
-                smi_doc["seconds"] < 5.0 and deadline.remaining() > 2.0 * smi_doc["seconds"] + 2.0:
-            res = run_cmd([smi], min(req["smi_timeout_s"], 5.0), deadline, "nvidia-smi")
-            smi_doc["seconds"] += res.seconds
-            if smi_failure(res) is None:
-                d, cuda = parse_versions(res.out)
-                driver = driver or d
-    attach_minors(gpus, smi, req, deadline, smi_doc, warnings, proc)
-    by_uuid = dict((g["uuid"], g["index"]) for g in gpus)
-    for a in apps:
-        a["gpu_index"] = by_uuid.get(a["gpu_uuid"])
 
+def _query_smi(smi, req, deadline, jobs, smi_doc, warnings):
+    """(gpus, apps, driver, cuda) from the started queries (and the bare table, when time
+    allows); failures go into smi_doc."""
+    gpu_job, apps_job = jobs
+    apps = []
+    cuda = None
+    gpus, error, code, secs = query_gpus(smi, req, deadline, gpu_job)
+    smi_doc["seconds"] += secs
+    ares = apps_job.finish()
+    smi_doc["seconds"] += ares.seconds
+    if error is not None:
+        smi_doc.update(error=error, exit_code=code)
+    else:
+        smi_doc["ok"] = True
+        apps = _compute_apps(ares, smi_doc, warnings)
+    driver = _pop_driver_versions(gpus)
+    # the bare table (for the CUDA version) is skipped only when nvidia-smi is already
+    # crawling (a wedged driver) or time is short; a loaded machine is not a wedged one
+    if gpus and smi_doc["ok"] and req.get("cuda_version", True) and \
+            smi_doc["seconds"] < 5.0 and deadline.remaining() > 2.0 * smi_doc["seconds"] + 2.0:
+        res = run_cmd([smi], min(req["smi_timeout_s"], 5.0), deadline, "nvidia-smi")
+        smi_doc["seconds"] += res.seconds
+        if smi_failure(res) is None:
+            d, cuda = parse_versions(res.out)
+            driver = driver or d
+    return gpus, apps, driver, cuda
+
+
+def _compute_apps(ares, smi_doc, warnings):
+    """The rows of --query-compute-apps ([] when it failed: then smi_doc says why)."""
+    apps = []
+    fail = smi_failure(ares)
+    if fail is not None:
+        smi_doc.update(ok=False, error="compute apps: %s" % fail[0], exit_code=fail[1])
+    else:
+        try:
+            check_complete(ares.out, "--query-compute-apps")
+            apps, skipped = parse_apps_csv(ares.out)
+            if skipped:
+                warnings.append("%d compute app row(s) without a PID skipped" % skipped)
+        except ParseError as exc:
+            smi_doc.update(ok=False, error=str(exc) if str(exc).startswith("truncated")
+                           else "unparsable nvidia-smi --query-compute-apps output: %s"
+                           % exc)
+    return apps
+
+
+def _pop_driver_versions(gpus):
+    """The driver version (from the first GPU that has one), taken out of every GPU row; the
+    rows get every other GPU key, None where not queried."""
+    driver = None
+    for g in gpus:
+        driver = driver or g.pop("driver_version", None)
+        g.pop("driver_version", None)
+        for key in GPU_KEYS.values():
+            if key != "driver_version":
+                g.setdefault(key, None)
+    return driver
+
+
+def _settle_holders(holders, seen_start, apps, own, ctx, jobs, warnings, proc):
+    """(processes, vanished): the details of every process worth listing; holders that are
+    gone or reused since the scan are dropped from holders (vanished)."""
     wanted = set(holders) | set(a["pid"] for a in apps) | own | set(ctx["ancestors"])
-    for job in (gpu_job, apps_job):  # our own nvidia-smi children are not worth listing
-        if job is not None and job.pid is not None:
-            wanted.discard(job.pid)
+    # our own nvidia-smi children are not worth listing
+    wanted -= _job_pids(jobs)
     processes = {}
     for pid in sorted(wanted):
         entry = process_entry(pid, ctx, proc)
@@ -181,9 +248,14 @@ def snapshot(req, deadline, proc=PROC):
     if unseen:
         warnings.append("nvidia-smi lists PIDs not in this /proc (other PID namespace: "
                         "container or WSL2): %s" % ", ".join(str(p) for p in unseen))
+    return processes, vanished
+
+
+def _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc):
+    """The document's facts about this host and this agent."""
     in_container, container = container_facts(proc)
     euid = os.geteuid()
-    facts = {
+    return {
         "hostname": socket.gethostname(),
         "kernel": os.uname()[2],
         "driver_version": driver,
@@ -200,22 +272,6 @@ def snapshot(req, deadline, proc=PROC):
         "agent_pid": ctx["self_pid"],
         "agent_starttime": ctx["starttime"],
         "hidepid": hidden,
-    }
-    smi_doc["seconds"] = round(smi_doc["seconds"], 3)
-    return {
-        "agent_version": AGENT_VERSION,
-        "mode": "snapshot",
-        "facts": facts,
-        "nvidia_smi": smi_doc,
-        "gpus": gpus,
-        "compute_apps": apps,
-        "holders": [{"pid": p, "devices": sorted(holders[p]), "mapped": mapped[p]}
-                    for p in sorted(holders)],
-        "holders_vanished": vanished,
-        "fd_unreadable": denied_reasons(denied, proc),
-        "processes": processes,
-        "warnings": warnings,
-        "seconds": round(time.monotonic() - t0, 3),
     }
 
 
