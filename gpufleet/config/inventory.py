@@ -399,18 +399,7 @@ def parse_inventory(
         raise UsageError(f"{source}:{text[: text.index(chr(0))].count(chr(10)) + 1}: "
                          "NUL character in file")
     ctx = _Ctx(source, base_dir)
-    doc = load_yaml(text, source)
-    if doc is None:
-        raise UsageError(f"{source}: empty inventory: it needs a 'hosts:' mapping "
-                         "(see fleet.yaml.example)")
-    if not isinstance(doc, dict):
-        line = getattr(doc, "line", 1)
-        raise UsageError(f"{source}:{line}: the inventory must be a mapping with 'hosts:', "
-                         f"got {describe(doc)}")
-    for key in doc:
-        if key not in TOP_LEVEL_KEYS:
-            ctx.failer(_line_of(doc, key))(
-                f"unknown top-level key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
+    doc = _top_level(text, source, ctx)
 
     defaults_raw = _section(doc, "defaults", ctx, "a mapping of settings")
     defaults = _settings(defaults_raw, DEFAULT_KEYS, ctx.at("defaults"))
@@ -425,26 +414,56 @@ def parse_inventory(
     for name, body in hosts_raw.items():
         line = _line_of(hosts_raw, name)
         _check_name(name, ctx.failer(line, "hosts"), "host name")
-        hctx = ctx.at(f"hosts.{name}")
-        if body is None:
-            body = LineMap()
-        if not isinstance(body, dict):
-            hctx.failer(line)(f"expected a mapping of settings, got {describe(body)}")
-        own = _settings(body, HOST_KEYS, hctx)
-        merged = dict(_BUILTIN)
-        merged.update(defaults)
-        merged.update(own)
-        if "protect" in defaults and "protect" in own:
-            # A safety list never shrinks by accident: a host's protect adds to defaults'.
-            merged["protect"] = tuple(dict.fromkeys(defaults["protect"] + own["protect"]))
-        if merged["connection"] == "ssh" and not own.get("address"):
-            hctx.failer(line)("missing 'address' (a host name, IP address or ~/.ssh/config "
-                              "alias), or set 'connection: local'")
-        explicit = frozenset(k for k in (set(defaults) | set(own)) if merged.get(k) is not None
-                             or k not in _NULLABLE)
-        specs.append((name, dict(merged, address=own.get("address"), explicit=explicit), line))
+        specs.append((name, _host_values(body, defaults, ctx.at(f"hosts.{name}"), line), line))
 
-    host_names = [s[0] for s in specs]
+    groups = _groups(doc, hosts_raw, [s[0] for s in specs], ctx)
+    hosts = []
+    for name, values, line in specs:
+        member_of = tuple(g for g, members in groups.items() if name in members)
+        hosts.append(Host(name=name, groups=member_of, source=source, line=line, **values))
+    return Inventory(hosts=tuple(hosts), groups=groups, path=path, implicit=False)
+
+
+def _top_level(text: str, source: str, ctx: _Ctx) -> Any:
+    """The YAML document: a mapping with only known top-level keys."""
+    doc = load_yaml(text, source)
+    if doc is None:
+        raise UsageError(f"{source}: empty inventory: it needs a 'hosts:' mapping "
+                         "(see fleet.yaml.example)")
+    if not isinstance(doc, dict):
+        line = getattr(doc, "line", 1)
+        raise UsageError(f"{source}:{line}: the inventory must be a mapping with 'hosts:', "
+                         f"got {describe(doc)}")
+    for key in doc:
+        if key not in TOP_LEVEL_KEYS:
+            ctx.failer(_line_of(doc, key))(
+                f"unknown top-level key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
+    return doc
+
+
+def _host_values(body: Any, defaults: Mapping[str, Any], hctx: _Ctx, line: int) -> dict[str, Any]:
+    """One host's Host fields: built-in defaults, then ``defaults:``, then its own settings."""
+    if body is None:
+        body = LineMap()
+    if not isinstance(body, dict):
+        hctx.failer(line)(f"expected a mapping of settings, got {describe(body)}")
+    own = _settings(body, HOST_KEYS, hctx)
+    merged = dict(_BUILTIN)
+    merged.update(defaults)
+    merged.update(own)
+    if "protect" in defaults and "protect" in own:
+        # A safety list never shrinks by accident: a host's protect adds to defaults'.
+        merged["protect"] = tuple(dict.fromkeys(defaults["protect"] + own["protect"]))
+    if merged["connection"] == "ssh" and not own.get("address"):
+        hctx.failer(line)("missing 'address' (a host name, IP address or ~/.ssh/config "
+                          "alias), or set 'connection: local'")
+    explicit = frozenset(k for k in (set(defaults) | set(own)) if merged.get(k) is not None
+                         or k not in _NULLABLE)
+    return dict(merged, address=own.get("address"), explicit=explicit)
+
+
+def _groups(doc: Any, hosts_raw: Any, host_names: list[str], ctx: _Ctx) -> dict[str, tuple[str, ...]]:
+    """The ``groups:`` section: each group's hosts, known and without repeats, in order."""
     groups: dict[str, tuple[str, ...]] = {}
     groups_raw = _section(doc, "groups", ctx, "a mapping of group name to a list of hosts")
     for gname, members in groups_raw.items():
@@ -468,9 +487,4 @@ def parse_inventory(
                 mfail(f"unknown host {member!r}{did_you_mean(member, host_names)}")
             out.setdefault(member, None)
         groups[gname] = tuple(out)
-
-    hosts = []
-    for name, values, line in specs:
-        member_of = tuple(g for g, members in groups.items() if name in members)
-        hosts.append(Host(name=name, groups=member_of, source=source, line=line, **values))
-    return Inventory(hosts=tuple(hosts), groups=groups, path=path, implicit=False)
+    return groups

@@ -43,6 +43,86 @@ def _block_sigint() -> None:
         pass
 
 
+def _quiet(callback: Optional[Callable[..., None]], *args: Any) -> None:
+    """Call a progress/notice hook, if any; its errors must not change any host's result."""
+    if callback is not None:
+        try:
+            callback(*args)
+        except Exception:
+            pass
+
+
+class _Run:
+    """One run_hosts call's state. It is kept by the workers under one lock, so a Ctrl-C
+    landing anywhere in the main thread (even inside submit) cannot lose track of a host that
+    did start."""
+
+    def __init__(self, hosts: list, fn: Callable[[Any], Any],
+                 make_error: Callable[[Any, Failure], Any],
+                 on_start: Optional[Callable[[Any], None]],
+                 on_result: Optional[Callable[[Any, Any], None]]) -> None:
+        n = len(hosts)
+        self.hosts, self.fn, self.make_error = hosts, fn, make_error
+        self.on_start, self.on_result = on_start, on_result
+        self.results: list = [None] * n
+        self.cond = threading.Condition()
+        self.started = [False] * n
+        self.done = [False] * n
+        self.stop = False
+        self.finished = 0
+        self.abandoned: list[int] = []
+
+    def call(self, i: int) -> None:
+        """A worker: host ``i``'s ``fn``, unless a Ctrl-C came before it started."""
+        with self.cond:
+            if self.stop:
+                return
+            self.started[i] = True
+        _quiet(self.on_start, self.hosts[i])
+        try:
+            value = self.fn(self.hosts[i])
+        except Exception as exc:  # a failed host is a value
+            value = self.make_error(self.hosts[i], Failure(kind_of(exc), describe(exc)[:300]))
+        with self.cond:
+            if not self.done[i]:  # else abandoned after a second Ctrl-C: that value stands
+                self.results[i] = value
+                self.done[i] = True
+            self.finished += 1
+            self.cond.notify_all()
+        _quiet(self.on_result, self.hosts[i], value)
+
+    def wait_for(self, predicate: Callable[[], bool]) -> None:
+        with self.cond:
+            while not predicate():
+                self.cond.wait(0.2)
+
+    def in_flight(self) -> list[int]:
+        return [i for i in range(len(self.hosts)) if self.started[i] and not self.done[i]]
+
+    def interrupted(self, on_interrupt: Optional[Callable[[list], None]]) -> None:
+        """First Ctrl-C: start no more hosts, say which are still running, wait for them; a
+        second Ctrl-C stops waiting and marks those ABANDONED."""
+        with self.cond:
+            self.stop = True
+            waiting = self.in_flight()
+        _quiet(on_interrupt, [self.hosts[i] for i in waiting])
+        try:
+            self.wait_for(lambda: not self.in_flight())
+        except KeyboardInterrupt:
+            with self.cond:
+                self.abandoned = self.in_flight()
+                for i in self.abandoned:
+                    self.results[i] = self.make_error(self.hosts[i], Failure(INTERRUPTED, ABANDONED))
+                    self.done[i] = True
+
+    def final_results(self) -> list:
+        """The results, with NOT_STARTED for every host that never ran."""
+        for i in range(len(self.hosts)):
+            if not self.done[i]:
+                self.results[i] = self.make_error(self.hosts[i], Failure(INTERRUPTED, NOT_STARTED))
+        return self.results
+
+
 def run_hosts(
     hosts: Sequence[H],
     fn: Callable[[H], Any],
@@ -64,82 +144,21 @@ def run_hosts(
     """
     hosts = list(hosts)
     n = len(hosts)
-    results: list = [None] * n
     if not n:
-        return results
+        return []
     bound = max(1, min(int(forks), n))
-    # State is kept by the workers under one lock, so a Ctrl-C landing anywhere in the main
-    # thread (even inside submit) cannot lose track of a host that did start.
-    cond = threading.Condition()
-    started = [False] * n
-    done = [False] * n
-    state = {"stop": False, "finished": 0}
-
-    def call(i: int) -> None:
-        with cond:
-            if state["stop"]:
-                return
-            started[i] = True
-        if on_start is not None:
-            try:
-                on_start(hosts[i])
-            except Exception:
-                pass
-        try:
-            value = fn(hosts[i])
-        except Exception as exc:  # a failed host is a value
-            value = make_error(hosts[i], Failure(kind_of(exc), describe(exc)[:300]))
-        with cond:
-            if not done[i]:  # else abandoned after a second Ctrl-C: that value stands
-                results[i] = value
-                done[i] = True
-            state["finished"] += 1
-            cond.notify_all()
-        if on_result is not None:
-            try:
-                on_result(hosts[i], value)
-            except Exception:
-                pass
-
-    def wait_for(predicate: Callable[[], bool]) -> None:
-        with cond:
-            while not predicate():
-                cond.wait(0.2)
-
-    def in_flight() -> list[int]:
-        return [i for i in range(n) if started[i] and not done[i]]
-
+    run = _Run(hosts, fn, make_error, on_start, on_result)
     pool = cf.ThreadPoolExecutor(max_workers=bound, thread_name_prefix="gpufleet-host",
                                  initializer=_block_sigint)
-    abandoned: list[int] = []
     try:
         try:
             for i in range(n):
-                pool.submit(call, i)
-            wait_for(lambda: state["finished"] == n)
+                pool.submit(run.call, i)
+            run.wait_for(lambda: run.finished == n)
         except KeyboardInterrupt:
-            with cond:
-                state["stop"] = True
-                waiting = in_flight()
-            if on_interrupt is not None:
-                try:
-                    on_interrupt([hosts[i] for i in waiting])
-                except Exception:
-                    pass
-            try:
-                wait_for(lambda: not in_flight())
-            except KeyboardInterrupt:
-                with cond:
-                    abandoned = in_flight()
-                    for i in abandoned:
-                        results[i] = make_error(hosts[i], Failure(INTERRUPTED, ABANDONED))
-                        done[i] = True
+            run.interrupted(on_interrupt)
     finally:
-        with cond:
-            state["stop"] = True
-        pool.shutdown(wait=not abandoned, cancel_futures=True)
-
-    for i in range(n):
-        if not done[i]:
-            results[i] = make_error(hosts[i], Failure(INTERRUPTED, NOT_STARTED))
-    return results
+        with run.cond:
+            run.stop = True
+        pool.shutdown(wait=not run.abandoned, cancel_futures=True)
+    return run.final_results()

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 
 from gpufleet.core import policy
-from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
+from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
 from gpufleet.errors import COMMAND
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
@@ -185,34 +185,46 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
         return doc
     led = {row.index: row for row in ledger(snap, expected_mib)}
     for gpu in snap.gpus:
-        row = led[gpu.index]
-        doc["gpus"].append(
-            {
-                "index": gpu.index,
-                "uuid": gpu.uuid,
-                "name": gpu.name,
-                "pci_bus_id": gpu.pci_bus_id,
-                "memory_used_mib": gpu.memory_used_mib,
-                "memory_total_mib": gpu.memory_total_mib,
-                "memory_free_mib": gpu.memory_free_mib,
-                "memory_reserved_mib": gpu.memory_reserved_mib,
-                "attributed_mib": row.attributed_mib,
-                "unattributed_mib": row.unattributed_mib,
-                "expected_unattributed_mib": row.expected_unattributed_mib,
-                "unexpected_unattributed_mib": row.unexpected_mib,
-                "driver_allowance_mib": row.driver_allowance_mib,
-                "utilization_pct": gpu.utilization_pct,
-                "processes": [
-                    _process_doc(snap, a.pid, a.process_name, a.used_mib) for a in snap.apps_on(gpu.index)
-                ],
-            }
-        )
+        doc["gpus"].append(_gpu_doc(snap, gpu, led[gpu.index]))
+    doc["holders"].extend(_holder_docs(snap, expected_mib))
+    doc["holders_vanished"] = list(snap.holders_vanished)
+    doc["fd_unreadable"] = [{"pid": u.pid, "comm": u.comm, "reason": u.reason}
+                            for u in snap.fd_unreadable]
+    return doc
+
+
+def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger) -> dict[str, Any]:
+    """One GPU's entry: nvidia-smi's numbers, the ledger's attribution, its processes."""
+    return {
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "name": gpu.name,
+        "pci_bus_id": gpu.pci_bus_id,
+        "memory_used_mib": gpu.memory_used_mib,
+        "memory_total_mib": gpu.memory_total_mib,
+        "memory_free_mib": gpu.memory_free_mib,
+        "memory_reserved_mib": gpu.memory_reserved_mib,
+        "attributed_mib": row.attributed_mib,
+        "unattributed_mib": row.unattributed_mib,
+        "expected_unattributed_mib": row.expected_unattributed_mib,
+        "unexpected_unattributed_mib": row.unexpected_mib,
+        "driver_allowance_mib": row.driver_allowance_mib,
+        "utilization_pct": gpu.utilization_pct,
+        "processes": [
+            _process_doc(snap, a.pid, a.process_name, a.used_mib) for a in snap.apps_on(gpu.index)
+        ],
+    }
+
+
+def _holder_docs(snap: Snapshot, expected_mib: int) -> list[dict[str, Any]]:
+    """One entry per process holding a GPU device, with its role (why it holds it)."""
+    out: list[dict[str, Any]] = []
     listed = snap.listed_pids()
     roles = policy.holder_roles(snap, expected_mib + BUSY_TOLERANCE_MIB)
     for holder in snap.holders:
         proc = snap.processes.get(holder.pid)
         role = roles.get(holder.pid)
-        doc["holders"].append(
+        out.append(
             {
                 "pid": holder.pid,
                 "name": proc.name if proc else None,
@@ -227,10 +239,7 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
                     role.reason if role else None),
             }
         )
-    doc["holders_vanished"] = list(snap.holders_vanished)
-    doc["fd_unreadable"] = [{"pid": u.pid, "comm": u.comm, "reason": u.reason}
-                            for u in snap.fd_unreadable]
-    return doc
+    return out
 
 
 def status_document(results: Iterable[HostResult], expected: dict[str, int]) -> dict[str, Any]:

@@ -71,6 +71,27 @@ def parse_runbook(text: str, source: str = "<string>",
                   extra_vars: Optional[Mapping[str, str]] = None,
                   default_name: str = "runbook") -> Runbook:
     """Validate runbook YAML text; ``extra_vars`` (from ``-e``) win over ``vars:``."""
+    fail_at = _fail_at(source)
+    doc, steps_raw = _top_level(text, source, fail_at)
+    name = doc.get("name", default_name)
+    plain_string(name, fail_at(_line(doc, "name"), "name"), "a runbook name")
+    description = doc.get("description") or ""
+    if not isinstance(description, str):
+        fail_at(_line(doc, "description"), "description")(f"expected text, got {describe_value(description)}")
+    declared = _declared_vars(doc, fail_at)
+    extra = dict(extra_vars or {})
+    if not isinstance(steps_raw, list) or not steps_raw:
+        fail_at(_line(doc, "steps"), "steps")(f"expected a non-empty list of steps, got {describe_value(steps_raw)}")
+    if len(steps_raw) > MAX_STEPS:
+        fail_at(_line(doc, "steps"), "steps")(f"more than {MAX_STEPS} steps")
+    variables = _variables(declared, extra, steps_raw, doc, source, fail_at)
+    steps = _parse_steps(steps_raw, variables, fail_at)
+    return Runbook(source=source, name=name, description=description.strip(),
+                   vars=MappingProxyType(variables), steps=tuple(steps))
+
+
+def _fail_at(source: str) -> Callable[..., Fail]:
+    """``fail_at(line, where)(message)`` raises the one-line ``source:line: where: message``."""
 
     def fail_at(line: int, where: str = "") -> Fail:
         def fail(message: str) -> NoReturn:
@@ -79,6 +100,11 @@ def parse_runbook(text: str, source: str = "<string>",
 
         return fail
 
+    return fail_at
+
+
+def _top_level(text: str, source: str, fail_at: Callable[..., Fail]) -> tuple[Any, Any]:
+    """The YAML document (a bare list of steps gets an empty mapping) and its raw steps."""
     if "\0" in text:
         fail_at(text[: text.index("\0")].count("\n") + 1)("NUL character in file")
     doc = load_yaml(text, source)
@@ -97,14 +123,11 @@ def parse_runbook(text: str, source: str = "<string>",
         steps_raw = doc["steps"]
     else:
         fail_at(_line(doc) or 1)(f"a runbook is a mapping with 'steps:', got {describe_value(doc)}")
+    return doc, steps_raw
 
-    name = doc.get("name", default_name)
-    plain_string(name, fail_at(_line(doc, "name"), "name"), "a runbook name")
-    description = doc.get("description") or ""
-    if not isinstance(description, str):
-        fail_at(_line(doc, "description"), "description")(f"expected text, got {describe_value(description)}")
 
-    # Variables: vars: block (null = must be given with -e), then -e on top.
+def _declared_vars(doc: Any, fail_at: Callable[..., Fail]) -> dict[str, Optional[str]]:
+    """The ``vars:`` block as text values; None = must be given with -e."""
     declared: dict[str, Optional[str]] = {}
     vars_raw = doc.get("vars")
     if vars_raw is not None:
@@ -123,11 +146,13 @@ def parse_runbook(text: str, source: str = "<string>",
             if REF.search(text_value):
                 vfail("a variable's value cannot refer to other variables")
             declared[key] = text_value
-    extra = dict(extra_vars or {})
-    if not isinstance(steps_raw, list) or not steps_raw:
-        fail_at(_line(doc, "steps"), "steps")(f"expected a non-empty list of steps, got {describe_value(steps_raw)}")
-    if len(steps_raw) > MAX_STEPS:
-        fail_at(_line(doc, "steps"), "steps")(f"more than {MAX_STEPS} steps")
+    return declared
+
+
+def _variables(declared: Mapping[str, Optional[str]], extra: Mapping[str, str], steps_raw: Any,
+               doc: Any, source: str, fail_at: Callable[..., Fail]) -> dict[str, str]:
+    """``vars:`` with ``-e`` on top; an ``-e`` the runbook never uses, or a variable left
+    without a value, is an error."""
     used = set(references(steps_raw))
     for key in extra:
         if key not in declared and key not in used:
@@ -140,7 +165,12 @@ def parse_runbook(text: str, source: str = "<string>",
     if missing:
         fail_at(_line(doc, "vars"), "vars")(
             f"no value for {', '.join(missing)}: give {' '.join(f'-e {k}=...' for k in missing)}")
+    return variables
 
+
+def _parse_steps(steps_raw: Any, variables: Mapping[str, str],
+                 fail_at: Callable[..., Fail]) -> list[Step]:
+    """Every step, with unique names (an unnamed repeat becomes ``kind-index``)."""
     steps: list[Step] = []
     seen_names: dict[str, int] = {}
     for i, raw in enumerate(steps_raw):
@@ -152,12 +182,33 @@ def parse_runbook(text: str, source: str = "<string>",
             fail_at(line, step.label)(f"duplicate step name (first is step {seen_names[step.name]})")
         seen_names[step.name] = step.index
         steps.append(step)
-    return Runbook(source=source, name=name, description=description.strip(),
-                   vars=MappingProxyType(variables), steps=tuple(steps))
+    return steps
 
 
 def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
                 fail_at: Callable[..., Fail]) -> Step:
+    kind, name = _step_kind_name(index, raw, line, variables, fail_at)
+    where = f"step {index} {name!r} ({kind})"
+
+    def key_fail(key: str) -> Fail:
+        return fail_at(_line(raw, key), f"{where}: {key}" if key else where)
+
+    _check_step_keys(raw, kind, variables, where, fail_at, key_fail)
+    params = _step_params(raw, kind, line, variables, where, fail_at, key_fail)
+    timeout = DEFAULT_TIMEOUT_S[kind]
+    if "timeout" in raw:
+        timeout = validators.timeout(substitute(raw["timeout"], variables), key_fail("timeout"))
+    go_on = False
+    if "continue_on_failure" in raw:
+        go_on = validators.boolean(substitute(raw["continue_on_failure"], variables), key_fail("continue_on_failure"))
+    _check_step(kind, params, timeout, fail_at(line, where))
+    return Step(index=index, name=name, kind=kind, timeout=timeout, line=line,
+                params=MappingProxyType(params), continue_on_failure=go_on)
+
+
+def _step_kind_name(index: int, raw: Any, line: int, variables: Mapping[str, str],
+                    fail_at: Callable[..., Fail]) -> tuple[str, str]:
+    """A step's kind (checked) and name (its kind unless given)."""
     where = f"step {index}"
     if not isinstance(raw, dict):
         fail_at(line, where)(f"expected a mapping with 'kind:', got {describe_value(raw)}")
@@ -172,13 +223,13 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
                              else raw["name"], fail_at(_line(raw, "name"), where), "a step name")
     else:
         name = kind
-    where = f"step {index} {name!r} ({kind})"
-    fields = KIND_FIELDS[kind]
-    allowed = COMMON_KEYS + tuple(fields)
+    return kind, name
 
-    def key_fail(key: str) -> Fail:
-        return fail_at(_line(raw, key), f"{where}: {key}" if key else where)
 
+def _check_step_keys(raw: Any, kind: str, variables: Mapping[str, str], where: str,
+                     fail_at: Callable[..., Fail], key_fail: Callable[[str], Fail]) -> None:
+    """Only the keys of this kind, and no undefined variable in any of them."""
+    allowed = COMMON_KEYS + tuple(KIND_FIELDS[kind])
     for key in raw:
         if key not in allowed:
             hint = did_you_mean(str(key), allowed)
@@ -193,8 +244,13 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
             if ref not in variables:
                 key_fail(key)(f"undefined variable {ref!r}{did_you_mean(ref, list(variables))} "
                               "(define it under vars: or pass -e " + ref + "=...)")
+
+
+def _step_params(raw: Any, kind: str, line: int, variables: Mapping[str, str], where: str,
+                 fail_at: Callable[..., Fail], key_fail: Callable[[str], Fail]) -> dict[str, Any]:
+    """The kind's fields, substituted and checked (a shell command's variables are quoted)."""
     params: dict[str, Any] = {}
-    for key, spec in fields.items():
+    for key, spec in KIND_FIELDS[kind].items():
         if key not in raw:
             if spec.required:
                 fail_at(line, where)(f"missing {key!r}")
@@ -213,12 +269,4 @@ def _parse_step(index: int, raw: Any, line: int, variables: Mapping[str, str],
                                         lambda ln: fail_at(ln, where))
             continue
         params[key] = spec.check(substitute(value, variables), key_fail(key))
-    timeout = DEFAULT_TIMEOUT_S[kind]
-    if "timeout" in raw:
-        timeout = validators.timeout(substitute(raw["timeout"], variables), key_fail("timeout"))
-    go_on = False
-    if "continue_on_failure" in raw:
-        go_on = validators.boolean(substitute(raw["continue_on_failure"], variables), key_fail("continue_on_failure"))
-    _check_step(kind, params, timeout, fail_at(line, where))
-    return Step(index=index, name=name, kind=kind, timeout=timeout, line=line,
-                params=MappingProxyType(params), continue_on_failure=go_on)
+    return params
