@@ -1,7 +1,7 @@
 """Status rendering from named scenario fixtures (gpustat style), against golden output.
 
 Fixtures in tests/fixtures/status/ are agent documents built from the recorded H200 output
-(../shared/recorded/h200-single-gpu.log) and the product's WSL2/container cases.
+(tests/fixtures/recorded/logs/h200-single-gpu.log) and the product's WSL2/container cases.
 Regenerate goldens deliberately with GPUFLEET_UPDATE_GOLDEN=1 and review the diff.
 """
 from __future__ import annotations
