@@ -327,7 +327,7 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
 # but lists under no process. Measured on H200s (driver 580.159.04), memory.used minus the sum
 # of the listed used_memory, by number of CUDA processes N on the GPU:
 #   N=1: 9 MiB (17149 - 17140, 621 - 612: tests/fixtures/real-h200/smi-background-*.csv,
-#        smi-probe-gpu0-*.csv; 5647 - 5638: ../shared/recorded/h200-single-gpu.log);
+#        smi-probe-gpu0-*.csv; 5647 - 5638: tests/fixtures/recorded/logs/h200-single-gpu.log);
 #   N=2: 15 MiB (26651 - 26636: h200-single-gpu.log; 9243 - 9228: h200-two-gpus.log;
 #        17767 - 17752: smi-probe-gpu1-*.csv);  N=3: 20 MiB (docs/real-gpu.md);
 #   N=4: 26 MiB (12708 - 12682: smi-round1-pre-*.csv);  N=0: 0 (every idle capture).
