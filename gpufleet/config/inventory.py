@@ -38,6 +38,9 @@ IMPLICIT_HINT = (
 
 HOST_KEY_POLICIES = ("strict", "accept-new")
 CONNECTIONS = ("ssh", "local")
+#: Where the agent reads GPUs (docs/inventory.md): NVML with nvidia-smi as the fallback, NVML
+#: only (an error when it is missing), or nvidia-smi only.
+GPU_SOURCES = ("auto", "nvml", "nvidia-smi")
 TOP_LEVEL_KEYS = ("defaults", "hosts", "groups")
 
 # Host names, group names and tags: they are typed on command lines and shown in tables.
@@ -70,6 +73,7 @@ class Host:
     sudo: bool = False
     python: str = "python3"
     nvidia_smi: Optional[str] = None
+    gpu_source: str = "auto"
     unattributed_mib: int = 0
     protect: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()
@@ -312,6 +316,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "sudo": _shared(validators.boolean),
     "python": _v_python,
     "nvidia_smi": _v_remote_path,
+    "gpu_source": _shared(validators.choice(GPU_SOURCES)),
     "unattributed_mib": _shared(validators.mib, one_message=True),
     "protect": _list_of(_glob, "glob strings"),
     "tags": _list_of(_tag, "tags", names=True),

@@ -13,7 +13,8 @@ Agent snapshot document (version 1), the contract between agent and controller::
      "nvidia_smi": {"ok": bool, "error": str|null, "exit_code": int|null, "seconds": float},
      "gpus": [{"index", "uuid", "name", "pci_bus_id", "minor", "memory_used_mib",
                "memory_total_mib", "memory_free_mib", "memory_reserved_mib",
-               "utilization_pct"}],
+               "utilization_pct", "persistence_mode", "temperature_c", "power_w",
+               "nvml_errors": {reading: error}}],
      "compute_apps": [{"pid", "process_name", "used_mib", "gpu_uuid"}],
      "holders": [{"pid", "devices": ["/dev/nvidia0", "/dev/nvidiactl", ...],
                   "mapped": ["/dev/nvidia0", ...] | null}],
@@ -35,6 +36,15 @@ slow, or an older agent): then only the memory evidence decides (gpufleet.core.p
 concurrent nvidia-smi run); they are not holders. ``fd_unreadable``: processes whose open files
 could not be read, with the reason ("permission denied as root", ...).
 ``facts.hidepid``: /proc is mounted hidepid and the agent is not root.
+
+NVML (added later): ``facts.gpu_source`` is "nvml" or "nvidia-smi" (what read the GPUs) and
+``facts.gpu_source_reason`` why it is not the default (NVML unavailable, forced by the
+inventory); the ``nvidia_smi`` object is then the GPU readings' status whatever their source.
+``nvml``: {"library", "error", "seconds"}; ``graphics_apps`` (NVML: graphics processes, not
+counted as attributed, like nvidia-smi's --query-compute-apps); ``gpu_errors``: [{"index",
+"error", "code"}] GPUs NVML counts but cannot read (lost: code 15); the document then has
+``nvidia_smi.ok`` false. ``persistence_mode``, ``temperature_c``, ``power_w`` are None from the
+nvidia-smi path.
 """
 from __future__ import annotations
 
@@ -104,6 +114,19 @@ class GpuInfo:
     memory_free_mib: Optional[int] = None
     memory_reserved_mib: Optional[int] = None
     utilization_pct: Optional[int] = None
+    # NVML only (None from the nvidia-smi path, or where the GPU does not report them)
+    persistence_mode: Optional[bool] = None
+    temperature_c: Optional[int] = None
+    power_w: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class GpuError:
+    """A GPU NVML counted but could not read (e.g. lost: NVML_ERROR_GPU_IS_LOST, code 15)."""
+
+    index: int
+    error: str
+    code: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +175,8 @@ class HostFacts:
     agent_pid: Optional[int] = None
     agent_starttime: Optional[int] = None
     hidepid: bool = False
+    gpu_source: Optional[str] = None  # "nvml" | "nvidia-smi" (None: an agent before NVML)
+    gpu_source_reason: Optional[str] = None  # why not the default choice
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -171,6 +196,12 @@ class Snapshot:
     warnings: tuple[str, ...] = ()
     holders_vanished: tuple[int, ...] = ()
     fd_unreadable: tuple[FdUnreadable, ...] = ()
+    gpu_errors: tuple[GpuError, ...] = ()
+
+    @property
+    def gpu_reader(self) -> str:
+        """What read the GPUs, for messages: "NVML" or "nvidia-smi"."""
+        return "NVML" if self.facts.gpu_source == "nvml" else "nvidia-smi"
 
     def gpu_by_uuid(self, uuid: str) -> Optional[GpuInfo]:
         for gpu in self.gpus:
@@ -240,6 +271,16 @@ def _opt_int(value: Any) -> Optional[int]:
         return None
 
 
+def _opt_bool(value: Any) -> Optional[bool]:
+    return value if isinstance(value, bool) else None
+
+
+def _opt_float(value: Any) -> Optional[float]:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
 def _process(raw: Mapping[str, Any]) -> ProcessInfo:
     return ProcessInfo(
         pid=int(raw["pid"]),
@@ -284,6 +325,9 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
                 memory_free_mib=_opt_int(g.get("memory_free_mib")),
                 memory_reserved_mib=_opt_int(g.get("memory_reserved_mib")),
                 utilization_pct=_opt_int(g.get("utilization_pct")),
+                persistence_mode=_opt_bool(g.get("persistence_mode")),
+                temperature_c=_opt_int(g.get("temperature_c")),
+                power_w=_opt_float(g.get("power_w")),
             )
             for g in doc.get("gpus") or ()
         )
@@ -318,6 +362,9 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
             warnings=tuple(str(w) for w in doc.get("warnings") or ()),
             holders_vanished=tuple(int(p) for p in doc.get("holders_vanished") or ()),
             fd_unreadable=unreadable,
+            gpu_errors=tuple(GpuError(index=int(e["index"]), error=str(e.get("error") or "?"),
+                                      code=_opt_int(e.get("code")))
+                             for e in doc.get("gpu_errors") or ()),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SnapshotError(f"malformed agent document: {exc}") from None

@@ -153,7 +153,7 @@ def _after_snapshot(clean: Mapping[str, Any]) -> Union[Snapshot, str]:
         except SnapshotError as exc:
             return f"unreadable after-snapshot: {exc}"
     if not after.nvidia_smi_ok:
-        return f"nvidia-smi failed after the clean: {after.nvidia_smi_error or '?'}"
+        return f"{after.gpu_reader} failed after the clean: {after.nvidia_smi_error or '?'}"
     return after
 
 

@@ -92,7 +92,7 @@ def plan_host(host: Host, session: Session, opts: CleanOptions) -> HostClean:
         return out.fail(before.failure or Failure(errors.AGENT, "agent failed"))
     snap = before.snapshot
     if not snap.nvidia_smi_ok:
-        return out.fail(Failure(errors.COMMAND, f"nvidia-smi failed: {snap.nvidia_smi_error}"))
+        return out.fail(Failure(errors.COMMAND, f"{snap.gpu_reader} failed: {snap.nvidia_smi_error}"))
     try:
         scope = parse_gpu_list(opts.gpus, available=[g.index for g in snap.gpus], host=host.name)
         out.plan = make_plan(
@@ -112,6 +112,7 @@ def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[S
     request = to_request(plan, grace_s=opts.grace_s, timeout_s=opts.timeout_s, shm=opts.shm,
                          reset=opts.reset, operator=opts.operator, lock_path=opts.lock_path,
                          nvidia_smi=host.nvidia_smi)
+    request["gpu_source"] = host.gpu_source
     if before is not None:
         request["wait_floor_mib"] = wait_floors(plan, before)
     return request

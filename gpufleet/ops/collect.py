@@ -24,6 +24,7 @@ def snapshot_request(host: Host) -> dict[str, Any]:
         "mode": "snapshot",
         "deadline_s": max(1.0, timeout - DEADLINE_MARGIN_S),
         "nvidia_smi": host.nvidia_smi,
+        "gpu_source": host.gpu_source,
         "smi_timeout_s": max(1.0, min(10.0, timeout / 2)),
     }
 

@@ -35,7 +35,8 @@ from .parse import (  # joined
     parse_stat,
 )
 from .procfs import PROC, read_stat, scan_fds, self_context  # joined
-from .snapshot import snapshot  # joined
+from .nvml import memory_used, read_bounded  # joined
+from .snapshot import gpu_source, nvml_timeout, snapshot  # joined
 
 SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")
 DEFAULT_LOCK = "/tmp/gpufleet-clean.lock"
@@ -279,6 +280,31 @@ def query_used(smi, req, deadline):
     return dict((g["index"], g["memory_used_mib"]) for g in rows), None
 
 
+#: The memory wait's poll through NVML: a read costs well under a millisecond, so the verdict
+#: follows the driver within 10-20 ms of the memory coming back (nvidia-smi: 30 ms a run).
+NVML_POLL_S = 0.015
+
+
+def memory_reader(req, scope, deadline, out):
+    """(read() -> ({index: MiB} or None, error), poll seconds), or (None, None) with
+    out["error"] set: NVML when the snapshot's source is NVML, else nvidia-smi runs."""
+    source, nv, reason = gpu_source(req, deadline)
+    out["source"] = source
+    if nv is not None:
+        def read_nvml():
+            got, why, _ = read_bounded(nv, nvml_timeout(req, deadline), memory_used, scope)
+            return got if got is not None else (None, "NVML: %s" % why)
+        return read_nvml, min(NVML_POLL_S, max(0.001, req["poll_s"]))
+    if source == "nvml":
+        out["error"] = reason
+        return None, None
+    smi = find_nvidia_smi(req.get("nvidia_smi"))
+    if smi is None:
+        out["error"] = "nvidia-smi not found"
+        return None, None
+    return (lambda: query_used(smi, req, deadline)), max(0.05, req["poll_s"])
+
+
 def wait_memory(req, scope, end, deadline):
     """The verdict waits for memory, not for processes: poll memory.used per scope GPU."""
     t0 = time.monotonic()
@@ -286,16 +312,14 @@ def wait_memory(req, scope, end, deadline):
     if not scope:
         out["ok"] = True
         return out
-    smi = find_nvidia_smi(req.get("nvidia_smi"))
-    if smi is None:
-        out["error"] = "nvidia-smi not found"
+    read, poll = memory_reader(req, scope, deadline, out)
+    if read is None:
         return out
     thresholds = req.get("threshold_mib") or {}
     default = req.get("default_threshold_mib", 64)
     floors = req.get("wait_floor_mib") or {}
-    poll = max(0.05, req["poll_s"])
     while True:
-        used, error = query_used(smi, req, deadline)
+        used, error = read()
         out["polls"] += 1
         if error is not None:
             out["error"] = error

@@ -13,7 +13,8 @@ Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path
 ``shm_dir`` (default /dev/shm), ``shm_min_age_s`` (default 10), ``lock_wait_s`` (default
 timeout_s), ``default_threshold_mib`` (default 64), ``cuda_version`` (default true),
 ``wait_floor_mib`` ({"index": MiB} held by processes the plan does not signal: the memory
-wait ends once only that is left, instead of waiting out the timeout).
+wait ends once only that is left, instead of waiting out the timeout), ``gpu_source`` (auto |
+nvml | nvidia-smi: the inventory's), ``nvml_library`` (a path: load that libnvidia-ml.so.1).
 """
 import json
 import os
@@ -25,7 +26,7 @@ import traceback
 from .clean import clean  # joined
 from .jobs import Deadline  # joined
 from .parse import AGENT_VERSION  # joined
-from .snapshot import snapshot  # joined
+from .snapshot import GPU_SOURCES, snapshot  # joined
 
 
 class AgentDeadline(BaseException):
@@ -55,6 +56,10 @@ def parse_request(raw):
     req["smi_timeout_s"] = _number(req, "smi_timeout_s", 10.0, 0.1)
     if req.get("nvidia_smi") is not None and not isinstance(req["nvidia_smi"], str):
         raise ValueError("nvidia_smi must be a path or null")
+    if req.get("gpu_source") not in (None,) + GPU_SOURCES:
+        raise ValueError("gpu_source must be one of %s" % ", ".join(GPU_SOURCES))
+    if req.get("nvml_library") is not None and not isinstance(req["nvml_library"], str):
+        raise ValueError("nvml_library must be a path or null")
     if req["mode"] == "clean":
         req["grace_s"] = _number(req, "grace_s", 10.0)
         req["timeout_s"] = _number(req, "timeout_s", 60.0)

@@ -9,6 +9,7 @@ import sys
 import time
 
 from .jobs import Job, find_nvidia_smi, run_cmd, smi_failure  # joined
+from .nvml import open_nvml, read_bounded, read_devices  # joined
 from .parse import (  # joined
     AGENT_VERSION,
     APP_FIELDS,
@@ -86,31 +87,39 @@ def snapshot(req, deadline, proc=PROC):
     warnings = ctx["warnings"]
     smi = find_nvidia_smi(req.get("nvidia_smi"))
     smi_doc = {"ok": False, "error": None, "exit_code": None, "seconds": 0.0}
-    gpus = []
-    apps = []
-    driver = None
-    cuda = None
-    gpu_job = apps_job = None
-    if smi is None:
+    source, nv, reason = gpu_source(req, deadline)
+    nvml_doc = {"library": nv.path if nv else None, "error": None if nv else reason,
+                "seconds": 0.0}
+    gpus, apps, driver, cuda = [], [], None, None
+    jobs = (None, None)  # NVML is read after the /proc scan: milliseconds, no children
+    if source == "nvml":
+        pass
+    elif smi is None:
         smi_doc["error"] = "nvidia-smi not found" + (
             ": %s" % req["nvidia_smi"] if req.get("nvidia_smi") else "")
     else:
-        gpu_job, apps_job = _start_smi_jobs(smi, req, deadline)
-    jobs = (gpu_job, apps_job)
+        jobs = _start_smi_jobs(smi, req, deadline)
     own = set([ctx["self_pid"]]) | _job_pids(jobs)
     holders, denied, seen_start, mapped = _scan_holders(own, proc)
     hidden, can_read_all = _fd_visibility(denied, warnings, proc)
-    if smi is not None:
+    extra = {}
+    if source == "nvml":
+        gpus, apps, driver, cuda, extra = _query_nvml(nv, reason, smi_doc, nvml_doc,
+                                                      nvml_timeout(req, deadline), proc)
+    elif smi is not None:
         gpus, apps, driver, cuda = _query_smi(smi, req, deadline, jobs, smi_doc, warnings)
-    attach_minors(gpus, smi, req, deadline, smi_doc, warnings, proc)
+    attach_minors(gpus, None if source == "nvml" else smi, req, deadline, smi_doc, warnings,
+                  proc)
     by_uuid = dict((g["uuid"], g["index"]) for g in gpus)
     for a in apps:
         a["gpu_index"] = by_uuid.get(a["gpu_uuid"])
     processes, vanished = _settle_holders(holders, seen_start, apps, own, ctx, jobs,
                                           warnings, proc)
     facts = _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc)
+    facts.update(gpu_source=source, gpu_source_reason=reason)
     smi_doc["seconds"] = round(smi_doc["seconds"], 3)
-    return {
+    nvml_doc["seconds"] = round(nvml_doc["seconds"], 3)
+    doc = {
         "agent_version": AGENT_VERSION,
         "mode": "snapshot",
         "facts": facts,
@@ -123,8 +132,61 @@ def snapshot(req, deadline, proc=PROC):
         "fd_unreadable": denied_reasons(denied, proc),
         "processes": processes,
         "warnings": warnings,
+        "nvml": nvml_doc,
         "seconds": round(time.monotonic() - t0, 3),
     }
+    doc.update(extra)
+    return doc
+
+
+#: The request's gpu_source (the inventory's): auto = NVML when it loads and initialises, else
+#: nvidia-smi; nvml = NVML or an error (no fallback); nvidia-smi = never NVML.
+GPU_SOURCES = ("auto", "nvml", "nvidia-smi")
+
+
+def gpu_source(req, deadline):
+    """(source, Nvml or None, reason): which reader this snapshot uses and, when it is not the
+    default choice, why (facts.gpu_source_reason)."""
+    wanted = req.get("gpu_source") or "auto"
+    if wanted == "nvidia-smi":
+        return "nvidia-smi", None, "gpu_source is nvidia-smi"
+    if wanted == "auto" and req.get("nvidia_smi"):
+        return "nvidia-smi", None, "nvidia_smi is set (it forces the nvidia-smi path)"
+    nv, why = open_nvml(req.get("nvml_library"), nvml_timeout(req, deadline))
+    if nv is not None:
+        return "nvml", nv, None
+    if wanted == "nvml":
+        return "nvml", None, "gpu_source is nvml and NVML is unavailable: %s" % why
+    return "nvidia-smi", None, "NVML unavailable: %s" % why
+
+
+def nvml_timeout(req, deadline):
+    """How long one batch of NVML calls may take: a GPU query's bound, inside the deadline."""
+    return max(0.1, min(req["smi_timeout_s"], deadline.remaining()))
+
+
+def _query_nvml(nv, reason, smi_doc, nvml_doc, timeout, proc):
+    """(gpus, apps, driver, cuda, extra doc keys) from NVML; failures go into smi_doc (the GPU
+    readings' status, whatever their source) and nvml_doc."""
+    if nv is None:  # gpu_source nvml forced, and NVML is not there
+        smi_doc["error"] = reason
+        return [], [], None, None, {}
+    got, why, secs = read_bounded(nv, timeout, read_devices, proc)
+    smi_doc["seconds"] += secs
+    nvml_doc["seconds"] += secs
+    if got is None:
+        smi_doc["error"] = nvml_doc["error"] = why
+        return [], [], None, None, {}
+    extra = {"graphics_apps": got["graphics_apps"], "gpu_errors": got["gpu_errors"]}
+    error = got.get("error")
+    if error is None and got["gpu_errors"]:
+        first = got["gpu_errors"][0]
+        error = "GPU %d: %s" % (first["index"], first["error"])
+    if error is not None:
+        smi_doc["error"] = nvml_doc["error"] = error
+    else:
+        smi_doc["ok"] = True
+    return got["gpus"], got["compute_apps"], got["driver"], got["cuda"], extra
 
 
 def _start_smi_jobs(smi, req, deadline):
@@ -276,12 +338,16 @@ def _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc):
 
 
 def attach_minors(gpus, smi, req, deadline, smi_doc, warnings, proc=PROC):
-    """minor (the N of /dev/nvidiaN) matched by PCI bus id: /proc/driver first, else -q."""
+    """minor (the N of /dev/nvidiaN): NVML's when it gave one, else matched by PCI bus id in
+    /proc/driver, else from ``-q`` (smi None: never run nvidia-smi)."""
+    known = dict((normalize_bus_id(g.get("pci_bus_id")), g["minor"]) for g in gpus
+                 if g.get("minor") is not None)
     for g in gpus:
         g["minor"] = None
     if not gpus:
         return
     minors = gpu_minors_from_proc(proc)
+    minors.update(known)
     missing = [g for g in gpus if minors.get(normalize_bus_id(g.get("pci_bus_id"))) is None]
     has_dev_files = False
     try:

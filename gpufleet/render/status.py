@@ -190,6 +190,8 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
     doc["holders_vanished"] = list(snap.holders_vanished)
     doc["fd_unreadable"] = [{"pid": u.pid, "comm": u.comm, "reason": u.reason}
                             for u in snap.fd_unreadable]
+    doc["gpu_errors"] = [{"index": e.index, "error": e.error, "code": e.code}
+                         for e in snap.gpu_errors]
     return doc
 
 
@@ -210,6 +212,9 @@ def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger) -> dict[str, Any]:
         "unexpected_unattributed_mib": row.unexpected_mib,
         "driver_allowance_mib": row.driver_allowance_mib,
         "utilization_pct": gpu.utilization_pct,
+        "persistence_mode": gpu.persistence_mode,
+        "temperature_c": gpu.temperature_c,
+        "power_w": gpu.power_w,
         "processes": [
             _process_doc(snap, a.pid, a.process_name, a.used_mib) for a in snap.apps_on(gpu.index)
         ],

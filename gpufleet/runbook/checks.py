@@ -105,7 +105,7 @@ def check_conditions(that: Mapping[str, Any], snapshot: Snapshot, baseline: Opti
                      expected_unattributed_mib: int = 0) -> list[tuple[bool, str]]:
     """One (held, what was found) per condition. Missing evidence never holds."""
     if not snapshot.nvidia_smi_ok:
-        return [(False, f"nvidia-smi failed: {snapshot.nvidia_smi_error or '?'}")]
+        return [(False, f"{snapshot.gpu_reader} failed: {snapshot.nvidia_smi_error or '?'}")]
     return list(_conditions(that, snapshot, baseline, expected_unattributed_mib))
 
 
@@ -173,7 +173,7 @@ def report_lines(snapshot: Snapshot, gpus: Optional[Sequence[int]], expected_una
                  wsl2: bool) -> list[str]:
     """Per GPU: used, free, total, reserved, unattributed (vs what the inventory expects)."""
     if not snapshot.nvidia_smi_ok:
-        raise StepFailed(f"nvidia-smi failed: {snapshot.nvidia_smi_error or '?'}")
+        raise StepFailed(f"{snapshot.gpu_reader} failed: {snapshot.nvidia_smi_error or '?'}")
     indices, missing = _chosen(snapshot, gpus)
     if missing:
         raise StepFailed(f"no GPU {format_gpu_list(missing)} on this host")

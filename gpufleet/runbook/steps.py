@@ -70,7 +70,7 @@ class _HostRun:
         except SnapshotError as exc:
             raise StepFailed(f"snapshot unreadable: {exc}") from None
         if not snap.nvidia_smi_ok:
-            raise StepFailed(f"nvidia-smi failed: {snap.nvidia_smi_error or '?'}")
+            raise StepFailed(f"{snap.gpu_reader} failed: {snap.nvidia_smi_error or '?'}")
         self.latest = snap
         return snap
 
@@ -205,6 +205,7 @@ def _step_clear_shm(ctx: _HostRun, step: Step, end: float) -> str:
     bound = max(2.0, _remaining(end) - MARGIN_S)
     request = {
         "mode": "clean", "deadline_s": bound, "nvidia_smi": ctx.host.nvidia_smi,
+        "gpu_source": ctx.host.gpu_source,
         "smi_timeout_s": max(1.0, min(10.0, bound / 3)), "scope": [], "targets": [], "units": [],
         "grace_s": 0.0, "timeout_s": max(1.0, bound / 2), "poll_s": 0.1, "threshold_mib": {},
         "shm": True, "reset": False, "lock_path": None, "operator": ctx.operator,

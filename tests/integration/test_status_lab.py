@@ -379,7 +379,7 @@ def test_broken_hosts_are_one_row_each_and_the_rest_is_complete(
     healthy = make_host("healthy", gpus=2)
     job = healthy.spawn_holder(gpus=[1], mib=900, title="job")
     broken = make_host("broken-driver", gpus=2, driver="fail")
-    garbage = make_host("garbled-driver", gpus=2, driver="garbage")
+    garbage = make_host("garbled-driver", gpus=2, driver="garbage", nvml=False)  # nvidia-smi's garbage
     nopy = make_host("no-python", gpus=2, python3=False)
     assert broken.smi().returncode == 9  # the lab's premise: the recorded exit status
     inv = lab.inventory_yaml([broken, garbage, nopy, healthy])

@@ -196,7 +196,7 @@ def fit_host(
                        error_kind=result.error_kind or AGENT, seconds=result.seconds)
     snapshot = result.snapshot
     if not snapshot.nvidia_smi_ok:
-        return HostFit(result.host, error=f"nvidia-smi failed: {snapshot.nvidia_smi_error or 'unknown error'}",
+        return HostFit(result.host, error=f"{snapshot.gpu_reader} failed: {snapshot.nvidia_smi_error or 'unknown error'}",
                        error_kind=COMMAND, seconds=result.seconds)
     try:
         memories = gpus_from_snapshot(snapshot, gpus)

@@ -36,7 +36,7 @@ def host_notes(snapshot: Snapshot) -> list[str]:
     notes = []
     if not snapshot.nvidia_smi_ok:
         notes.append(
-            f"nvidia-smi failed ({snapshot.nvidia_smi_error or 'no reason given'}): targets come "
+            f"{snapshot.gpu_reader} failed ({snapshot.nvidia_smi_error or 'no reason given'}): targets come "
             "from device files only and memory cannot be checked")
     if facts.wsl2:
         notes.append(
