@@ -181,7 +181,7 @@ class Nvml(object):
         return h, rc
 
 
-_STATE = {}  # the one library per agent process: "nvml" -> Nvml, or "error" -> why not
+_STATE = {}  # type: dict  # the one library per agent process: "nvml" -> Nvml, or "error" -> why
 
 
 def open_nvml(requested=None, timeout=CALL_TIMEOUT_S):
