@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -35,10 +34,6 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpufleet.remote import bootstrap_command, encode_request  # noqa: E402
-from gpufleet.remote import nvml as agent_nvml  # noqa: E402
-from gpufleet.remote.jobs import Deadline  # noqa: E402
-from gpufleet.remote.main import parse_request  # noqa: E402
-from gpufleet.remote.snapshot import snapshot  # noqa: E402
 
 HOLDER = r"""
 import sys, time, torch
@@ -47,6 +42,23 @@ torch.cuda.synchronize()
 print('ready', flush=True)
 time.sleep(600)
 """
+#: The moment GPU 0's memory is back (< 1 GiB used), by NVML every millisecond, in its own
+#: process: CLOCK_MONOTONIC is one clock for every process of the machine.
+WATCHER = r"""
+import sys, time
+sys.path.insert(0, %r)
+from gpufleet.remote import nvml
+nv, why = nvml.open_nvml()
+assert nv is not None, why
+print('ready', flush=True)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    used, _ = nvml.memory_used(nv, [0])
+    if used and used.get(0) is not None and used[0] < 1024:
+        print(time.monotonic(), flush=True)
+        break
+    time.sleep(0.001)
+""" % str(REPO)
 COMPARED = ("index", "uuid", "name", "pci_bus_id", "memory_used_mib", "memory_total_mib",
             "memory_free_mib", "memory_reserved_mib")
 
@@ -106,8 +118,13 @@ class Run:
 
     @staticmethod
     def agent_doc(source: str) -> dict[str, Any]:
-        return snapshot(parse_request(json.dumps({"mode": "snapshot", "gpu_source": source})),
-                        Deadline(30))
+        """The agent as a host runs it, in a child: this process never opens NVML or a device
+        file (it is the holders' parent: with device files open it would be their family root,
+        and a clean over SSH would rightly signal it)."""
+        r = subprocess.run(bootstrap_command(sys.executable),
+                           input=encode_request({"mode": "snapshot", "gpu_source": source}),
+                           capture_output=True, timeout=60)
+        return json.loads(r.stdout)
 
     def parity(self) -> None:
         pids = sorted(p.pid for p in (self.holder(4096), self.holder(1024)))
@@ -126,6 +143,12 @@ class Run:
                                            "temperature_c", "power_w", "nvml_errors")}
                                           for g in nv["gpus"]]})
         self.results["parity_rounds"] = rounds
+        for r in rounds:
+            if not r["same"]:
+                print("differs:", json.dumps({k: r[k] for k in ("nvml", "nvidia_smi", "apps_nvml",
+                                                                 "apps_nvidia_smi")}))
+                break
+        self.save()
         self.check("NVML was the source", all(r["sources"] == ["nvml", "nvidia-smi"]
                                               for r in rounds), [r["sources"] for r in rounds])
         same = sum(r["same"] for r in rounds)
@@ -208,28 +231,21 @@ class Run:
     # --- 3. clean latency -------------------------------------------------------------------
 
     def clean_latency(self, inv: Path, label: str, rounds: int = 3) -> None:
-        nv, why = agent_nvml.open_nvml()
-        assert nv is not None, why
         lags = []
         for _ in range(rounds):
             self.holder(20480)
             time.sleep(0.5)
-            back: list[float] = []
-            stop = threading.Event()
-
-            def watch(stop: threading.Event = stop, back: list = back) -> None:
-                while not stop.is_set():
-                    used, _ = agent_nvml.memory_used(nv, [0])
-                    if used and used.get(0) is not None and used[0] < 1024 and not back:
-                        back.append(time.monotonic())
-                    time.sleep(0.001)
-
-            t = threading.Thread(target=watch, daemon=True)
-            t.start()
+            watcher = subprocess.Popen([sys.executable, "-c", WATCHER], stdout=subprocess.PIPE,
+                                       text=True, env=self.env)
+            assert watcher.stdout is not None and watcher.stdout.readline().strip() == "ready"
             wall, r = self.cli(inv, "clean", "--gpus", "0", "--yes", "--json")
             end = time.monotonic()
-            stop.set()
-            t.join()
+            try:
+                line = watcher.communicate(timeout=30)[0].strip()
+            except subprocess.TimeoutExpired:
+                watcher.kill()
+                line = watcher.communicate()[0].strip()
+            back = [float(line)] if line else []
             self.stop_holders()
             doc = json.loads(r.stdout)["hosts"][0]
             lags.append({"wall_s": round(wall, 3), "after_memory_back_s":
@@ -239,6 +255,12 @@ class Run:
         self.check("clean (%s) verdict clean" % label, ok, lags)
         med = statistics.median(x["after_memory_back_s"] or 99 for x in lags)
         self.check("clean (%s) returns <= 0.1 s after the memory is back" % label, med <= 0.1, med)
+        self.save()
+
+    def save(self) -> None:
+        doc = {"checks": self.checks, "ok": all(c["ok"] for c in self.checks),
+               "results": self.results}
+        (self.out / "nvml-results.json").write_text(json.dumps(doc, indent=1) + "\n")
 
     def run(self) -> dict[str, Any]:
         try:
@@ -249,11 +271,10 @@ class Run:
                 self.clean_latency(self.ssh_inv, "ssh")
         finally:
             self.stop_holders()
-        doc = {"checks": self.checks, "ok": all(c["ok"] for c in self.checks),
-               "results": self.results}
-        (self.out / "nvml-results.json").write_text(json.dumps(doc, indent=1) + "\n")
-        print(json.dumps(self.results, indent=1)[:6000])
-        return doc
+        self.save()
+        print(json.dumps({k: v for k, v in self.results.items() if k != "parity_rounds"},
+                         indent=1)[:6000])
+        return {"ok": all(c["ok"] for c in self.checks)}
 
 
 def main() -> int:
