@@ -3,7 +3,7 @@
 A piece of the remote agent. Why: one NVML init and a dozen calls cost about 12 ms on an H200,
 where the nvidia-smi runs they replace cost 33 + 25 + 110 + 127 ms (issue 12's measurements).
 The rows it returns have the keys of the nvidia-smi path (parse.GPU_KEYS), in the same units
-(MiB, floor of bytes like nvidia-smi), so nothing downstream can tell the sources apart except by
+(MiB, rounded up like nvidia-smi), so nothing downstream can tell the sources apart except by
 ``facts.gpu_source``.
 
 Signatures, constants and struct layouts are NVIDIA's nvml.h (github.com/NVIDIA/go-nvml,
@@ -223,10 +223,13 @@ def uint_of(nv, name, handle, *extra):
 
 
 def mib(value):
-    """bytes -> MiB as nvidia-smi prints them (floor); NVML's 'not available' -> None."""
+    """bytes -> MiB as nvidia-smi prints them: rounded UP. Recorded on the H200 at one moment
+    (tests/fixtures/recorded/probe/h200-clients-probe3.log): v2 reserved 644939776 B (615.06 MiB)
+    and free 150109880320 B (143155.94 MiB) were printed 616 and 143156 MiB; tests/gpu/gpu_nvml.py
+    holds the two to equality. NVML's 'not available' -> None."""
     if value is None or value == NVML_VALUE_NOT_AVAILABLE_ULL:
         return None
-    return int(value // MIB)
+    return int(-(-value // MIB))
 
 
 def cuda_version(nv):
