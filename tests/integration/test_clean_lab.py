@@ -21,6 +21,7 @@ import pytest
 
 from cli_helpers import (
     GPUFLEET,
+    REPO_ROOT,
     assert_no_traceback,
     home,  # noqa: F401  (fixture)
     parse_table,
@@ -262,9 +263,9 @@ def test_clean_never_signals_its_own_ancestors(make_host: Any) -> None:
     host = make_host("self-aware", gpus=2)
     job = host.spawn_holder(gpus=[1], mib=1000, title="job")
     gpufleet = " ".join(shlex.quote(a) for a in GPUFLEET)
-    script = ("exec 3</dev/nvidia0; echo shell=$$ >&2; "
+    script = ("exec 3</dev/nvidia0; echo shell=$$ >&2; export PYTHONPATH=%s; "
               "%s clean --yes --json --gpus all --grace 1 --timeout 15 --audit-log /tmp/audit.jsonl; "
-              "rc=$?; echo rc=$rc >&2; exit $rc" % gpufleet)
+              "rc=$?; echo rc=$rc >&2; exit $rc" % (shlex.quote(str(REPO_ROOT)), gpufleet))
     res = host.exec(["bash", "-c", script], timeout=120)
     assert res.returncode == 0, (res.stdout, res.stderr)
     shell = int(next(line for line in res.stderr.splitlines() if line.startswith("shell="))[6:])
