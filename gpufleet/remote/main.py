@@ -13,7 +13,8 @@ Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path
 ``shm_dir`` (default /dev/shm), ``shm_min_age_s`` (default 10), ``lock_wait_s`` (default
 timeout_s), ``default_threshold_mib`` (default 64), ``cuda_version`` (default true),
 ``wait_floor_mib`` ({"index": MiB} held by processes the plan does not signal: the memory
-wait ends once only that is left, instead of waiting out the timeout).
+wait ends once only that is left, instead of waiting out the timeout), ``pidfd`` (default
+true; false: the exit wait polls every poll_s, as on a kernel without pidfds).
 """
 import json
 import os

@@ -443,6 +443,23 @@ def gpu_app(p, used=20998, uuid=GPU0_UUID):
 
 
 @pytest.mark.parametrize("python", PYTHONS)
+def test_clean_exit_wait_polls_when_pidfd_is_disabled(tmp_path, children, python):
+    """The request's "pidfd": false forces the polling fallback (a kernel without pidfds)."""
+    h = children.holder("stubborn", "--ignore-term")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    req = clean_request(tmp_path, stub, [{"pid": h.pid, "starttime": starttime(h.pid),
+                                          "wave": 0}], pidfd=False, grace_s=0.5)
+    doc = run_agent(req, python=python, env=agent_env(tmp_path))
+    assert [(s["signal"], s["outcome"]) for s in doc["signals"]] == [("TERM", "sent"),
+                                                                     ("KILL", "sent")]
+    assert doc["signals"][1]["t"] - doc["signals"][0]["t"] >= 0.5
+    assert h.wait(timeout=5) == -signal.SIGKILL
+    assert doc["exit_wait"]["pidfd"] == 0 and doc["exit_wait"]["polled"] >= 1
+    assert doc["exit_wait"]["reason"] == "pidfd disabled by the request"
+    assert doc["memory_wait"]["ok"] is True
+
+
+@pytest.mark.parametrize("python", PYTHONS)
 def test_clean_term_honoured_and_memory_verdict(tmp_path, children, python):
     h = children.holder()
     stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
@@ -453,6 +470,8 @@ def test_clean_term_honoured_and_memory_verdict(tmp_path, children, python):
     assert [(s["pid"], s["signal"], s["outcome"]) for s in doc["signals"]] == \
         [(h.pid, "TERM", "sent")]
     assert h.wait(timeout=5) == -signal.SIGTERM
+    # a pidfd, or gone before the wait began (it exits on TERM at once): never polled
+    assert doc["exit_wait"]["polled"] == 0 and doc["exit_wait"]["reason"] is None
     assert doc["memory_wait"]["ok"] is True and doc["memory_wait"]["polls"] >= 1
     # exited, but this test (its parent) has not reaped it yet: reported as such, by parent
     assert [(x["pid"], x["state"], x["ppid"]) for x in doc["survivors"]] == \
@@ -478,6 +497,8 @@ def test_clean_term_ignored_gets_kill_after_grace(tmp_path, children, python):
     assert sig == [("TERM", "sent"), ("KILL", "sent")]
     assert doc["signals"][1]["t"] - doc["signals"][0]["t"] >= 0.5
     assert h.wait(timeout=5) == -signal.SIGKILL
+    # the grace was waited on the pidfd (Python 3.6: pidfd_open through ctypes' syscall)
+    assert doc["exit_wait"]["pidfd"] >= 1 and doc["exit_wait"]["polled"] == 0
     assert doc["memory_wait"]["ok"] is True
     assert [x["signal"] for x in audit_lines(tmp_path)] == ["TERM", "KILL"]
 
