@@ -968,3 +968,53 @@ def test_unreadable_fds_say_the_true_reason(tmp_path):
         assert reason["reason"].startswith("permission denied although the agent is root")
     else:
         assert "(not root)" in reason["reason"]
+
+
+
+def test_the_controllers_clean_requests_skip_the_cuda_version(tmp_path, children, monkeypatch):
+    """ops.clean's two requests (the plan's snapshot; the clean and its after-snapshot) ask for
+    no CUDA version, and the real agent then runs no bare `nvidia-smi` (110 ms on an H200,
+    issue 12) between "the memory is back" and the verdict. Only the test's own holder is
+    ever a target: this machine's /proc is shared (the plan's other candidates are dropped)."""
+    from gpufleet.config.inventory import Host
+    from gpufleet.core.model import parse_snapshot
+    from gpufleet.core.plan import make_plan
+    from gpufleet.ops.clean import CleanOptions, clean_request, plan_host
+    from gpufleet.transport import AgentReply, Session
+
+    class Recorder(Session):
+        """Records what the controller asks the agent; answers with a failure."""
+
+        def __init__(self, host):
+            super().__init__(host)
+            self.requests = []
+
+        def run_agent(self, request, timeout=None):
+            self.requests.append(dict(request))
+            return AgentReply(False, error="recorded", error_kind="agent")
+
+    h = children.holder()
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    host = Host(name="here", connection="local", python=sys.executable, nvidia_smi=str(stub.path))
+    opts = CleanOptions(gpus="0", grace_s=5.0, timeout_s=10.0, operator="t",
+                        lock_path=str(tmp_path / "lock"))
+    recorder = Recorder(host)
+    assert not plan_host(host, recorder, opts).ok
+    (plan_request,) = recorder.requests
+    assert plan_request["mode"] == "snapshot" and plan_request["cuda_version"] is False
+    before = run_agent(plan_request, env=agent_env(tmp_path))
+    assert before["facts"]["cuda_version"] is None
+    snap = parse_snapshot(before)
+    request = clean_request(host, make_plan(snap, [0], host="here"), opts, snap)
+    assert request["cuda_version"] is False
+    request["targets"] = [{"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}]
+    (tmp_path / "stub" / "calls.jsonl").unlink()
+    doc = run_agent(request, env=agent_env(tmp_path))
+    assert [(s["pid"], s["outcome"]) for s in doc["signals"]] == [(h.pid, "sent")]
+    assert h.wait(timeout=5) == -signal.SIGTERM
+    assert doc["memory_wait"]["ok"] is True and doc["after"]["gpus"]
+    calls = stub.calls()
+    assert [c for c in calls if c == []] == []  # no bare nvidia-smi in the clean, after included
+    assert any(c and c[0].startswith("--query-compute-apps=") for c in calls)  # the after-snapshot
+    status = run_agent(snap_request(stub), env=agent_env(tmp_path))  # asked (status): still read
+    assert status["facts"]["cuda_version"] == "13.0" and [] in stub.calls()
