@@ -18,7 +18,8 @@ So ``agent tail`` = returned - dead (exit wait, memory wait, the after-snapshot,
 Variants change the agent request the controller sends (the wrapper patches
 ops.clean.clean_request): ``pidfd`` false (the exit wait polls every 0.1 s, as before issue
 12) and ``cuda_version`` true (the after-snapshot also runs a bare nvidia-smi for the CUDA
-version, as before issue 12). Needs root and the lab's prerequisites (tests/lab/README.md).
+version, as before issue 12), and the interpreter's teardown at exit (the CLI now ends with
+os._exit once its output is flushed). Needs root and the lab's prerequisites (tests/lab/README.md).
 """
 from __future__ import annotations
 
@@ -58,19 +59,44 @@ def run_agent(self, request, timeout=None):
     reply = _orig_run(self, request, timeout)
     marks[request.get("mode", "?") + "_sent"] = t0
     marks[request.get("mode", "?") + "_returned"] = time.monotonic()
+    if request.get("mode") == "clean" and PROFILE is not None:
+        PROFILE.enable()  # from the document's arrival to the exit
     return reply
 tsession.Session.run_agent = run_agent
-atexit.register(lambda: sys.stderr.write("GF-MARKS " + json.dumps(dict(marks, atexit=time.monotonic())) + "\n"))
-from gpufleet.cli import main
-main(sys.argv[1:])
+PROFILE = None
+if os.environ.get("GF_PROFILE"):
+    import cProfile, pstats
+    PROFILE = cProfile.Profile()
+def report():
+    if "atexit" in marks:
+        return
+    marks["atexit"] = time.monotonic()
+    if PROFILE is not None:
+        PROFILE.disable()
+        pstats.Stats(PROFILE, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
+    sys.stderr.write("GF-MARKS " + json.dumps(marks) + "\n")
+atexit.register(report)  # the interpreter's exit (GF_SLOW_EXIT, and before issue 12)
+import gpufleet.cli as gcli
+_orig_exit = gcli._exit_now
+def exit_now(code):  # the CLI's own fast exit: the marks first
+    report()
+    _orig_exit(code)
+gcli._exit_now = exit_now
+sys.argv = ["gpufleet"] + sys.argv[1:]
+if os.environ.get("GF_SLOW_EXIT"):
+    gcli.main(sys.argv[1:])  # main(argv): SystemExit, then the interpreter's teardown
+else:
+    gcli.main()  # as the `gpufleet` program runs it
 """
 
 VARIANTS = {
     "as the controller sends it": {},
+    "as sent, interpreter teardown at exit": {"exit": "slow"},
     "pidfd, no CUDA version": {"pidfd": True, "cuda_version": False},
     "pidfd, CUDA version": {"pidfd": True, "cuda_version": True},
     "polled, no CUDA version": {"pidfd": False, "cuda_version": False},
-    "polled, CUDA version (before issue 12)": {"pidfd": False, "cuda_version": True},
+    "polled, CUDA version, teardown (before issue 12)": {"pidfd": False, "cuda_version": True,
+                                                          "exit": "slow"},
 }
 
 
@@ -92,16 +118,21 @@ def watch_exit(pid: int) -> list[float]:
     return seen
 
 
-def one_run(host: Any, extra: dict[str, Any]) -> Optional[dict[str, float]]:
+def one_run(host: Any, extra: dict[str, Any], profile: bool = False) -> Optional[dict[str, float]]:
     holder = host.spawn_holder(gpus=[0], mib=20480, title="VLLM::Worker", via="exec")
     dead = watch_exit(host.outer_pid(holder))
     argv = ["nsenter", "-t", str(host.root_pid), "-m", "-u", "-p", "-w", "--",
             "env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "PYTHONPATH=" + str(REPO), "GF_REQUEST_EXTRA=" + json.dumps(extra), "HOME=/root",
+            "PYTHONPATH=" + str(REPO), "HOME=/root",
+            "GF_REQUEST_EXTRA=" + json.dumps({k: v for k, v in extra.items() if k != "exit"}),
+            "GF_SLOW_EXIT=" + ("1" if extra.get("exit") == "slow" else ""),
+            "GF_PROFILE=" + ("1" if profile else ""),
             sys.executable, "-c", WRAPPER, "-i", "/tmp/fleet.yaml", "clean", "--gpus", "0",
             "--yes", "--json", "--grace", "5", "--audit-log", "/tmp/audit.jsonl"]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     end = time.monotonic()
+    if profile:
+        print(res.stderr, file=sys.stderr)
     marks = next((json.loads(line[len("GF-MARKS "):]) for line in res.stderr.splitlines()
                   if line.startswith("GF-MARKS ")), None)
     if res.returncode != 0 or not marks or not dead or "clean_returned" not in marks:
@@ -116,6 +147,32 @@ def one_run(host: Any, extra: dict[str, Any]) -> Optional[dict[str, float]]:
             "wall_s": end - marks["start"]}
 
 
+def agent_pieces(host: Any, runs: int) -> dict[str, float]:
+    """Median wall (s) of what the agent runs after the memory is back, each alone in the host:
+    the after-snapshot with and without the CUDA version, and one memory-wait query."""
+    sys.path.insert(0, str(REPO))
+    from gpufleet.remote import bootstrap_command, encode_request
+
+    enter = ["nsenter", "-t", str(host.root_pid), "-m", "-u", "-p", "-w", "--"]
+
+    def wall(argv: list[str], data: bytes = b"") -> float:
+        t0 = time.monotonic()
+        subprocess.run(enter + argv, input=data, capture_output=True, timeout=60, check=True)
+        return time.monotonic() - t0
+
+    out = {}
+    for cuda in (False, True):
+        req = encode_request({"mode": "snapshot", "deadline_s": 30, "cuda_version": cuda})
+        wall(bootstrap_command(sys.executable), req)
+        out["snapshot, cuda_version %s" % str(cuda).lower()] = statistics.median(
+            wall(bootstrap_command(sys.executable), req) for _ in range(runs))
+    query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+    out["one memory-wait query (nvidia-smi)"] = statistics.median(wall(query) for _ in range(runs))
+    out["python -S -E -s -c pass"] = statistics.median(
+        wall([sys.executable, "-S", "-E", "-s", "-c", "pass"]) for _ in range(runs))
+    return out
+
+
 def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
 
@@ -124,6 +181,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="one run; cProfile of the controller from the document's arrival to exit")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("needs root (the test lab)", file=sys.stderr)
@@ -133,25 +192,39 @@ def main() -> int:
         host = lab.add_host("tail", gpus=1, total_mib=143771, release_delay_s=0.0)
         host.path("/tmp/fleet.yaml").write_text("hosts:\n  tail:\n    connection: local\n")
         one_run(host, {})  # warm-up: .pyc files, page cache
-        for name, extra in VARIANTS.items():
-            rows = [r for r in (one_run(host, extra) for _ in range(args.runs)) if r]
-            out[name] = {"runs": rows, "median": summarize(rows)}
+        if args.profile:
+            one_run(host, {}, profile=True)
+            return 0
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+        for i in range(args.runs):  # round robin, order rotated: load drifts hit all alike
+            names = list(VARIANTS)
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                row = one_run(host, VARIANTS[name])
+                if row:
+                    runs[name].append(row)
+        out = {name: {"runs": rows, "median": summarize(rows)} for name, rows in runs.items()}
+        pieces = agent_pieces(host, args.runs)
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps({"variants": out, "agent_pieces": pieces}, indent=1))
         return 0
     print("median of %d runs, %d cores; seconds" % (args.runs, os.cpu_count() or 0))
     print()
-    print("| variant | memory back -> agent's document at the controller | -> CLI gone | "
-          "memory back -> CLI gone | the clean exec | whole command |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | memory back -> agent's document at the controller | -> CLI's atexit | "
+          "-> CLI gone | memory back -> CLI gone | the clean exec | whole command |")
+    print("|---|---|---|---|---|---|---|")
     for name, v in out.items():
         m = v["median"]
         if not m:
-            print("| %s | failed | | | | |" % name)
+            print("| %s | failed | | | | | |" % name)
             continue
-        print("| %s | %.3f | %.3f | %.3f | %.3f | %.3f |" % (
-            name, m["agent_tail_s"], m["controller_tail_s"], m["total_tail_s"],
+        print("| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |" % (
+            name, m["agent_tail_s"], m["cli_to_atexit_s"], m["controller_tail_s"], m["total_tail_s"],
             m["clean_exec_s"], m["wall_s"]))
+    print()
+    print("| in the host, alone (wall, median) | s |")
+    print("|---|---|")
+    for name, seconds in pieces.items():
+        print("| %s | %.3f |" % (name, seconds))
     return 0
 
 

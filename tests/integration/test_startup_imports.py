@@ -1,4 +1,5 @@
-"""The controller starts without the SSH stack unless a host is reached over SSH.
+"""The controller starts without the SSH stack unless a host is reached over SSH, and ends
+without the interpreter's teardown once its output is written.
 
 paramiko, fabric and invoke take about 0.3 s to import (bench/startup.py): `gpufleet --help`,
 `hosts`, `fit`, and every command whose selected hosts are all `connection: local` must not
@@ -119,3 +120,41 @@ def test_the_transport_names_are_the_same_objects(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+
+
+# As the `gpufleet` program runs (main() without argv); an atexit handler marks a teardown.
+PROGRAM = (
+    "import atexit, os, sys\n"
+    "atexit.register(lambda: open(os.environ['GF_TEARDOWN_MARK'], 'w').close())\n"
+    "from gpufleet.cli import main\n"
+    "main()\n"
+)
+
+
+@pytest.mark.parametrize("args,rc", [(["hosts", "--json"], 0), (["status", "--json"], 1)],
+                         ids=["hosts-exit-0", "status-exit-1"])
+def test_the_program_exits_without_teardown_and_keeps_output_and_code(
+        tmp_path: Path, local_fleet: Path, args: list[str], rc: int) -> None:
+    """Run as the program, a finished command flushes its output (a pipe: block-buffered, so
+    nothing would arrive without the flush) and ends with its exit code at once: no atexit
+    handler runs, i.e. no interpreter teardown (25-60 ms here, bench/clean_tail.py)."""
+    mark = tmp_path / "teardown"
+    env = {k: v for k, v in os.environ.items() if k != "GPUFLEET_INVENTORY"}
+    env.update(GF_TEARDOWN_MARK=str(mark), HOME=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p))
+    res = subprocess.run([sys.executable, "-c", PROGRAM, "-i", str(local_fleet), *args],
+                         cwd=str(tmp_path), env=env, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == rc, res.stdout + res.stderr
+    doc = json.loads(res.stdout)  # complete: the flush happened
+    assert doc["hosts"][0]["host" if args[0] == "status" else "name"] == "here"
+    assert not mark.exists(), "the interpreter tore down (atexit ran)"
+
+
+def test_main_called_in_process_still_raises_systemexit() -> None:
+    """Callers of main(argv) (tests, wrappers) get SystemExit and keep their process."""
+    from gpufleet.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
