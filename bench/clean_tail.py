@@ -118,12 +118,13 @@ def watch_exit(pid: int) -> list[float]:
     return seen
 
 
-def one_run(host: Any, extra: dict[str, Any], profile: bool = False) -> Optional[dict[str, float]]:
+def one_run(host: Any, extra: dict[str, Any], profile: bool = False, root: Path = REPO
+            ) -> Optional[dict[str, float]]:
     holder = host.spawn_holder(gpus=[0], mib=20480, title="VLLM::Worker", via="exec")
     dead = watch_exit(host.outer_pid(holder))
     argv = ["nsenter", "-t", str(host.root_pid), "-m", "-u", "-p", "-w", "--",
             "env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "PYTHONPATH=" + str(REPO), "HOME=/root",
+            "PYTHONPATH=" + str(root), "HOME=/root",
             "GF_REQUEST_EXTRA=" + json.dumps({k: v for k, v in extra.items() if k != "exit"}),
             "GF_SLOW_EXIT=" + ("1" if extra.get("exit") == "slow" else ""),
             "GF_PROFILE=" + ("1" if profile else ""),
@@ -180,6 +181,9 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--against", type=Path, default=None, metavar="DIR",
+                    help="another checkout (e.g. the commit before issue 12), run as sent, "
+                         "alternating with the variants")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="one run; cProfile of the controller from the document's arrival to exit")
@@ -195,11 +199,16 @@ def main() -> int:
         if args.profile:
             one_run(host, {}, profile=True)
             return 0
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+        variants = dict(VARIANTS)
+        roots = {name: REPO for name in variants}
+        if args.against is not None:
+            name = "checkout %s, as it sends it" % args.against.resolve().name
+            variants[name], roots[name] = {}, args.against.resolve()
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         for i in range(args.runs):  # round robin, order rotated: load drifts hit all alike
-            names = list(VARIANTS)
+            names = list(variants)
             for name in names[i % len(names):] + names[:i % len(names)]:
-                row = one_run(host, VARIANTS[name])
+                row = one_run(host, variants[name], root=roots[name])
                 if row:
                     runs[name].append(row)
         out = {name: {"runs": rows, "median": summarize(rows)} for name, rows in runs.items()}
@@ -207,7 +216,8 @@ def main() -> int:
     if args.json:
         print(json.dumps({"variants": out, "agent_pieces": pieces}, indent=1))
         return 0
-    print("median of %d runs, %d cores; seconds" % (args.runs, os.cpu_count() or 0))
+    print("median of %d runs, %d cores, load average %.1f at the end; seconds"
+          % (args.runs, os.cpu_count() or 0, os.getloadavg()[0]))
     print()
     print("| variant | memory back -> agent's document at the controller | -> CLI's atexit | "
           "-> CLI gone | memory back -> CLI gone | the clean exec | whole command |")
