@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -54,14 +55,15 @@ def install_traps(host: Any) -> None:
     overlay in its own mount namespace; nothing of the machine changes)."""
     user_site = host.ssh(["python3", "-c", "import site; print(site.getusersitepackages())"],
                          check=True).stdout.strip()
-    assert user_site.startswith("/root/"), user_site
+    root_home = pwd.getpwnam("root").pw_dir  # the host's private copy of it (tests/lab)
+    assert user_site.startswith(root_home + "/"), user_site
     files = {
         TRAP_DIR + "/sitecustomize.py": _mark("sitecustomize") + "\n",
         TRAP_DIR + "/json.py": _mark("json") + "\nraise ImportError('gpufleet trap: shadowed json')\n",
         TRAP_DIR + "/startup.py": _mark("startup") + "\n",
         user_site + "/usercustomize.py": _mark("usercustomize") + "\n",
         "/run/gftrap-site/upper/gftrap.pth": _mark("pth") + "\n",
-        "/root/.ssh/environment": "PYTHONPATH=%s\nPYTHONSTARTUP=%s/startup.py\n" % (TRAP_DIR, TRAP_DIR),
+        root_home + "/.ssh/environment": "PYTHONPATH=%s\nPYTHONSTARTUP=%s/startup.py\n" % (TRAP_DIR, TRAP_DIR),
     }
     script = ["set -e", "mkdir -p /run/gftrap-site/upper /run/gftrap-site/work"]
     for path, text in files.items():
