@@ -85,7 +85,8 @@ class HostClean(HostOutcome):
 def plan_host(host: Host, session: Session, opts: CleanOptions) -> HostClean:
     """Exec 1: the snapshot, and the pure plan made from it."""
     started = time.monotonic()
-    reply = session.run_agent(snapshot_request(host), timeout=float(host.command_timeout))
+    request = dict(snapshot_request(host), cuda_version=False)  # the plan does not use it
+    reply = session.run_agent(request, timeout=float(host.command_timeout))
     before = result_from_reply(host, reply, started)
     out = HostClean(host=host.name, before=before)
     if not before.ok or before.snapshot is None:
@@ -113,6 +114,10 @@ def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[S
                          reset=opts.reset, operator=opts.operator, lock_path=opts.lock_path,
                          nvidia_smi=host.nvidia_smi)
     request["gpu_source"] = host.gpu_source
+    # The verdict reads the after-snapshot's memory, processes and holders, never the CUDA
+    # version: without it that snapshot skips a bare `nvidia-smi` run (110 ms on an H200)
+    # between "the memory is back" and the document coming home.
+    request["cuda_version"] = False
     if before is not None:
         request["wait_floor_mib"] = wait_floors(plan, before)
     return request

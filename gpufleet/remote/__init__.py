@@ -25,6 +25,13 @@ AGENT_PIECES = ("parse", "jobs", "procfs", "nvml", "snapshot", "clean", "main")
 #: The comment that marks an import of another piece; the joiner drops those statements.
 JOINED_MARK = "# joined"
 
+#: How every program sent to a host is started (the agent, the wait_http probe): no site
+#: import (-S: on a host with a large site-packages that alone is ~50 ms of a ~60 ms start, and
+#: a sitecustomize / .pth there would run first), no PYTHON* variables (-E: PYTHONPATH,
+#: PYTHONSTARTUP, PYTHONHOME of the login environment), no user site (-s). The programs are
+#: standard library only, so nothing they need comes from site. All three exist since 2.x.
+PYTHON_FLAGS = ("-S", "-E", "-s")
+
 #: The -c program of docs/DESIGN.md ("Running the agent"): read stdin, exec the agent.
 BOOTSTRAP = (
     'import sys,zlib;d=sys.stdin.buffer.read();n=d.index(b"\\n");k=int(d[:n]);'
@@ -81,9 +88,10 @@ def agent_source() -> bytes:
 
 
 def bootstrap_command(python: str = "python3", sudo: bool = False) -> List[str]:
-    """argv that runs the agent: ``[sudo -n] PYTHON -c BOOTSTRAP`` (sudo never prompts)."""
+    """argv that runs the agent: ``[sudo -n] PYTHON -S -E -s -c BOOTSTRAP`` (sudo never
+    prompts; the flags: PYTHON_FLAGS)."""
     argv = ["sudo", "-n"] if sudo else []
-    return argv + [python, "-c", BOOTSTRAP]
+    return argv + [python, *PYTHON_FLAGS, "-c", BOOTSTRAP]
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,7 +14,8 @@ Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path
 timeout_s), ``default_threshold_mib`` (default 64), ``cuda_version`` (default true),
 ``wait_floor_mib`` ({"index": MiB} held by processes the plan does not signal: the memory
 wait ends once only that is left, instead of waiting out the timeout), ``gpu_source`` (auto |
-nvml | nvidia-smi: the inventory's), ``nvml_library`` (a path: load that libnvidia-ml.so.1).
+nvml | nvidia-smi: the inventory's), ``nvml_library`` (a path: load that libnvidia-ml.so.1),
+``pidfd`` (default true; false: the exit wait polls every poll_s, as on a kernel without pidfds).
 """
 import json
 import os

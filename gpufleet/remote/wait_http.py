@@ -1,6 +1,6 @@
 """The `wait_http` runbook step's probe: runs ON the host (Python 3.6+, standard library only).
 
-Sent as the program of ``PYTHON -c`` (gpufleet.runbook.steps reads this file at send time);
+Sent as the program of ``PYTHON -S -E -s -c`` (gpufleet.runbook.steps reads this file at send time);
 it polls a URL until it answers the wanted status, or until ``wait_s`` is spent, and prints
 one JSON line: ``{"ok": bool, "attempts": n, "last": "HTTP 503" | "URLError: ..." | null}``.
 Everything variable arrives as JSON on stdin (url, status, interval, attempt_s, wait_s):

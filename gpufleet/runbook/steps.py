@@ -19,6 +19,7 @@ from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snaps
 from gpufleet.runbook.model import Step
 from gpufleet.runbook.checks import StepFailed, _chosen, check_conditions, gpu_metrics, report_lines
 from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
+from gpufleet.remote import PYTHON_FLAGS  # the probe starts isolated, as the agent does
 # The controller waits MARGIN_S longer than a host-side bound; a snapshot's agent ends itself
 # DEADLINE_MARGIN_S inside its bound: one definition each, in the ops that own them.
 from gpufleet.ops.clean import AGENT_MARGIN_S as MARGIN_S
@@ -269,7 +270,7 @@ def _step_wait_http(ctx: _HostRun, step: Step, end: float) -> str:
     request = {"url": p["url"], "status": p["status"], "interval": p["interval"],
                "attempt_s": max(1.0, min(10.0, p["interval"] * 2)), "wait_s": wait_s}
     started = time.monotonic()
-    code, out, err = ctx.argv([ctx.host.python, "-c", wait_http_source()], left,
+    code, out, err = ctx.argv([ctx.host.python, *PYTHON_FLAGS, "-c", wait_http_source()], left,
                               stdin=json.dumps(request).encode())
     if code != 0:
         raise StepFailed(f"probe exited {code}: {_last_line(err, out) or 'no output'}")

@@ -5,25 +5,62 @@ host keys, dialling; dial: pre-dialling (every TCP connect at once); keyscan: th
 exchange alone (`gpufleet trust`); auth: public-key auth only; hostkeys: strict / accept-new;
 run: one bounded raw run on an exec channel or a local subprocess. Other packages import
 from here only, and no module imports another's private names.
-"""
-from gpufleet.errors import TransportError
-from gpufleet.transport.connection import MAX_HOPS, connection_for, transport_error
-from gpufleet.transport.dial import Dialled, Predial, predial
-from gpufleet.transport.keyscan import TrustResult, fetch_host_key, trust
-from gpufleet.transport.run import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP
-from gpufleet.transport.session import (
-    AgentReply,
-    ArgvResult,
-    LocalSession,
-    Session,
-    SshSession,
-    deadline_for,
-    open_session,
-)
 
-__all__ = [
+Lazy: a name is imported from its module when first asked for (PEP 562), and session, run and
+dial import the SSH stack (paramiko, fabric, invoke: ~0.3 s) only when a host is reached over
+SSH. So `gpufleet --help`, `hosts`, and any run whose hosts are all `connection: local` never
+load it (tests/unit/test_startup_imports.py; bench/startup.py measures it).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from gpufleet.errors import TransportError
+
+if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports on demand
+    from gpufleet.transport.connection import MAX_HOPS, connection_for, transport_error
+    from gpufleet.transport.dial import Dialled, Predial, predial
+    from gpufleet.transport.keyscan import TrustResult, fetch_host_key, trust
+    from gpufleet.transport.run import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP
+    from gpufleet.transport.session import (
+        AgentReply,
+        ArgvResult,
+        LocalSession,
+        Session,
+        SshSession,
+        deadline_for,
+        open_session,
+    )
+
+#: public name -> the module that defines it
+_HOME = {
+    "MAX_HOPS": "connection", "connection_for": "connection", "transport_error": "connection",
+    "Dialled": "dial", "Predial": "dial", "predial": "dial",
+    "TrustResult": "keyscan", "fetch_host_key": "keyscan", "trust": "keyscan",
+    "INLINE_STDIN": "run", "KILL_AFTER_S": "run", "STDERR_KEEP": "run",
+    "AgentReply": "session", "ArgvResult": "session", "LocalSession": "session",
+    "Session": "session", "SshSession": "session", "deadline_for": "session",
+    "open_session": "session",
+}
+
+__all__ = [  # _HOME's names and TransportError (tests/integration/test_startup_imports.py)
     "INLINE_STDIN", "KILL_AFTER_S", "MAX_HOPS", "STDERR_KEEP", "AgentReply", "ArgvResult",
     "Dialled", "LocalSession", "Predial", "Session", "SshSession", "TransportError",
     "TrustResult", "connection_for", "deadline_for", "fetch_host_key", "open_session",
     "predial", "transport_error", "trust",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module when the name is first used (then it is a plain global)."""
+    home = _HOME.get(name)
+    if home is None:  # also how `from gpufleet.transport import hostkeys` finds the submodule
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

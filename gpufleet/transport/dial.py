@@ -12,14 +12,18 @@ import collections
 import concurrent.futures as cf
 import signal
 import threading
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
-from gpufleet.transport.connection import HostConnection, connection_for, dial_tcp, transport_error
 
-# What a host's worker takes from the pre-dial: a Future of its connection (None: dial here).
-Dialled = cf.Future[Optional[HostConnection]]
+if TYPE_CHECKING:  # imported by the dials themselves: a local host never loads the SSH stack
+    from gpufleet.transport.connection import HostConnection
+
+    # What a host's worker takes from the pre-dial: a Future of its connection (None: dial here).
+    Dialled = cf.Future[Optional[HostConnection]]
+else:
+    Dialled = cf.Future
 PREDIAL_THREADS = 512  # dials in flight at once (each a thread mostly asleep in connect())
 _FD_RESERVE = 64  # descriptors left for everything else (files, pipes, DNS, paramiko)
 _FD_PER_FORK = 4  # a working host's socket, a jump host's, a local run's pipes
@@ -190,6 +194,8 @@ def dial_host(host: Host) -> Optional[HostConnection]:
 
     None when ssh_config cannot be applied: the worker builds it again and reports that.
     """
+    from gpufleet.transport.connection import connection_for, dial_tcp
+
     try:
         conn = connection_for(host)
     except Exception:
@@ -234,4 +240,6 @@ def connection_from_dial(dial: Optional[Dialled]
     except TransportError:
         raise
     except Exception as exc:
+        from gpufleet.transport.connection import transport_error
+
         raise transport_error(exc) from None

@@ -14,13 +14,13 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
-
-import paramiko
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.errors import TransportError
-from gpufleet.transport.connection import transport_error
+
+if TYPE_CHECKING:  # the SSH stack is imported by exec_channel's callers, not by a local run
+    import paramiko
 
 KILL_AFTER_S = 2  # `timeout -k`: SIGKILL this long after SIGTERM
 STDERR_KEEP = 64 * 1024
@@ -40,6 +40,10 @@ class RawRun:
 def exec_channel(transport: paramiko.Transport, command: str, stdin: bytes, timeout: float
                  ) -> RawRun:
     """One exec channel: send stdin, read stdout/stderr until exit status or ``timeout``."""
+    import paramiko
+
+    from gpufleet.transport.connection import transport_error
+
     deadline = time.monotonic() + timeout
     chan = transport.open_session(timeout=max(0.1, timeout))
     watchdog = threading.Timer(timeout + 0.5, chan.close)  # backstop for exec_command's wait

@@ -17,6 +17,8 @@ shell) in a new session and kills that process group at the timeout.
 Building the connection (ssh_config, ProxyJump, host keys, timeouts) is
 gpufleet.transport.connection, authentication gpufleet.transport.auth, one raw bounded run
 gpufleet.transport.run; other packages import the public names from gpufleet.transport.
+The SSH stack (paramiko, fabric) is imported by the first SshSession, never for
+``connection: local`` (see gpufleet.transport).
 """
 from __future__ import annotations
 
@@ -28,16 +30,24 @@ import re
 import shlex
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
-
-import paramiko
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
-from gpufleet.transport.connection import HostConnection, connection_for, transport_error
 from gpufleet.transport.dial import Dialled
-from gpufleet.transport.run import KILL_AFTER_S, RawRun, exec_channel, run_local
+from gpufleet.transport.run import KILL_AFTER_S, RawRun, run_local
+
+if TYPE_CHECKING:
+    from gpufleet.transport.connection import HostConnection
+
+
+def transport_error(exc: BaseException) -> TransportError:
+    """gpufleet.transport.connection.transport_error, imported when a failure is classified
+    (it knows paramiko's exceptions; a local run must not import paramiko to start)."""
+    from gpufleet.transport.connection import transport_error as classify
+
+    return classify(exc)
 
 
 @dataclass(frozen=True)
@@ -293,6 +303,8 @@ class SshSession(Session):
                 return
         try:
             if conn is None:
+                from gpufleet.transport.connection import connection_for
+
                 conn = connection_for(self.host)
         except Exception as exc:
             self._failed(exc, "ssh config: ")
@@ -327,6 +339,10 @@ class SshSession(Session):
         if self.error is not None or transport is None:
             raise TransportError(self.error or "not connected",
                                  kind=self.error_kind or errors.CLOSED)
+        import paramiko
+
+        from gpufleet.transport.run import exec_channel
+
         command = " ".join(shlex.quote(a) for a in argv)
         try:
             return exec_channel(transport, command, stdin, timeout)

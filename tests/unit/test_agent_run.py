@@ -443,6 +443,23 @@ def gpu_app(p, used=20998, uuid=GPU0_UUID):
 
 
 @pytest.mark.parametrize("python", PYTHONS)
+def test_clean_exit_wait_polls_when_pidfd_is_disabled(tmp_path, children, python):
+    """The request's "pidfd": false forces the polling fallback (a kernel without pidfds)."""
+    h = children.holder("stubborn", "--ignore-term")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    req = clean_request(tmp_path, stub, [{"pid": h.pid, "starttime": starttime(h.pid),
+                                          "wave": 0}], pidfd=False, grace_s=0.5)
+    doc = run_agent(req, python=python, env=agent_env(tmp_path))
+    assert [(s["signal"], s["outcome"]) for s in doc["signals"]] == [("TERM", "sent"),
+                                                                     ("KILL", "sent")]
+    assert doc["signals"][1]["t"] - doc["signals"][0]["t"] >= 0.5
+    assert h.wait(timeout=5) == -signal.SIGKILL
+    assert doc["exit_wait"]["pidfd"] == 0 and doc["exit_wait"]["polled"] >= 1
+    assert doc["exit_wait"]["reason"] == "pidfd disabled by the request"
+    assert doc["memory_wait"]["ok"] is True
+
+
+@pytest.mark.parametrize("python", PYTHONS)
 def test_clean_term_honoured_and_memory_verdict(tmp_path, children, python):
     h = children.holder()
     stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
@@ -453,6 +470,8 @@ def test_clean_term_honoured_and_memory_verdict(tmp_path, children, python):
     assert [(s["pid"], s["signal"], s["outcome"]) for s in doc["signals"]] == \
         [(h.pid, "TERM", "sent")]
     assert h.wait(timeout=5) == -signal.SIGTERM
+    # a pidfd, or gone before the wait began (it exits on TERM at once): never polled
+    assert doc["exit_wait"]["polled"] == 0 and doc["exit_wait"]["reason"] is None
     assert doc["memory_wait"]["ok"] is True and doc["memory_wait"]["polls"] >= 1
     # exited, but this test (its parent) has not reaped it yet: reported as such, by parent
     assert [(x["pid"], x["state"], x["ppid"]) for x in doc["survivors"]] == \
@@ -478,6 +497,8 @@ def test_clean_term_ignored_gets_kill_after_grace(tmp_path, children, python):
     assert sig == [("TERM", "sent"), ("KILL", "sent")]
     assert doc["signals"][1]["t"] - doc["signals"][0]["t"] >= 0.5
     assert h.wait(timeout=5) == -signal.SIGKILL
+    # the grace was waited on the pidfd (Python 3.6: pidfd_open through ctypes' syscall)
+    assert doc["exit_wait"]["pidfd"] >= 1 and doc["exit_wait"]["polled"] == 0
     assert doc["memory_wait"]["ok"] is True
     assert [x["signal"] for x in audit_lines(tmp_path)] == ["TERM", "KILL"]
 
@@ -947,3 +968,53 @@ def test_unreadable_fds_say_the_true_reason(tmp_path):
         assert reason["reason"].startswith("permission denied although the agent is root")
     else:
         assert "(not root)" in reason["reason"]
+
+
+
+def test_the_controllers_clean_requests_skip_the_cuda_version(tmp_path, children, monkeypatch):
+    """ops.clean's two requests (the plan's snapshot; the clean and its after-snapshot) ask for
+    no CUDA version, and the real agent then runs no bare `nvidia-smi` (110 ms on an H200,
+    issue 12) between "the memory is back" and the verdict. Only the test's own holder is
+    ever a target: this machine's /proc is shared (the plan's other candidates are dropped)."""
+    from gpufleet.config.inventory import Host
+    from gpufleet.core.model import parse_snapshot
+    from gpufleet.core.plan import make_plan
+    from gpufleet.ops.clean import CleanOptions, clean_request, plan_host
+    from gpufleet.transport import AgentReply, Session
+
+    class Recorder(Session):
+        """Records what the controller asks the agent; answers with a failure."""
+
+        def __init__(self, host):
+            super().__init__(host)
+            self.requests = []
+
+        def run_agent(self, request, timeout=None):
+            self.requests.append(dict(request))
+            return AgentReply(False, error="recorded", error_kind="agent")
+
+    h = children.holder()
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    host = Host(name="here", connection="local", python=sys.executable, nvidia_smi=str(stub.path))
+    opts = CleanOptions(gpus="0", grace_s=5.0, timeout_s=10.0, operator="t",
+                        lock_path=str(tmp_path / "lock"))
+    recorder = Recorder(host)
+    assert not plan_host(host, recorder, opts).ok
+    (plan_request,) = recorder.requests
+    assert plan_request["mode"] == "snapshot" and plan_request["cuda_version"] is False
+    before = run_agent(plan_request, env=agent_env(tmp_path))
+    assert before["facts"]["cuda_version"] is None
+    snap = parse_snapshot(before)
+    request = clean_request(host, make_plan(snap, [0], host="here"), opts, snap)
+    assert request["cuda_version"] is False
+    request["targets"] = [{"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}]
+    (tmp_path / "stub" / "calls.jsonl").unlink()
+    doc = run_agent(request, env=agent_env(tmp_path))
+    assert [(s["pid"], s["outcome"]) for s in doc["signals"]] == [(h.pid, "sent")]
+    assert h.wait(timeout=5) == -signal.SIGTERM
+    assert doc["memory_wait"]["ok"] is True and doc["after"]["gpus"]
+    calls = stub.calls()
+    assert [c for c in calls if c == []] == []  # no bare nvidia-smi in the clean, after included
+    assert any(c and c[0].startswith("--query-compute-apps=") for c in calls)  # the after-snapshot
+    status = run_agent(snap_request(stub), env=agent_env(tmp_path))  # asked (status): still read
+    assert status["facts"]["cuda_version"] == "13.0" and [] in stub.calls()

@@ -23,14 +23,14 @@ NASTY = "$(touch PWNED) `touch PWNED2`; rm -rf / | cat && echo 'q\" \\ \n\0 √ºn√
 def design_command():
     """The command line exactly as docs/DESIGN.md spells it."""
     for line in (REPO / "docs" / "DESIGN.md").read_text().splitlines():
-        if line.strip().startswith("[sudo -n] PYTHON -c '"):
+        if line.strip().startswith("[sudo -n] PYTHON -"):
             return shlex.split(line.strip()[len("[sudo -n] "):])
     raise AssertionError("bootstrap command not found in DESIGN.md")
 
 
 def test_argv_is_exactly_the_design():
     design = design_command()
-    assert design[:2] == ["PYTHON", "-c"] and len(design) == 3
+    assert design[:5] == ["PYTHON", "-S", "-E", "-s", "-c"] and len(design) == 6
     assert bootstrap_command("PYTHON") == design
     assert bootstrap_command("/opt/py/bin/python3", sudo=True) == \
         ["sudo", "-n", "/opt/py/bin/python3"] + design[1:]
