@@ -188,7 +188,16 @@ def read_jsonl(path: Path) -> list:
 
 
 def audit_log(home: Path) -> list:
-    """The controller's audit log under this HOME."""
+    """The signal lines of the controller's audit log under this HOME."""
+    return [r for r in audit_records(home) if r.get("event") != "verdict"]
+
+
+def audit_verdicts(home: Path) -> list:
+    """(host, verdict) of the verdict lines of the controller's audit log under this HOME."""
+    return [(r["host"], r["verdict"]) for r in audit_records(home) if r.get("event") == "verdict"]
+
+
+def audit_records(home: Path) -> list:
     return read_jsonl(home / ".local" / "state" / "gpufleet" / "audit.jsonl")
 
 
