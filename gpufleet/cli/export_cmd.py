@@ -107,8 +107,8 @@ def serve(app: AppContext, hosts, groups, tags, all_, listen: str, max_age: str,
     fleet = Fleet(selected, forks=app.forks)
     exporter = Exporter(fleet, opts, audit_log, max_age_s)
     server = bind(listen, exporter)
-    host, port = server.server_address[:2]
-    shown = f"[{host}]" if ":" in str(host) else host
+    host, port = str(server.server_address[0]), int(server.server_address[1])
+    shown = f"[{host}]" if ":" in host else host
     click.echo(f"gpufleet: serving http://{shown}:{port}/metrics for {len(selected)} hosts, "
                f"snapshots at most {max_age_s:g}s old", err=True)
     _run_until_stopped(server, exporter)

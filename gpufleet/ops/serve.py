@@ -239,7 +239,7 @@ def bind(listen: str, exporter: Exporter) -> ThreadingHTTPServer:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise UsageError(f"--listen {listen}: {exc.strerror or exc}") from None
-    family = infos[0][0]
+    family, address = infos[0][0], (str(infos[0][4][0]), int(infos[0][4][1]))
 
     class Server(ThreadingHTTPServer):
         address_family = family
@@ -247,6 +247,6 @@ def bind(listen: str, exporter: Exporter) -> ThreadingHTTPServer:
         allow_reuse_address = True
 
     try:
-        return Server(infos[0][4][:2], _handler(exporter))
+        return Server(address, _handler(exporter))
     except OSError as exc:
         raise UsageError(f"--listen {listen}: {exc.strerror or exc}") from None

@@ -25,7 +25,6 @@ from cli_helpers import (
     home,  # noqa: F401  (fixture)
     audit_signals,
     parse_table,
-    read_jsonl,
     run_gpufleet,
     signals_of,
     sshd_pid,

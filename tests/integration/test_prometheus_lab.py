@@ -34,6 +34,13 @@ PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 NODE_EXPORTER = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
 RULES = REPO_ROOT / "docs" / "prometheus" / "gpufleet-rules.yml"
+DASHBOARD = REPO_ROOT / "docs" / "prometheus" / "gpufleet-dashboard.json"
+
+
+def dashboard_queries() -> list[str]:
+    """Every PromQL query of the shipped dashboard's panels."""
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
 
 
 def need(binary: Optional[str], package: str) -> str:
@@ -162,7 +169,15 @@ def test_prometheus_scrapes_serve_and_promql_returns_the_labs_numbers(fleet: dic
                                                                     ) -> None:
     prometheus = need(PROMETHEUS, "prometheus")
     train, worker = fleet["train"], fleet["worker"]
-    before = {h: logins(fleet[h]) for h in ("train", "wsl")}  # spawn_holder logs in too
+    # a clean of GPU 1 (300 MiB nobody holds: it stays, the verdict says so) for the last-clean
+    # series; GPU 0's worker is outside the scope and untouched
+    t0 = time.time()
+    cleaned = run_gpufleet(fleet["home"], fleet["inv"], "clean", "--host", "train-node", "--gpus",
+                           "1", "--yes", "--json", "--timeout", "1", "--grace", "1")
+    t1 = time.time()
+    verdict = cleaned.host("train-node")["verdict"]
+    assert verdict not in ("clean", "planned") and train.alive(worker), str(cleaned)
+    before = {h: logins(fleet[h]) for h in ("train", "wsl")}  # spawn_holder, clean log in too
     serve, base = start_serve(fleet["home"], fleet["inv"], "--max-age", "2", "--per-process")
     prom: Optional[Started] = None
     try:
@@ -208,6 +223,14 @@ def test_prometheus_scrapes_serve_and_promql_returns_the_labs_numbers(fleet: dic
         wait_for(lambda: {a["labels"]["host"] for a in json.loads(get(papi + "/api/v1/alerts")[1])
                           ["data"]["alerts"] if a["labels"]["alertname"] == "GpufleetHostDown"}
                  == {"garbled", "old-node"}, 30, "GpufleetHostDown pending for the two failed hosts")
+
+        last = promql(papi, 'gpufleet_last_clean_verdict{host="train-node"}')
+        assert [(r["metric"]["verdict"], float(r["value"][1])) for r in last] == [(verdict, 1)]
+        when = value('gpufleet_last_clean_timestamp_seconds{host="train-node"}')
+        assert len(when) == 1 and t0 <= list(when.values())[0] <= t1, (t0, when, t1)
+        # every query of the shipped dashboard runs, and finds series over the lab
+        for expr in dashboard_queries():
+            assert promql(papi, expr.replace("$host", ".*")), expr
 
         # persistent sessions: many refreshes, one login per reachable host
         at = refreshes(base)
