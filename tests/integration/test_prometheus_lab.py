@@ -360,3 +360,24 @@ def test_bad_input_is_one_line_and_exit_2_before_any_host_is_contacted(fleet: di
     finally:
         subprocess.run(["umount", str(readonly)], check=True)
     assert logins(train) == seen  # nothing was contacted
+
+
+def test_serve_over_only_failing_hosts_answers_metrics_and_healthz_says_so(lab: Any, home: Path
+                                                                          ) -> None:
+    """No host answers: /metrics is still 200 (each host `up 0` with its reason, never a
+    500), and /healthz is 503 saying why."""
+    inv = lab.inventory_yaml([lab.dead_host("gone-a"), lab.dead_host("gone-b")], connect_timeout=2)
+    serve, base = start_serve(home, inv, "--max-age", "1")
+    try:
+        wait_for(lambda: get(base + "/metrics")[0] == 200, 60, "the first refresh")
+        code, body = get(base + "/metrics")
+        up = metric_lines(body.decode(), "gpufleet_up")
+        assert up == {'{Hostname="",host="gone-a",reason="refused"}': 0.0,
+                      '{Hostname="",host="gone-b",reason="refused"}': 0.0}, body
+        code, body = get(base + "/healthz")
+        health = json.loads(body)
+        assert code == 503 and (health["ok"], health["error"], health["hosts_up"]) == (
+            False, "no host answered", 0), health
+        assert get(base + "/healthz", method="HEAD")[0] == 503
+    finally:
+        assert serve.stop() == 0
