@@ -191,9 +191,10 @@ def _unmanaged(snap: Snapshot, pids: Iterable[int]) -> int:
     return count
 
 
-def _host(fam: _Families, res: HostResult, expected_mib: int, taken_at: Optional[float]) -> None:
+def _host(fam: _Families, res: HostResult, expected_mib: int, taken_at: Optional[float],
+          known_hostname: str = "") -> None:
     snap = res.snapshot
-    hostname = snap.facts.hostname or "" if snap is not None else ""
+    hostname = (snap.facts.hostname or "") if snap is not None else known_hostname
     key = (res.host, hostname)
     reason = up_reason(res)
     fam.add("gpufleet_up", key + (reason or "",), 0 if reason else 1)
@@ -279,15 +280,19 @@ def fleet_families(results: Sequence[HostResult], expected: Mapping[str, int],
                    opts: Optional[ExportOptions] = None,
                    taken_at: Optional[Mapping[str, float]] = None,
                    findings: Iterable[HealthFinding] = (),
-                   refresh: Optional[RefreshStats] = None) -> list[Family]:
+                   refresh: Optional[RefreshStats] = None,
+                   hostnames: Optional[Mapping[str, str]] = None) -> list[Family]:
     """Every family for these hosts. ``expected``: each host's ``unattributed_mib``;
     ``last_cleans``: the audit log's last clean per host (only hosts in ``results``);
     ``taken_at``: when each host's snapshot was taken (Unix time); ``findings``: health
-    findings (issue 16); ``refresh``: serve's own refresh numbers."""
+    findings (issue 16); ``refresh``: serve's own refresh numbers; ``hostnames``: the
+    ``Hostname`` of hosts that failed this time (serve's last known, so a host's series keep
+    their labels while it is down)."""
     fam = _Families(opts or ExportOptions())
-    times = taken_at or {}
+    times, known = taken_at or {}, hostnames or {}
     for res in results:
-        _host(fam, res, int(expected.get(res.host, 0)), times.get(res.host))
+        _host(fam, res, int(expected.get(res.host, 0)), times.get(res.host),
+              known.get(res.host, ""))
     names = {r.host for r in results}
     cleans = last_cleans or {}
     for host in sorted(cleans):

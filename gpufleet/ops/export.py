@@ -66,10 +66,11 @@ def expected_of(hosts: Sequence[Host]) -> dict[str, int]:
 
 def families_for(hosts: Sequence[Host], results: Sequence[HostResult], taken_at: dict[str, float],
                  opts: ExportOptions, audit_log: Optional[str],
-                 refresh: Optional[RefreshStats] = None) -> list[Family]:
+                 refresh: Optional[RefreshStats] = None,
+                 hostnames: Optional[dict[str, str]] = None) -> list[Family]:
     """The families of these results, with each host's last clean from the audit log."""
     return fleet_families(results, expected_of(hosts), audit.last_cleans(audit_log), opts,
-                          taken_at, refresh=refresh)
+                          taken_at, refresh=refresh, hostnames=hostnames)
 
 
 def export_once(hosts: Sequence[Host], opts: ExportOptions, audit_log: Optional[str],

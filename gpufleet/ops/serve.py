@@ -68,6 +68,7 @@ class Fleet:
         self.forks = forks
         self.sessions: dict[str, Session] = {}
         self.opened = 0  # sessions opened so far (one per host, unless dropped)
+        self.hostnames: dict[str, str] = {}  # last Hostname each host reported
         self._lock = threading.Lock()
 
     def _needs_session(self, host: Host) -> bool:
@@ -112,6 +113,9 @@ class Fleet:
         results = [r if isinstance(r, HostResult) else HostResult(
             host=h.name, ok=False, error=str(r), error_kind=errors.INTERNAL)
             for h, r in zip(self.hosts, out)]
+        for r in results:
+            if r.snapshot is not None and r.snapshot.facts.hostname:
+                self.hostnames[r.host] = r.snapshot.facts.hostname
         return results, taken
 
     def close(self) -> None:
@@ -143,7 +147,7 @@ class Exporter:
             self.counts["ok" if ok else "failed"] += 1
             stats = RefreshStats(seconds, time.time(), self.counts["ok"], self.counts["failed"])
             body = exposition(families_for(self.fleet.hosts, results, taken, self.opts,
-                                           self.audit_log, stats))
+                                           self.audit_log, stats, self.fleet.hostnames))
             health = {"ok": ok, "error": None if ok else "no host answered",
                       "hosts": len(results), "hosts_up": up, "refresh_seconds": round(seconds, 3)}
         except Exception as exc:  # never the loop's end: the next refresh tries again

@@ -242,6 +242,15 @@ def test_prometheus_scrapes_serve_and_promql_returns_the_labs_numbers(fleet: dic
         wait_for(lambda: logins(train) == before["train"] + 2, 60, "the reconnect")
         wait_for(lambda: value('gpufleet_up{host="train-node"}') and
                  list(value('gpufleet_up{host="train-node"}').values()) == [1], 30, "train-node up again")
+        # a host that goes down keeps its Hostname label (serve's last known), reason = its kind
+        fleet["wsl"].stop()
+
+        def wsl_up() -> dict[str, float]:
+            return {k: v for k, v in metric_lines(get(base + "/metrics")[1].decode(),
+                                                  "gpufleet_up").items() if 'host="bigmama"' in k}
+        wait_for(lambda: list(wsl_up().values()) == [0], 60, "bigmama down")
+        (labels,) = wsl_up()
+        assert 'Hostname="bigmama"' in labels and 'reason="' in labels and 'reason=""' not in labels
         # read-only: nothing but GET/HEAD, nothing but the documented paths
         assert get(base + "/metrics", method="POST")[0] == 405
         assert get(base + "/nothing-here")[0] == 404

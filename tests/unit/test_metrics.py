@@ -249,3 +249,10 @@ def test_exposition_text_round_trips_through_the_prometheus_parser() -> None:
     worker = doc("train-node")["compute_apps"][1]
     assert any(s.labels.get("pid") == str(worker["pid"]) and s.value == worker["used_mib"] * MIB
                for s in parsed["gpufleet_process_memory_used_bytes"].samples)
+
+
+def test_a_failed_host_keeps_its_last_known_hostname_when_given() -> None:
+    dead = HostResult(host="train", ok=False, error="connection refused", error_kind="refused")
+    assert one(series(fleet_families([dead], {}), "gpufleet_up"), host="train", Hostname="") == 0
+    fams = fleet_families([dead], {}, hostnames={"train": "train-node"})
+    assert one(series(fams, "gpufleet_up"), host="train", Hostname="train-node") == 0
