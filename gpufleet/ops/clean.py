@@ -201,6 +201,8 @@ def _record_verdict(host: Host, planned: HostClean, opts: CleanOptions) -> None:
         pass
 
 
+# --------------------------------------------------------------------------- the command
+
 
 class ProgressLine(Protocol):
     """What the CLI's progress line gives run_hosts (cli.progress.HostProgress)."""

@@ -61,7 +61,7 @@ def parse_max_age(text: str) -> float:
 
 
 class Fleet:
-    """The hosts' persistent sessions and the last snapshot of each host."""
+    """The hosts' persistent sessions (one each, reopened when lost) and their last Hostname."""
 
     def __init__(self, hosts: Sequence[Host], forks: int = 32):
         self.hosts = list(hosts)

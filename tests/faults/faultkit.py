@@ -207,9 +207,10 @@ def agent_audit(host: Any, home: str = "/root") -> list:
 
 
 def signals(records: Iterable[Mapping], pid: Optional[int] = None) -> list:
-    """(pid, signal, outcome) of audit records or a clean document's `signals`."""
+    """(pid, signal, outcome) of audit records or a clean document's `signals` (an audit
+    log's verdict lines are not signals)."""
     return [(r["pid"], r["signal"], r["outcome"]) for r in records
-            if pid is None or r["pid"] == pid]
+            if r.get("event") != "verdict" and (pid is None or r["pid"] == pid)]
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
