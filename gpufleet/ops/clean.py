@@ -162,8 +162,10 @@ def execute_plan(host: Host, session: Session, planned: HostClean, opts: CleanOp
     planned.agent_doc = doc
     _record_signals(host, planned, opts)
     if doc.get("lock") == "busy":
-        return planned.fail(Failure(errors.BUSY, "another gpufleet clean holds this host's lock; "
-                                    "nothing was signalled"), verdict="busy")
+        planned.fail(Failure(errors.BUSY, "another gpufleet clean holds this host's lock; "
+                             "nothing was signalled"), verdict="busy")
+        _record_verdict(host, planned, opts)
+        return planned
     try:
         planned.after = parse_snapshot(doc["after"]) if doc.get("after") else None
     except SnapshotError as exc:
@@ -175,6 +177,7 @@ def execute_plan(host: Host, session: Session, planned: HostClean, opts: CleanOp
     planned.reason = result.reason
     planned.verdict_detail = result.as_dict()
     planned.ok = result.verdict == "clean"
+    _record_verdict(host, planned, opts)
     return planned
 
 
@@ -190,6 +193,18 @@ def _record_signals(host: Host, planned: HostClean, opts: CleanOptions) -> None:
         host.name, opts.operator, signals, cmdlines,
         started_at=float(started_at) if isinstance(started_at, (int, float)) else None))
 
+
+def _record_verdict(host: Host, planned: HostClean, opts: CleanOptions) -> None:
+    """The clean's verdict line in the audit log (the host's last clean, for the exporter);
+    only for a clean whose report came back: an unknown outcome is never written as one.
+    Best effort, unlike a signal's line: a clean that signalled nothing must not fail on it."""
+    doc = planned.agent_doc or {}
+    signals = sum(1 for s in doc.get("signals") or () if s.get("signal"))
+    try:
+        audit.append(opts.audit_log, [audit.verdict_record(
+            host.name, opts.operator, planned.verdict, planned.reason or planned.error, signals)])
+    except OSError:
+        pass
 
 
 # --------------------------------------------------------------------------- the command

@@ -188,7 +188,16 @@ def read_jsonl(path: Path) -> list:
 
 
 def audit_log(home: Path) -> list:
-    """The controller's audit log under this HOME."""
+    """The signal lines of the controller's audit log under this HOME."""
+    return [r for r in audit_records(home) if r.get("event") != "verdict"]
+
+
+def audit_verdicts(home: Path) -> list:
+    """(host, verdict) of the verdict lines of the controller's audit log under this HOME."""
+    return [(r["host"], r["verdict"]) for r in audit_records(home) if r.get("event") == "verdict"]
+
+
+def audit_records(home: Path) -> list:
     return read_jsonl(home / ".local" / "state" / "gpufleet" / "audit.jsonl")
 
 
@@ -198,9 +207,10 @@ def agent_audit(host: Any, home: str = "/root") -> list:
 
 
 def signals(records: Iterable[Mapping], pid: Optional[int] = None) -> list:
-    """(pid, signal, outcome) of audit records or a clean document's `signals`."""
+    """(pid, signal, outcome) of audit records or a clean document's `signals` (an audit
+    log's verdict lines are not signals)."""
     return [(r["pid"], r["signal"], r["outcome"]) for r in records
-            if pid is None or r["pid"] == pid]
+            if r.get("event") != "verdict" and (pid is None or r["pid"] == pid)]
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:

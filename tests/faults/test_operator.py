@@ -17,6 +17,7 @@ from faultkit import (
     assert_gone_exactly,
     assert_no_traceback,
     audit_log,
+    audit_verdicts,
     census,
     finish_cli,
     run_cli,
@@ -128,6 +129,8 @@ def test_three_operators_clean_one_host_at_once(lab: Any, make_host: Any, home: 
     assert signals(audit_log(homes[0])) == signals(one["signals"])
     assert audit_log(homes[1]) == []
     assert signals(audit_log(homes[2])) == [(stubborn, "TERM", "gone")]
+    # each clean's verdict line: what the exporter reads back as the host's last clean
+    assert [audit_verdicts(h) for h in homes] == [[("shared-host", v)] for v in ("clean", "busy", "clean")]
     sent = [s for s in signals(agent_audit(host)) if s[2] == "sent"]
     assert sent == [(stubborn, "TERM", "sent"), (stubborn, "KILL", "sent")]  # once each
     assert_gone_exactly(host, before, {stubborn})

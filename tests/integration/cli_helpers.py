@@ -197,3 +197,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def audit_signals(path: Path) -> list[dict[str, Any]]:
+    """The signal lines of an audit log (each clean also appends one verdict line)."""
+    return [r for r in read_jsonl(path) if r.get("event") != "verdict"]

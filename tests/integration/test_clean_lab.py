@@ -24,8 +24,8 @@ from cli_helpers import (
     REPO_ROOT,
     assert_no_traceback,
     home,  # noqa: F401  (fixture)
+    audit_signals,
     parse_table,
-    read_jsonl,
     run_gpufleet,
     signals_of,
     sshd_pid,
@@ -123,7 +123,7 @@ def test_clean_0_3_frees_the_vllm_family_and_spares_the_trainer(train_node: Any,
     assert host.ssh("echo still-here").stdout.strip() == "still-here"
 
     # the audit log: one line per signal, as reported
-    audit = read_jsonl(home / "audit.jsonl")
+    audit = audit_signals(home / "audit.jsonl")
     assert len(audit) == len(doc["signals"])
     for line, sig in zip(audit, doc["signals"]):
         assert AUDIT_KEYS <= set(line)
@@ -213,7 +213,7 @@ def test_holder_ignoring_sigterm_is_killed_after_grace(lab: Any, make_host: Any,
     assert signals_of(doc, polite)[0] == ("TERM", "sent")
     assert not host.alive(stubborn) and not host.alive(polite)
     assert host.gpu_used() == [0, 0]
-    audit = read_jsonl(home / "audit.jsonl")
+    audit = audit_signals(home / "audit.jsonl")
     assert [(a["pid"], a["signal"], a["outcome"]) for a in audit if a["pid"] == stubborn] == [
         (stubborn, "TERM", "sent"), (stubborn, "KILL", "sent")]
     assert all(a["host"] == "stubborn-box" and a["starttime"] is not None for a in audit)
@@ -568,7 +568,7 @@ def test_two_concurrent_cleans_are_serialised_and_both_end(lab: Any, make_host: 
     assert all(s["outcome"] in ("sent", "gone") for d in docs for s in d["signals"])
     assert not host.alive(stubborn) and not host.alive(polite)
     assert host.gpu_used() == [0, 0]
-    assert len(read_jsonl(home / "audit.jsonl")) == sum(len(d["signals"]) for d in docs)
+    assert len(audit_signals(home / "audit.jsonl")) == sum(len(d["signals"]) for d in docs)
 
 
 def test_verdict_waits_for_memory_released_late(lab: Any, make_host: Any, home: Path) -> None:
