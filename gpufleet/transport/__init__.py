@@ -9,7 +9,7 @@ from here only, and no module imports another's private names.
 Lazy: a name is imported from its module when first asked for (PEP 562), and session, run and
 dial import the SSH stack (paramiko, fabric, invoke: ~0.3 s) only when a host is reached over
 SSH. So `gpufleet --help`, `hosts`, and any run whose hosts are all `connection: local` never
-load it (tests/unit/test_startup_imports.py; bench/startup.py measures it).
+load it (tests/integration/test_startup_imports.py; bench/startup.py measures it).
 """
 from __future__ import annotations
 

@@ -373,6 +373,9 @@ args = sys.argv[2:]
 if args[:1] in (["--version"], ["-V"]):
     sys.stderr.write("Python %s\n" % sys.argv[1])
     sys.exit(0)
+while args[:1] and args[0] in ("-S", "-E", "-s"):  # options 2.7 and 3.5 have too (the
+    args = args[1:]  # agent is started with them: gpufleet.remote.PYTHON_FLAGS); the stand-in
+    # itself already runs with -S -E
 if args[:1] != ["-c"] or len(args) < 2:
     sys.stderr.write("old-python stand-in: only -c is supported\n")
     sys.exit(2)

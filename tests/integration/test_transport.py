@@ -310,7 +310,7 @@ def test_sudo_never_prompts(lab, shared):
 def test_agent_output_that_is_not_json(lab, shared):
     reply = agent(inv(lab, shared, python="/bin/echo"))
     assert not reply.ok
-    assert reply.error.startswith("agent output is not JSON: '-c import sys")
+    assert reply.error.startswith("agent output is not JSON: '-S -E -s -c import sys")
 
 
 # --------------------------------------------------------------------------- timeouts
