@@ -302,6 +302,28 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
     )
 
 
+def _gpus(rows: Any) -> tuple[GpuInfo, ...]:
+    """The document's GPU rows as values (keys the agent did not send are None)."""
+    return tuple(
+        GpuInfo(
+            index=int(g["index"]),
+            uuid=str(g["uuid"]),
+            name=str(g.get("name") or "?"),
+            pci_bus_id=g.get("pci_bus_id"),
+            minor=_opt_int(g.get("minor")),
+            memory_used_mib=_opt_int(g.get("memory_used_mib")),
+            memory_total_mib=_opt_int(g.get("memory_total_mib")),
+            memory_free_mib=_opt_int(g.get("memory_free_mib")),
+            memory_reserved_mib=_opt_int(g.get("memory_reserved_mib")),
+            utilization_pct=_opt_int(g.get("utilization_pct")),
+            persistence_mode=_opt_bool(g.get("persistence_mode")),
+            temperature_c=_opt_int(g.get("temperature_c")),
+            power_w=_opt_float(g.get("power_w")),
+        )
+        for g in rows
+    )
+
+
 def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
     """Turn the agent's JSON into a Snapshot; a malformed document raises SnapshotError."""
     if not isinstance(doc, Mapping):
@@ -313,24 +335,7 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
         facts_raw = doc.get("facts") or {}
         known = HostFacts.__dataclass_fields__
         facts = HostFacts(**{k: v for k, v in facts_raw.items() if k in known})
-        gpus = tuple(
-            GpuInfo(
-                index=int(g["index"]),
-                uuid=str(g["uuid"]),
-                name=str(g.get("name") or "?"),
-                pci_bus_id=g.get("pci_bus_id"),
-                minor=_opt_int(g.get("minor")),
-                memory_used_mib=_opt_int(g.get("memory_used_mib")),
-                memory_total_mib=_opt_int(g.get("memory_total_mib")),
-                memory_free_mib=_opt_int(g.get("memory_free_mib")),
-                memory_reserved_mib=_opt_int(g.get("memory_reserved_mib")),
-                utilization_pct=_opt_int(g.get("utilization_pct")),
-                persistence_mode=_opt_bool(g.get("persistence_mode")),
-                temperature_c=_opt_int(g.get("temperature_c")),
-                power_w=_opt_float(g.get("power_w")),
-            )
-            for g in doc.get("gpus") or ()
-        )
+        gpus = _gpus(doc.get("gpus") or ())
         apps = tuple(
             ComputeApp(
                 pid=int(a["pid"]),
