@@ -34,6 +34,9 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     s = State(tmp_path / "gpu")
     agent_nvml._STATE.clear()  # one library per agent process: each test is a new agent
     yield s
+    nv = agent_nvml._STATE.get("nvml")
+    if nv is not None:  # the library is shared by the process: leave it uninitialised, as
+        nv.lib.nvmlShutdown()  # the other NVML tests expect (a hang is over by now)
     agent_nvml._STATE.clear()
     s.close()
 
