@@ -1,12 +1,13 @@
 """The agent's entry point: the request, the one JSON document, the last-resort alarm.
 
-The controller sends ``<len>\\n<zlib(agent)><request JSON>`` on stdin to a constant
+The controller sends ``<k> <m>\\n<zlib(agent)><request JSON>`` on stdin to a constant
 ``python3 -c`` bootstrap (docs/DESIGN.md, "Running the agent"), which execs the agent (the
 pieces of gpufleet/remote/ joined in order) with globals ``{"__name__": "gpufleet_agent",
 "REQUEST": <request bytes>}``. For debugging, ``python3 -m gpufleet.remote.agent <
 request.json`` runs the same joined payload here (an empty stdin means a snapshot).
 
-The agent prints exactly one JSON document on stdout and exits 0: its own failures are
+In watch mode (remote/watch.py) it prints one snapshot line per interval until the
+controller goes. Otherwise the agent prints exactly one JSON document on stdout and exits 0: its own failures are
 values in that document. Everything it starts is bounded by the request's deadline.
 
 Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path),
@@ -26,6 +27,7 @@ from .clean import clean  # joined
 from .jobs import Deadline  # joined
 from .parse import AGENT_VERSION  # joined
 from .snapshot import snapshot  # joined
+from .watch import watch  # joined
 
 
 class AgentDeadline(BaseException):
@@ -48,13 +50,16 @@ def parse_request(raw):
     req = json.loads(raw) if raw.strip() else {"mode": "snapshot"}
     if not isinstance(req, dict):
         raise ValueError("request is not a JSON object")
-    if req.get("mode", "snapshot") not in ("snapshot", "clean"):
+    if req.get("mode", "snapshot") not in ("snapshot", "clean", "watch"):
         raise ValueError("unknown mode %r" % (req.get("mode"),))
     req.setdefault("mode", "snapshot")
     req["deadline_s"] = _number(req, "deadline_s", 55.0, 0.1)
     req["smi_timeout_s"] = _number(req, "smi_timeout_s", 10.0, 0.1)
     if req.get("nvidia_smi") is not None and not isinstance(req["nvidia_smi"], str):
         raise ValueError("nvidia_smi must be a path or null")
+    if req["mode"] == "watch":
+        req["interval_s"] = _number(req, "interval_s", 2.0, 0.05)
+        req["keepalive_s"] = _number(req, "keepalive_s", 10.0, 0.5)
     if req["mode"] == "clean":
         req["grace_s"] = _number(req, "grace_s", 10.0)
         req["timeout_s"] = _number(req, "timeout_s", 60.0)
@@ -110,6 +115,9 @@ def main(raw_request):
     except (ValueError, UnicodeDecodeError) as exc:
         emit({"agent_version": AGENT_VERSION, "mode": None, "error": "bad request: %s" % exc})
         return
+    if req["mode"] == "watch":  # resident: ends itself (remote/watch.py), no alarm
+        watch(req)
+        os._exit(0)  # not interpreter shutdown: the keep-alive reader may hold stdin's lock
     deadline = Deadline(req["deadline_s"])
     if req["mode"] == "clean":
         doc = empty_clean_doc()
