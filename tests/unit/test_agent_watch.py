@@ -97,8 +97,8 @@ def test_ends_when_stdout_closes(agents):
 
 def test_watchdog_ends_an_agent_blocked_on_a_full_pipe(agents):
     """Nobody reads and nobody sends: the loop is stuck in a write; the watchdog ends it."""
-    p = agents(interval_s=0.001, keepalive_s=2.0, deadline_s=1.0)
-    # ~1 KB a line, a line a millisecond: the 64 KiB pipe is full long before 2 s
+    p = agents(interval_s=0.05, keepalive_s=3.0, deadline_s=1.0)
+    # 64 KiB of pipe: full after ~10 lines (~0.5 s), long before the 3 s keep-alive deadline
     rc = p.wait(timeout=20)
     assert rc == 3  # os._exit(3): the watchdog, not the loop
     assert b"watch ended by its watchdog" in p.stderr.read()
