@@ -499,9 +499,10 @@ def clean_scope(state: TopState, views: Sequence[LiveHost]) -> tuple[Optional[st
         if mark[0] == "gpu":
             gpus.add(int(mark[2]))
             continue
-        gpus.update(snap.gpu_indices_of_app(int(mark[2])))
+        listed = snap.gpu_indices_of_app(int(mark[2]))
+        gpus.update(listed)  # a CUDA process opens every /dev/nvidiaN: nvidia-smi's GPUs first
         holder = next((h for h in snap.holders if h.pid == mark[2]), None)
-        if holder is not None:
+        if holder is not None and not listed:
             gpus.update(snap.holder_gpu_indices(holder))
     if not gpus:
         return None, [], f"{host}: the marked processes are on no GPU any more"
