@@ -29,10 +29,10 @@ def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: boo
     """
     from gpufleet.cli.status_cmd import parse_interval
 
-    seconds = parse_interval(interval, "--interval")
+    seconds = parse_interval(interval, "--interval")  # bad input: one line, nothing connected
+    selected = app.select(hosts, groups, tags, all_)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError(NO_TERMINAL)
-    selected = app.select(hosts, groups, tags, all_)
     from gpufleet.cli.topscreen import run_top
 
     return run_top(selected, float(seconds or 2.0), readonly, audit_log, app.forks)

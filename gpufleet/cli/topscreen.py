@@ -44,6 +44,7 @@ class CleanJob:
         self.phase = "planning"  # planning | confirm | cleaning | done
         self.lines: list[str] = []
         self.has_targets = False
+        self.acted = False  # something was sent to the host (then the marks are spent)
         self._answer: Optional[bool] = None
         self._answered = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="gpufleet-top-clean").start()
@@ -70,7 +71,7 @@ class CleanJob:
         self._answered.wait()
         go = bool(self._answer) and self.has_targets
         if go:
-            self.phase = "cleaning"
+            self.phase, self.acted = "cleaning", True
         return go
 
     def _run(self) -> None:
@@ -149,7 +150,8 @@ class Top:
                 job.reply(False)
         elif job.phase == "done":
             self.job = None
-            self.state = replace(self.state, overlay=None, marks=frozenset())
+            marks = frozenset() if job.acted else self.state.marks  # declined: marks kept
+            self.state = replace(self.state, overlay=None, marks=marks)
 
     def start_clean(self) -> None:
         host, gpus, why = clean_scope(self.state, self.fleet.view())

@@ -177,7 +177,8 @@ class LiveFleet:
         try:
             doc = json.loads(line.decode("utf-8", "replace"))
         except ValueError:
-            raise TransportError(f"agent output is not JSON: {line[:80]!r}", kind=errors.AGENT)
+            raise TransportError(f"agent output is not JSON: {line[:80]!r}",
+                                 kind=errors.AGENT) from None
         if not isinstance(doc, dict):
             raise TransportError("agent output is not a JSON object", kind=errors.AGENT)
         if doc.get("mode") == "watch_end":

@@ -214,7 +214,7 @@ def host_line(view: LiveHost, info: HostInfo, state: TopState, now: float, name_
     role = {UP: "host", STALE: "stale", DOWN: "down"}.get(hstate, "host")
     if _snap(view) is None:
         why = view.failure.message if view.failure else "connecting..."
-        text = f"{mark} {name}  " + cell(why)
+        text = f"{mark} {name}  " + ("down: " if hstate == DOWN else "") + cell(why)
         return Line(text, role, ("host", view.host))
     memory = f"{bar(n.used_mib, n.total_mib, bar_w)} " + (
         f"{fmt_mib(n.used_mib)} / {fmt_mib(n.total_mib)}").ljust(20)
@@ -470,8 +470,8 @@ def on_key(state: TopState, key: str, screen: Screen) -> tuple[TopState, Optiona
         return toggle_mark(state, screen), None
     if key == "s":
         return replace(state, sort=SORTS[(SORTS.index(state.sort) + 1) % len(SORTS)]), None
-    if key == "/":
-        return replace(state, editing=True), None
+    if key == "/":  # a new filter (Esc clears it, Enter keeps it)
+        return replace(state, editing=True, filter=""), None
     if key == "?":
         return replace(state, overlay=Overlay("help", HELP)), None
     if key == "c":

@@ -100,6 +100,7 @@ class ChannelStream(Stream):
     def __init__(self, transport: paramiko.Transport, command: str, head: bytes,
                  timeout: float):
         super().__init__()
+        self.chan: Optional[paramiko.Channel] = None
         try:
             self.chan = transport.open_session(timeout=max(0.1, timeout))
             self.chan.settimeout(max(0.1, timeout))
@@ -107,6 +108,8 @@ class ChannelStream(Stream):
             self.chan.sendall(head)
             self.chan.settimeout(None)
         except Exception as exc:
+            if self.chan is not None:
+                self.chan.close()
             self.chan = None
             failed = transport_error(exc)
             raise TransportError(f"stream refused: {failed}", kind=failed.kind) from None
