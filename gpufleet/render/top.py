@@ -257,10 +257,10 @@ def gpu_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: TopState,
         key: Key = ("gpu", view.host, gpu.index)
         row = rows[gpu.index]
         util = "n/a" if gpu.utilization_pct is None else f"{gpu.utilization_pct}%"
-        text = (f"    {box.format(marked(state, key))}GPU {gpu.index:<2} {fit(cell(gpu.name), 32):<32} "
-                f"{bar(gpu.memory_used_mib or 0, gpu.memory_total_mib or 0, bar_w)} "
+        text = (f"    {box.format(marked(state, key))}GPU {gpu.index:<2} {fit(cell(gpu.name), 30):<30} "
+                f"{bar(gpu.memory_used_mib or 0, gpu.memory_total_mib or 0, min(bar_w, 16))} "
                 f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}  util {util}"
-                f"  unattributed {fmt_mib(row.unattributed_mib)}")
+                f"  unattr. {fmt_mib(row.unattributed_mib)}")
         out.append(Line(text, "gpu", key))
         for app in snap.apps_on(gpu.index):
             akey: Key = ("app", view.host, gpu.index, app.pid)
@@ -327,17 +327,15 @@ def footer(state: TopState) -> Line:
     keys = "Enter expand  s sort  / filter  ? help  q quit"
     if not state.readonly:
         keys = "Enter expand  space mark  c clean  s sort  / filter  ? help  q quit"
-    return Line(keys, "dim")
+    return Line(f"{keys}  | every {state.interval_s:g}s, sort {state.sort}", "dim")
 
 
 def title(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopState,
           now: float) -> Line:
-    extra = f" | every {state.interval_s:g}s | sort {state.sort}"
-    if state.filter:
-        extra += f" | filter {cell(state.filter)!r}"
+    extra = f" | filter {cell(state.filter)!r}" if state.filter else ""
     if state.readonly:
         extra += " | read-only"
-    return Line("gpufleet top | " + summary(views, info, now) + extra, "title")
+    return Line(summary(views, info, now) + extra, "title")
 
 
 def overlay_lines(overlay: Overlay, width: int, height: int) -> list[Line]:

@@ -88,8 +88,10 @@ def test_sort_by_memory_and_unattributed_and_filter_by_tag_and_holder() -> None:
     screen = layout(fleet(), INFO, state, 160, 40, NOW)
     state, _ = on_key(state, "s", screen)
     assert state.sort == "memory"
-    rows = host_rows(layout(fleet(), INFO, state, 160, 40, NOW))
+    screen = layout(fleet(), INFO, state, 160, 40, NOW)
+    rows = host_rows(screen)
     assert [r.split()[1] for r in rows] == ["node-b", "node-a", "node-dead"]
+    assert screen.lines[-1].text.endswith("every 2s, sort memory")
     for typed, shown in (("training", ["node-b"]), ("trainer", ["node-a"]),
                          ("node-", ["node-a", "node-b", "node-dead"])):
         s = TopState()
