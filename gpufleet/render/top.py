@@ -9,6 +9,7 @@ through the one terminal-safe function, so a process title cannot repaint the sc
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
@@ -341,7 +342,12 @@ def title(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopSta
 def overlay_lines(overlay: Overlay, width: int, height: int) -> list[Line]:
     body = [Line(fit(overlay.title, width), "title")]
     room = height - 2
-    texts = [fit(terminal_safe(t, one_line=True), width) for t in overlay.lines]
+    texts = []
+    for text in overlay.lines:  # wrapped, not cut: a refusal's reason is the point of a plan
+        text = terminal_safe(text, one_line=True)
+        indent = " " * min(len(text) - len(text.lstrip()) + 4, width // 2)
+        texts += textwrap.wrap(text, width, subsequent_indent=indent, drop_whitespace=False,
+                               replace_whitespace=False) or [""]
     if len(texts) > room:
         texts = texts[: room - 1] + [f"... {len(overlay.lines) - room + 1} more lines"]
     body += [Line(t, "text") for t in texts]

@@ -185,3 +185,15 @@ def test_a_hostile_process_title_cannot_reach_the_terminal() -> None:
     state = TopState(expanded=frozenset({("host", "node-a")}))
     body = "\n".join(texts(layout([view], INFO, state, 160, 40, NOW)))
     assert "\x1b" not in body and "evil\\x1b[2J" in body
+
+
+def test_a_long_plan_line_is_wrapped_not_cut() -> None:
+    from gpufleet.render.top import Overlay
+
+    reason = "  refused 9 VLLM::Worker_TP0: its family also uses GPU 1, outside the scope: " + \
+        "ending part of it can end the whole family; pass --include-spanning"
+    state = TopState(overlay=Overlay("clean node-b GPUs 0: the plan", (reason,), "y/n", "confirm"))
+    screen = layout(fleet(), INFO, state, 60, 20, NOW)
+    body = texts(screen)
+    assert all(len(t) <= 60 for t in body)
+    assert "--include-spanning" in "".join(body) and body[-1] == "y/n"
