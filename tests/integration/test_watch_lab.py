@@ -165,3 +165,31 @@ def test_bad_interval_is_one_line_and_connects_nowhere(lab_host: Any, lab: Any, 
     assert_one_line_error(run, "--watch must be a number of seconds > 0")
     time.sleep(0.3)
     assert (lab_host.dir / "sshd.log").read_text().count("Accepted publickey") == before
+
+
+def test_text_watch_prints_the_table_each_interval_and_ends_when_stdout_closes(
+        lab: Any, make_host: Any, home: Path) -> None:
+    import subprocess
+
+    from watch_helpers import cli_env
+    from cli_helpers import GPUFLEET
+
+    host = make_host("watch-text", gpus=1)
+    inv = lab.inventory_yaml([host])
+    proc = subprocess.Popen(GPUFLEET + ["-i", str(inv), "status", "--watch", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(home),
+                            cwd=str(home))
+    try:
+        assert proc.stdout is not None
+        seen = []
+        while len([ln for ln in seen if "(every 0.5s; Ctrl-C ends)" in ln]) < 2:
+            seen.append(proc.stdout.readline().decode())
+        assert any(ln.split()[:2] == ["watch-text", "0"] for ln in seen), seen
+        [agent] = agents_on(host)
+        proc.stdout.close()  # `| head`: the next print fails, the watch ends, streams close
+        assert proc.wait(timeout=15) == 1
+        assert wait_gone(host, agent, 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
