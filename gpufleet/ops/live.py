@@ -183,7 +183,9 @@ class LiveFleet:
             raise TransportError("agent output is not a JSON object", kind=errors.AGENT)
         if doc.get("mode") == "watch_end":
             raise TransportError(f"agent ended: {doc.get('reason')}", kind=errors.COMMAND)
-        result = result_from_reply(host, AgentReply(True, doc), time.monotonic())
+        took = doc.get("seconds")
+        took = float(took) if isinstance(took, (int, float)) else 0.0
+        result = result_from_reply(host, AgentReply(True, doc), time.monotonic() - took)
         if not result.ok:
             self._publish(host.name, failure=result.failure)
             return
