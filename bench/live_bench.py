@@ -118,6 +118,17 @@ def per_refresh_ms(before: dict, after: dict, docs: int) -> dict:
     return {"median": round(1000 * values[len(values) // 2], 2), "max": round(1000 * values[-1], 2)}
 
 
+def agents_gone(hosts: list[Any], timeout: float = 15.0) -> dict:
+    """Agents still running on the hosts after the CLI stopped, polled until none (an agent
+    finishes the snapshot it is in, then sees its stdin closed)."""
+    started = time.monotonic()
+    left = sum(len(agents_on(h)) for h in hosts)
+    while left and time.monotonic() - started < timeout:
+        time.sleep(0.1)
+        left = sum(len(agents_on(h)) for h in hosts)
+    return {"agents_left": left, "agents_gone_after_s": round(time.monotonic() - started, 2)}
+
+
 def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: float) -> dict:
     inv = lab.inventory_yaml(hosts, connect_timeout=5)
     t0 = time.monotonic()
@@ -141,7 +152,7 @@ def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: fl
             "status_all_s": round(status_all_s, 2),
             "agent_cpu_ms_per_refresh": per_refresh_ms(agents0, agents1, docs1 - docs0),
             "agent_with_nvidia_smi_ms_per_refresh": per_refresh_ms(with0, with1, docs1 - docs0),
-            "agents_left": sum(len(agents_on(h)) for h in hosts)}
+            **agents_gone(hosts)}
 
 
 def soak(lab: Lab, hosts: list[Any], home: Path, interval: float, minutes: float,
@@ -171,9 +182,7 @@ def soak(lab: Lab, hosts: list[Any], home: Path, interval: float, minutes: float
         last = sample()
     finally:
         watch.stop()
-    time.sleep(2.0)
-    return {"after_1_min": first, "at_end": last, "restarts": turn,
-            "agents_left": sum(len(agents_on(h)) for h in hosts)}
+    return {"after_1_min": first, "at_end": last, "restarts": turn, **agents_gone(hosts)}
 
 
 def main() -> None:
