@@ -229,9 +229,10 @@ def attributes() -> dict[str, int]:
     return attrs
 
 
-def run_top(hosts: Sequence[Host], interval: float, readonly: bool, audit_log: Optional[str],
-            forks: int) -> int:
-    """The screen until q (or SIGTERM / Ctrl-C); every stream is closed on the way out."""
+def run_top(hosts: Sequence[Host], interval: float, readonly: bool, audit_log: Optional[str]
+            ) -> int:
+    """The screen until q (or SIGTERM / Ctrl-C); every stream is closed on the way out.
+    One session (thread) per host: --forks does not bound a live fleet."""
     from gpufleet.ops.live import LiveFleet
 
     locale.setlocale(locale.LC_ALL, "")
