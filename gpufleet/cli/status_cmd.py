@@ -2,20 +2,38 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import click
 
-from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
 from gpufleet.render.status import status_document, status_table, to_json
 from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
 
 
+def parse_interval(text: Optional[str], option: str) -> Optional[float]:
+    """Seconds > 0 (a refresh interval), or a one-line UsageError; checked before anything
+    connects."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise UsageError(f"{option} must be a number of seconds > 0, not {text!r}")
+    return value
+
+
 @cli.command()
 @selection_options
 @click.option("--json", "as_json", is_flag=True, help="Print the documented JSON document.")
+@click.option("--watch", "watch", default=None, metavar="SECONDS",
+              help="Stay connected; print the status every SECONDS (with --json: NDJSON, one "
+                   "document per line) until interrupted.")
 @click.pass_obj
-def status(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
+def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Optional[str]) -> int:
     """GPUs, memory and holders of the selected hosts (one SSH exec per host).
 
     Exit 0 when every host answered, 1 when some host failed, 2 on usage errors.
@@ -23,7 +41,12 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
     from gpufleet.ops.collect import snapshot_hosts
     from gpufleet.cli.progress import HostProgress
 
+    interval = parse_interval(watch, "--watch")
     selected = app.select(hosts, groups, tags, all_)
+    if interval is not None:
+        from gpufleet.cli.watch import watch_status
+
+        return watch_status(selected, interval, as_json)
     started = time.monotonic()
     with HostProgress(selected, "status") as progress:  # stderr, on a terminal only
         results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())

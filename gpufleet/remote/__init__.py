@@ -2,7 +2,9 @@
 
 Nothing from the inventory or from process names becomes shell text: the command below is a
 constant (only the interpreter path varies, and the transport shlex-quotes it), and the
-agent plus its request travel on stdin as ``<len>\\n<zlib(agent source)><request JSON>``.
+agent plus its request travel on stdin as ``<k> <m>\\n<zlib(agent source): k bytes><request
+JSON: m bytes>``, read by length: stdin stays open after them, so a resident agent (watch
+mode) hears the controller's keep-alives on it and sees it close.
 
 The agent is several small standard-library modules here (``AGENT_PIECES``), joined at send
 time into ONE source with ONE global namespace: each piece's imports of earlier pieces are
@@ -21,7 +23,7 @@ from typing import Any, List, Mapping, Sequence, Tuple
 
 #: The agent's pieces in dependency order: a piece imports only pieces before it (its
 #: default arguments are evaluated when the joined source runs, top to bottom).
-AGENT_PIECES = ("parse", "jobs", "procfs", "nvml", "snapshot", "clean", "main")
+AGENT_PIECES = ("parse", "jobs", "procfs", "nvml", "snapshot", "clean", "watch", "main")
 #: The comment that marks an import of another piece; the joiner drops those statements.
 JOINED_MARK = "# joined"
 
@@ -32,11 +34,12 @@ JOINED_MARK = "# joined"
 #: standard library only, so nothing they need comes from site. All three exist since 2.x.
 PYTHON_FLAGS = ("-S", "-E", "-s")
 
-#: The -c program of docs/DESIGN.md ("Running the agent"): read stdin, exec the agent.
+#: The -c program of docs/DESIGN.md ("Running the agent"): read the agent and the request by
+#: length (a header line ``k m``), exec the agent; the rest of stdin is left to the agent.
 BOOTSTRAP = (
-    'import sys,zlib;d=sys.stdin.buffer.read();n=d.index(b"\\n");k=int(d[:n]);'
-    'exec(compile(zlib.decompress(d[n+1:n+1+k]),"gpufleet-agent","exec"),'
-    '{"__name__":"gpufleet_agent","REQUEST":d[n+1+k:]})'
+    'import sys,zlib;b=sys.stdin.buffer;k,m=map(int,b.readline().split());'
+    'exec(compile(zlib.decompress(b.read(k)),"gpufleet-agent","exec"),'
+    '{"__name__":"gpufleet_agent","REQUEST":b.read(m)})'
 )
 
 
@@ -100,7 +103,9 @@ def compressed_agent() -> bytes:
 
 
 def encode_request(request: Mapping[str, Any]) -> bytes:
-    """The stdin payload: ``<len>\\n<zlib(agent source)><request JSON>``; the request is data only."""
+    """The stdin payload: ``<k> <m>\\n<zlib(agent source)><request JSON>``, k and m their
+    lengths in bytes; the request is data only. One-shot runs close stdin after it; watch
+    mode keeps writing keep-alive lines after it (remote/watch.py)."""
     source = compressed_agent()
     payload = json.dumps(dict(request), separators=(",", ":")).encode("utf-8")
-    return str(len(source)).encode("ascii") + b"\n" + source + payload
+    return b"%d %d\n" % (len(source), len(payload)) + source + payload

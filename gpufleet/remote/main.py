@@ -1,12 +1,13 @@
 """The agent's entry point: the request, the one JSON document, the last-resort alarm.
 
-The controller sends ``<len>\\n<zlib(agent)><request JSON>`` on stdin to a constant
+The controller sends ``<k> <m>\\n<zlib(agent)><request JSON>`` on stdin to a constant
 ``python3 -c`` bootstrap (docs/DESIGN.md, "Running the agent"), which execs the agent (the
 pieces of gpufleet/remote/ joined in order) with globals ``{"__name__": "gpufleet_agent",
 "REQUEST": <request bytes>}``. For debugging, ``python3 -m gpufleet.remote.agent <
 request.json`` runs the same joined payload here (an empty stdin means a snapshot).
 
-The agent prints exactly one JSON document on stdout and exits 0: its own failures are
+In watch mode (remote/watch.py) it prints one snapshot line per interval until the
+controller goes. Otherwise the agent prints exactly one JSON document on stdout and exits 0: its own failures are
 values in that document. Everything it starts is bounded by the request's deadline.
 
 Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path),
@@ -28,6 +29,7 @@ from .clean import clean  # joined
 from .jobs import Deadline  # joined
 from .parse import AGENT_VERSION  # joined
 from .snapshot import GPU_SOURCES, snapshot  # joined
+from .watch import watch  # joined
 
 
 class AgentDeadline(BaseException):
@@ -50,7 +52,7 @@ def parse_request(raw):
     req = json.loads(raw) if raw.strip() else {"mode": "snapshot"}
     if not isinstance(req, dict):
         raise ValueError("request is not a JSON object")
-    if req.get("mode", "snapshot") not in ("snapshot", "clean"):
+    if req.get("mode", "snapshot") not in ("snapshot", "clean", "watch"):
         raise ValueError("unknown mode %r" % (req.get("mode"),))
     req.setdefault("mode", "snapshot")
     req["deadline_s"] = _number(req, "deadline_s", 55.0, 0.1)
@@ -61,6 +63,9 @@ def parse_request(raw):
         raise ValueError("gpu_source must be one of %s" % ", ".join(GPU_SOURCES))
     if req.get("nvml_library") is not None and not isinstance(req["nvml_library"], str):
         raise ValueError("nvml_library must be a path or null")
+    if req["mode"] == "watch":
+        req["interval_s"] = _number(req, "interval_s", 2.0, 0.05)
+        req["keepalive_s"] = _number(req, "keepalive_s", 10.0, 0.5)
     if req["mode"] == "clean":
         req["grace_s"] = _number(req, "grace_s", 10.0)
         req["timeout_s"] = _number(req, "timeout_s", 60.0)
@@ -116,6 +121,9 @@ def main(raw_request):
     except (ValueError, UnicodeDecodeError) as exc:
         emit({"agent_version": AGENT_VERSION, "mode": None, "error": "bad request: %s" % exc})
         return
+    if req["mode"] == "watch":  # resident: ends itself (remote/watch.py), no alarm
+        watch(req)
+        os._exit(0)  # not interpreter shutdown: the keep-alive reader may hold stdin's lock
     deadline = Deadline(req["deadline_s"])
     if req["mode"] == "clean":
         doc = empty_clean_doc()

@@ -135,6 +135,7 @@ class Nvml(object):
         self.lib = lib
         self.path = path
         self.handles = {}
+        self.minors = {}
         self.wedged = None
         self._names = {}
         err = lib.nvmlErrorString if hasattr(lib, "nvmlErrorString") else None
@@ -314,7 +315,12 @@ def device_row(nv, index, handle, errors):
     pci = PciInfo()
     rc = nv.call("nvmlDeviceGetPciInfo_v3", handle, ctypes.byref(pci))
     keep("pci_bus_id", pci.busId.decode("ascii", "replace") if rc == NVML_SUCCESS else None, rc)
-    keep("minor", *uint_of(nv, "nvmlDeviceGetMinorNumber", handle))
+    if index not in nv.minors:  # fixed for the GPU's life: learned once per agent process
+        minor, rc = uint_of(nv, "nvmlDeviceGetMinorNumber", handle)
+        if rc in (NVML_SUCCESS, NVML_ERROR_NOT_SUPPORTED):
+            nv.minors[index] = minor
+        keep("minor", minor, rc)
+    row["minor"] = nv.minors.get(index)
     (used, total, free, reserved), rc = memory_of(nv, handle)
     keep("memory_used_mib", used, rc)
     row.update(memory_total_mib=total, memory_free_mib=free, memory_reserved_mib=reserved)
@@ -352,6 +358,7 @@ def read_devices(nv, proc="/proc"):
         if lost is not None:
             out["gpu_errors"].append({"index": index, "error": nv.error(lost), "code": lost})
             nv.handles.pop(index, None)
+            nv.minors.pop(index, None)
             continue
         row["nvml_errors"] = errors
         out["gpus"].append(row)

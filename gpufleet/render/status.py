@@ -8,8 +8,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 
 from gpufleet.core import policy
+from gpufleet.core.live import STALE, LiveHost
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
-from gpufleet.errors import COMMAND
+from gpufleet.core.results import Failure
+from gpufleet.errors import COMMAND, TIMEOUT
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
 BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB  # clean's --tolerance-mib default
@@ -250,3 +252,24 @@ def _holder_docs(snap: Snapshot, expected_mib: int) -> list[dict[str, Any]]:
 def status_document(results: Iterable[HostResult], expected: dict[str, int]) -> dict[str, Any]:
     return {"hosts": [host_doc(r, expected.get(r.host, 0)) for r in results]}
 
+
+
+def watch_document(views: Sequence[LiveHost], expected: dict[str, int], now: float,
+                   seq: int) -> dict[str, Any]:
+    """One `status --watch --json` line: the status document of every host's latest
+    snapshot (a host that dropped keeps its last one), plus per host ``state`` (up, stale,
+    down, connecting), ``age_s`` (seconds since that snapshot, null before the first) and
+    ``stale``; ``seq`` counts the documents. A stale host is ``ok: false`` with the numbers
+    it last sent; its ``error`` says why it is away."""
+    hosts = []
+    for view in views:
+        doc = host_doc(view.as_result(), expected.get(view.host, 0))
+        age = view.age_s(now)
+        state = view.state(now)
+        doc.update(state=state, stale=state == STALE,
+                   age_s=None if age is None else round(age, 3))
+        if state == STALE:  # the numbers are the last ones it sent; why it is away:
+            failure = view.failure or Failure(TIMEOUT, f"no snapshot for {age or 0:.0f}s")
+            doc.update(ok=False, error=failure.message, error_kind=failure.kind)
+        hosts.append(doc)
+    return {"seq": seq, "hosts": hosts}

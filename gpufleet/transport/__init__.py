@@ -3,7 +3,8 @@
 session: one connection per host reused by several runs; connection: ssh_config, ProxyJump,
 host keys, dialling; dial: pre-dialling (every TCP connect at once); keyscan: the key
 exchange alone (`gpufleet trust`); auth: public-key auth only; hostkeys: strict / accept-new;
-run: one bounded raw run on an exec channel or a local subprocess. Other packages import
+run: one bounded raw run on an exec channel or a local subprocess; stream: a resident run
+read line by line (the agent's watch mode). Other packages import
 from here only, and no module imports another's private names.
 
 Lazy: a name is imported from its module when first asked for (PEP 562), and session, run and
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
         deadline_for,
         open_session,
     )
+    from gpufleet.transport.stream import Stream
 
 #: public name -> the module that defines it
 _HOME = {
@@ -41,12 +43,12 @@ _HOME = {
     "INLINE_STDIN": "run", "KILL_AFTER_S": "run", "STDERR_KEEP": "run",
     "AgentReply": "session", "ArgvResult": "session", "LocalSession": "session",
     "Session": "session", "SshSession": "session", "deadline_for": "session",
-    "open_session": "session",
+    "open_session": "session", "Stream": "stream",
 }
 
 __all__ = [  # _HOME's names and TransportError (tests/integration/test_startup_imports.py)
     "INLINE_STDIN", "KILL_AFTER_S", "MAX_HOPS", "STDERR_KEEP", "AgentReply", "ArgvResult",
-    "Dialled", "LocalSession", "Predial", "Session", "SshSession", "TransportError",
+    "Dialled", "LocalSession", "Predial", "Session", "SshSession", "Stream", "TransportError",
     "TrustResult", "connection_for", "deadline_for", "fetch_host_key", "open_session",
     "predial", "transport_error", "trust",
 ]

@@ -37,6 +37,7 @@ from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
 from gpufleet.transport.dial import Dialled
 from gpufleet.transport.run import KILL_AFTER_S, RawRun, run_local
+from gpufleet.transport.stream import ChannelStream, ProcessStream, Stream
 
 if TYPE_CHECKING:
     from gpufleet.transport.connection import HostConnection
@@ -235,6 +236,18 @@ class Session:
                               doc)
         return AgentReply(True, doc, None, raw.exit_code, seconds, raw.stderr)
 
+    def stream_agent(self, request: Mapping[str, Any], timeout: Optional[float] = None) -> Stream:
+        """Start the agent resident (watch mode) on this session: its snapshot lines come
+        from ``Stream.readline``, keep-alives go through ``Stream.send``; raises
+        TransportError (with a kind) when it cannot start. ``timeout`` bounds the start."""
+        from gpufleet.remote import encode_request
+
+        return self._stream(_agent_command(self.host), encode_request(dict(request)),
+                            self._timeout(timeout))
+
+    def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
+        raise NotImplementedError
+
     def run_argv(self, argv: Sequence[str], stdin: bytes = b"", timeout: Optional[float] = None,
                  sudo: bool = False, remote_timeout: bool = True) -> ArgvResult:
         """Run another argv (shlex-quoted, never raw shell) -> (exit, stdout, stderr).
@@ -270,6 +283,9 @@ class LocalSession(Session):
 
     def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
         return run_local(argv, stdin, timeout)
+
+    def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
+        return ProcessStream(argv, head)
 
 
 class SshSession(Session):
@@ -351,6 +367,12 @@ class SshSession(Session):
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise TransportError(f"connection lost: {transport_error(exc)}",
                                  kind=errors.CLOSED) from None
+
+    def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
+        transport = self.conn.transport if self.conn is not None else None
+        if self.error is not None or transport is None or not self.connected:
+            raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
+        return ChannelStream(transport, " ".join(shlex.quote(a) for a in argv), head, timeout)
 
     def close(self) -> None:
         if self.conn is not None:

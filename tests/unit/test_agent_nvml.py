@@ -242,5 +242,8 @@ def test_handles_are_learned_once(fake_nvml_library: Path, state: State) -> None
     via_nvml(fake_nvml_library)
     nv = agent_nvml._STATE["nvml"]
     first = dict(nv.handles)
-    via_nvml(fake_nvml_library)
+    assert nv.minors == {0: 0, 1: 1}
+    nv.minors[1] = 7  # a learned value is used, not read again
+    doc = via_nvml(fake_nvml_library)
     assert nv.handles == first and sorted(first) == [0, 1]
+    assert [g["minor"] for g in doc["gpus"]] == [0, 7]

@@ -123,10 +123,27 @@ def test_encode_request_framing_keeps_metacharacters_as_data():
     request = {"mode": "clean", "operator": NASTY, "units": [{"unit": NASTY}]}
     data = encode_request(request)
     n = data.index(b"\n")
-    k = int(data[:n])
+    k, m = (int(x) for x in data[:n].split())
     assert zlib.decompress(data[n + 1 : n + 1 + k]) == agent_source()
     assert k < len(agent_source()) // 2  # sent compressed
+    assert len(data) == n + 1 + k + m  # both parts by length: nothing after them
     assert json.loads(data[n + 1 + k :]) == request
+
+
+def test_bootstrap_reads_by_length_and_leaves_stdin_open():
+    """The agent and request are read by their lengths, not to end of file: a one-shot
+    snapshot answers while the controller still holds stdin open (what watch mode needs)."""
+    proc = subprocess.Popen(bootstrap_command(sys.executable), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        proc.stdin.write(encode_request({"mode": "snapshot", "deadline_s": 20}))
+        proc.stdin.flush()  # and NOT closed
+        line = proc.stdout.readline()
+        assert json.loads(line)["mode"] == "snapshot"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_bootstrap_runs_through_a_shell_and_directly(tmp_path):

@@ -1,0 +1,217 @@
+"""The live fleet's targets (issue 13), measured on test-lab hosts on loopback; prints numbers.
+
+    sudo python3 bench/live_bench.py                  # 64 hosts, 1 s refresh, 30 s
+    sudo python3 bench/live_bench.py --hosts 16 --seconds 20
+    sudo python3 bench/live_bench.py --hosts 32 --soak-minutes 30 --restart-every 180
+
+What it measures, with `gpufleet status --watch INTERVAL --json` (stdout to a pipe read and
+counted here: the same LiveFleet as `top`, plus one JSON document per interval):
+
+* controller CPU, % of one core (utime + stime of the CLI from /proc, after the first 5 s);
+* controller RSS beyond its own baseline, per host: (RSS with N hosts - RSS with 1) / (N - 1);
+* per-host agent CPU per refresh: every agent's utime + stime (read in its host's /proc)
+  over the documents it wrote in that time;
+* first full document vs one `status --all --json` (wall seconds, same hosts);
+* --soak-minutes: fds, threads and RSS of the controller after the first minute and at the
+  end, hosts' sshd killed (with their sessions) and restarted every --restart-every seconds
+  round-robin, and the agents left on the hosts after the CLI stopped.
+
+Not a test (pytest never collects bench/). Needs root and the lab's prerequisites.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tests" / "lab"))
+sys.path.insert(0, str(REPO / "tests" / "integration"))
+
+from lab import Lab  # noqa: E402
+from watch_helpers import agents_on, start_sshd, stop_sshd_and_sessions  # noqa: E402
+
+CLK = os.sysconf("SC_CLK_TCK")
+GPUFLEET = [sys.executable, "-c", "from gpufleet.cli import main; main()"]
+
+
+def env(home: Path) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    out["HOME"] = str(home)
+    out["PYTHONPATH"] = str(REPO)
+    return out
+
+
+def cpu_s(stat_path: Path, children: bool = False) -> float:
+    """utime + stime (and, with ``children``, of its reaped children: nvidia-smi runs)."""
+    fields = stat_path.read_text().rsplit(")", 1)[1].split()
+    own = int(fields[11]) + int(fields[12])
+    return (own + (int(fields[13]) + int(fields[14]) if children else 0)) / CLK
+
+
+def status_of(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class Watch:
+    def __init__(self, home: Path, inv: Path, interval: float):
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            GPUFLEET + ["-i", str(inv), "status", "--watch", str(interval), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env(home), cwd=str(home))
+        self.buf = b""
+        self.docs = 0
+        self.first_s: Optional[float] = None
+        self.last: Optional[dict] = None
+
+    def pump(self, seconds: float) -> None:
+        """Read (and count) documents for ``seconds``."""
+        assert self.proc.stdout is not None
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, end - time.monotonic()))
+            if not ready:
+                continue
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 22)
+            if not chunk:
+                raise SystemExit("status --watch ended")
+            self.buf += chunk
+            *lines, self.buf = self.buf.split(b"\n")
+            for line in lines:
+                self.docs += 1
+                if self.first_s is None:
+                    self.first_s = time.monotonic() - self.started
+                self.last = json.loads(line)
+
+    def cpu(self) -> float:
+        return cpu_s(Path(f"/proc/{self.proc.pid}/stat"))
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)  # the CLI this bench started
+        self.proc.wait(timeout=30)
+
+
+def agent_cpu(hosts: list[Any], children: bool = False) -> dict[str, float]:
+    out = {}
+    for h in hosts:
+        for pid in agents_on(h):
+            out[f"{h.name}:{pid}"] = cpu_s(h.path(f"/proc/{pid}/stat"), children)
+    return out
+
+
+def per_refresh_ms(before: dict, after: dict, docs: int) -> dict:
+    values = sorted((after[k] - before[k]) / max(1, docs) for k in after if k in before)
+    if not values:
+        return {"median": None, "max": None}
+    return {"median": round(1000 * values[len(values) // 2], 2), "max": round(1000 * values[-1], 2)}
+
+
+def agents_gone(hosts: list[Any], timeout: float = 15.0) -> dict:
+    """Agents still running on the hosts after the CLI stopped, polled until none (an agent
+    finishes the snapshot it is in, then sees its stdin closed)."""
+    started = time.monotonic()
+    left = sum(len(agents_on(h)) for h in hosts)
+    while left and time.monotonic() - started < timeout:
+        time.sleep(0.1)
+        left = sum(len(agents_on(h)) for h in hosts)
+    return {"agents_left": left, "agents_gone_after_s": round(time.monotonic() - started, 2)}
+
+
+def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: float) -> dict:
+    inv = lab.inventory_yaml(hosts, connect_timeout=5)
+    t0 = time.monotonic()
+    subprocess.run(GPUFLEET + ["-i", str(inv), "status", "--all", "--json"], env=env(home),
+                   cwd=str(home), stdout=subprocess.DEVNULL, check=False)
+    status_all_s = time.monotonic() - t0
+    watch = Watch(home, inv, interval)
+    try:
+        watch.pump(5.0)
+        cpu0, t1, docs0 = watch.cpu(), time.monotonic(), watch.docs
+        agents0, with0 = agent_cpu(hosts), agent_cpu(hosts, children=True)
+        watch.pump(seconds)
+        cpu1, t2, docs1 = watch.cpu(), time.monotonic(), watch.docs
+        agents1, with1 = agent_cpu(hosts), agent_cpu(hosts, children=True)
+        rss_kib = status_of(watch.proc.pid, "VmRSS")
+    finally:
+        watch.stop()
+    return {"hosts": len(hosts), "interval_s": interval, "controller_cpu_pct":
+            round(100 * (cpu1 - cpu0) / (t2 - t1), 1), "documents": docs1 - docs0,
+            "rss_kib": rss_kib, "first_document_s": round(watch.first_s or -1, 2),
+            "status_all_s": round(status_all_s, 2),
+            "agent_cpu_ms_per_refresh": per_refresh_ms(agents0, agents1, docs1 - docs0),
+            "agent_with_nvidia_smi_ms_per_refresh": per_refresh_ms(with0, with1, docs1 - docs0),
+            **agents_gone(hosts)}
+
+
+def soak(lab: Lab, hosts: list[Any], home: Path, interval: float, minutes: float,
+         restart_every: float) -> dict:
+    inv = lab.inventory_yaml(hosts, connect_timeout=5)
+    watch = Watch(home, inv, interval)
+    pid = watch.proc.pid
+
+    def sample() -> dict:
+        return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": status_of(pid, "Threads"),
+                "rss_kib": status_of(pid, "VmRSS")}
+
+    try:
+        watch.pump(60.0)
+        first = sample()
+        end = time.monotonic() + minutes * 60 - 60
+        turn = 0
+        while time.monotonic() < end:
+            watch.pump(min(restart_every, max(0.0, end - time.monotonic())))
+            host = hosts[turn % len(hosts)]
+            turn += 1
+            for agent in agents_on(host):
+                stop_sshd_and_sessions(host, agent)
+                break
+            time.sleep(2 * interval)
+            start_sshd(host)
+        last = sample()
+    finally:
+        watch.stop()
+    return {"after_1_min": first, "at_end": last, "restarts": turn, **agents_gone(hosts)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hosts", type=int, default=64)
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--soak-minutes", type=float, default=0.0)
+    ap.add_argument("--restart-every", type=float, default=180.0)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gf-live-bench-") as tmp, Lab(Path(tmp) / "lab") as lab:
+        home = Path(tmp) / "home"
+        home.mkdir()
+        hosts = []
+        for i in range(args.hosts):
+            h = lab.add_host(f"live-{i:03d}", gpus=args.gpus)
+            h.spawn_holder(gpus=[0], mib=70000 // 8, title="VLLM::Worker_TP0")
+            hosts.append(h)
+        one = measure(lab, hosts[:1], home, args.interval, min(args.seconds, 10.0))
+        many = measure(lab, hosts, home, args.interval, args.seconds)
+        if args.hosts > 1:
+            many["rss_kib_per_host_beyond_baseline"] = round(
+                (many["rss_kib"] - one["rss_kib"]) / (args.hosts - 1), 1)
+        print(json.dumps({"one_host": one, "fleet": many}, indent=2))
+        if args.soak_minutes > 0:
+            print(json.dumps({"soak": soak(lab, hosts, home, args.interval, args.soak_minutes,
+                                           args.restart_every)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""`gpufleet top`: every selected host on one live screen, with the safe clean."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import click
+
+from gpufleet.cli import AppContext, cli, selection_options
+from gpufleet.errors import UsageError
+
+NO_TERMINAL = ("gpufleet top needs a terminal; for scripts use "
+               "`gpufleet status --watch SECONDS --json` (one JSON document per line)")
+
+
+@cli.command()
+@selection_options
+@click.option("-n", "--interval", "interval", default="2", metavar="SECONDS", show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--readonly", is_flag=True, help="No marks, no clean: only watch.")
+@click.option("--audit-log", default=None, metavar="PATH",
+              help="Audit log of a clean (default ~/.local/state/gpufleet/audit.jsonl).")
+@click.pass_obj
+def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: bool,
+        audit_log: Optional[str]) -> int:
+    """Live screen of the selected hosts: GPUs, memory, holders; mark GPUs and clean them.
+
+    Exit 0 on q; 2 on usage errors (no terminal, bad interval, empty selection).
+    """
+    from gpufleet.cli.status_cmd import parse_interval
+
+    seconds = parse_interval(interval, "--interval")  # bad input: one line, nothing connected
+    selected = app.select(hosts, groups, tags, all_)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError(NO_TERMINAL)
+    from gpufleet.cli.topscreen import run_top
+
+    return run_top(selected, float(seconds or 2.0), readonly, audit_log)

@@ -1,0 +1,92 @@
+"""`gpufleet status --watch SECONDS`: the live fleet as text or NDJSON, no screen.
+
+One persistent session per host (gpufleet.ops.live); the first document once every host has
+answered or failed (at most one connect + command timeout), then one per interval, until
+Ctrl-C or SIGTERM (exit 0), or until stdout closes. Every stream is closed on the way out,
+so the agents end at once (and by their keep-alive deadline if this process is killed).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import click
+
+from gpufleet.config.inventory import Host
+from gpufleet.core.live import STALE
+from gpufleet.errors import EXIT_OK
+from gpufleet.render.status import status_table, watch_document
+from gpufleet.cli import terminal_safe
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends a watch as Ctrl-C does: through the finally blocks that close streams."""
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def wait_first_round(fleet: Any, hosts: Sequence[Host]) -> None:
+    """Until every host answered or failed, at most one connect + command timeout."""
+    limit = max((float(h.connect_timeout) + float(h.command_timeout) for h in hosts), default=1)
+    end = time.monotonic() + limit
+    generation = -1
+    while not fleet.answered() and time.monotonic() < end:
+        generation = fleet.wait_change(generation, 0.2)
+
+
+def watch_status(hosts: Sequence[Host], interval: float, as_json: bool) -> int:
+    from gpufleet.ops.live import LiveFleet
+
+    expected = {h.name: int(h.unattributed_mib or 0) for h in hosts}
+    fleet = LiveFleet(hosts, interval)
+    with sigterm_as_interrupt():
+        try:
+            fleet.start()
+            wait_first_round(fleet, hosts)
+            seq = 0
+            next_at = time.monotonic()
+            while True:
+                now = time.monotonic()
+                views = fleet.view()
+                if as_json:
+                    doc = watch_document(views, expected, now, seq)
+                    doc["time"] = round(time.time(), 3)
+                    click.echo(json.dumps(doc, separators=(",", ":")))
+                else:
+                    click.echo(_text(views, expected, now, interval))
+                sys.stdout.flush()
+                seq += 1
+                next_at = max(next_at + interval, now)
+                time.sleep(max(0.0, next_at - time.monotonic()))
+        except KeyboardInterrupt:
+            return EXIT_OK
+        finally:
+            fleet.stop()
+
+
+def _text(views: Sequence[Any], expected: dict[str, int], now: float, interval: float) -> str:
+    head = time.strftime("%H:%M:%S") + f"  (every {interval:g}s; Ctrl-C ends)"
+    table = status_table([v.as_result() for v in views], expected)
+    notes = []
+    for view in views:
+        if view.state(now) == STALE:
+            age = view.age_s(now) or 0.0
+            why = view.failure.message if view.failure else "no new snapshot"
+            notes.append(f"{view.host}: stale, last snapshot {age:.0f}s ago: {why}")
+    return terminal_safe("\n".join([head, table] + notes)) + "\n"

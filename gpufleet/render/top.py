@@ -1,0 +1,513 @@
+"""`gpufleet top`'s screen as values (pure: no terminal): layout, keys, marks, clean scope.
+
+``layout(views, info, state, width, height, now)`` is every line the screen shows, each with
+a role (the terminal layer maps roles to attributes: colour, bold, reverse) and, for rows the
+cursor can stand on, a key. ``on_key(state, key, screen)`` is the next state and an action
+("quit", "clean") for a key name ("UP", "ENTER", "q", ...). gpufleet/cli/topscreen.py draws it
+with curses; tests read it without a terminal. Text from hosts (process names, units) goes
+through the one terminal-safe function, so a process title cannot repaint the screen.
+"""
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional, Sequence
+
+from gpufleet.core import policy
+from gpufleet.core.gpus import format_gpu_ranges
+from gpufleet.core.live import DOWN, STALE, UP, LiveHost
+from gpufleet.core.model import Snapshot, ledger
+from gpufleet.render.common import fmt_mib, terminal_safe
+from gpufleet.render.status import BUSY_TOLERANCE_MIB, gpu_is_busy
+
+SORTS = ("name", "memory", "unattributed")
+MIN_WIDTH, MIN_HEIGHT = 60, 8
+Key = tuple  # ("host", h) | ("gpu", h, index) | ("app", h, index, pid) | ("fd", h, pid)
+
+HELP = (
+    "gpufleet top: every selected host, refreshed; one SSH session each.",
+    "",
+    "  Up/Down, j/k, PgUp/PgDn   move          Enter   expand / collapse a host",
+    "  s                         sort: name, memory, unattributed",
+    "  /                         filter by host, tag or holder name (Enter keeps, Esc clears)",
+    "  space                     mark a GPU or a holder (its GPUs)",
+    "  c                         clean the marked GPUs: the plan of `gpufleet clean`, then y/n",
+    "  ?                         this help     q   quit",
+    "",
+    "A host is stale when its last snapshot is older than two intervals or its session",
+    "dropped (it is reconnected with backoff); down when it never answered.",
+    "--readonly: no marks, no clean.",
+)
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """What the screen needs from the inventory: tags (for the filter), expected MiB."""
+
+    tags: tuple[str, ...] = ()
+    expected_mib: int = 0
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """A page over the list: the help, a clean's plan and its question, its outcome."""
+
+    title: str
+    lines: tuple[str, ...]
+    prompt: str = "any key closes"
+    kind: str = "info"  # info | confirm | busy
+
+
+@dataclass(frozen=True)
+class TopState:
+    interval_s: float = 2.0
+    readonly: bool = False
+    sort: str = "name"
+    filter: str = ""
+    editing: bool = False
+    expanded: frozenset = frozenset()
+    marks: frozenset = frozenset()  # ("gpu", host, index) | ("pid", host, pid)
+    cursor: Optional[Key] = None
+    top: int = 0
+    message: str = ""
+    overlay: Optional[Overlay] = None
+
+
+@dataclass(frozen=True)
+class Line:
+    text: str
+    role: str = "text"
+    key: Optional[Key] = None
+
+
+@dataclass(frozen=True)
+class Screen:
+    lines: tuple[Line, ...]
+    keys: tuple[Key, ...] = ()
+    top: int = 0
+    too_small: bool = False
+    list_height: int = 0
+    shown: tuple[str, ...] = field(default=())  # hosts after the filter, in order
+
+
+def cell(text: object) -> str:
+    return terminal_safe(str(text), one_line=True)
+
+
+def fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + "~"
+
+
+# ----------------------------------------------------------------------- numbers per host
+
+
+@dataclass(frozen=True)
+class HostNumbers:
+    gpus: int = 0
+    busy: int = 0
+    used_mib: int = 0
+    total_mib: int = 0
+    unattributed_mib: int = 0
+    expected_mib: int = 0
+    unexpected: bool = False
+    warnings: int = 0
+
+
+def host_numbers(snap: Optional[Snapshot], expected_mib: int) -> HostNumbers:
+    if snap is None:
+        return HostNumbers()
+    rows = ledger(snap, expected_mib)
+    return HostNumbers(
+        gpus=len(snap.gpus),
+        busy=sum(1 for g in snap.gpus if gpu_is_busy(snap, g, expected_mib)),
+        used_mib=sum(g.memory_used_mib or 0 for g in snap.gpus),
+        total_mib=sum(g.memory_total_mib or 0 for g in snap.gpus),
+        unattributed_mib=sum(r.unattributed_mib or 0 for r in rows),
+        expected_mib=expected_mib * len(snap.gpus),
+        unexpected=any((r.unexpected_mib or 0) > BUSY_TOLERANCE_MIB for r in rows),
+        warnings=len(snap.warnings) + (0 if snap.nvidia_smi_ok else 1))
+
+
+def _snap(view: LiveHost) -> Optional[Snapshot]:
+    return view.result.snapshot if view.result is not None else None
+
+
+def bar(used: int, total: int, width: int) -> str:
+    if width <= 2:
+        return ""
+    inner = width - 2
+    filled = 0 if not total else min(inner, round(inner * used / total))
+    return "[" + "#" * filled + "." * (inner - filled) + "]"
+
+
+def summary(views: Sequence[LiveHost], info: Mapping[str, HostInfo], now: float) -> str:
+    states = [v.state(now) for v in views]
+    nums = [host_numbers(_snap(v), info.get(v.host, HostInfo()).expected_mib) for v in views]
+    busy = sum(n.busy for n in nums)
+    gpus = sum(n.gpus for n in nums)
+    return (f"hosts {len(views)}: {states.count(UP)} up, {states.count(DOWN)} down, "
+            f"{states.count(STALE)} stale | GPUs {busy} busy, {gpus - busy} free | memory "
+            f"{fmt_mib(sum(n.used_mib for n in nums))} / {fmt_mib(sum(n.total_mib for n in nums))}"
+            f" | unattributed {fmt_mib(sum(n.unattributed_mib for n in nums))}")
+
+
+# ----------------------------------------------------------------------- filter and sort
+
+
+def matches(view: LiveHost, info: HostInfo, text: str) -> bool:
+    """Host name, a tag, or a holder's name contains ``text`` (case-insensitive)."""
+    needle = text.lower().strip()
+    if not needle:
+        return True
+    words = [view.host] + list(info.tags)
+    snap = _snap(view)
+    if snap is not None:
+        words += [p.name for p in snap.processes.values()]
+        words += [a.process_name for a in snap.compute_apps]
+    return any(needle in w.lower() for w in words)
+
+
+def ordered(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopState
+            ) -> list[LiveHost]:
+    shown = [v for v in views if matches(v, info.get(v.host, HostInfo()), state.filter)]
+    if state.sort == "name":
+        return sorted(shown, key=lambda v: v.host)
+
+    def weight(v: LiveHost) -> tuple[int, int, str]:
+        n = host_numbers(_snap(v), info.get(v.host, HostInfo()).expected_mib)
+        value = n.used_mib if state.sort == "memory" else n.unattributed_mib
+        return (0 if _snap(v) is not None else 1, -value, v.host)
+
+    return sorted(shown, key=weight)
+
+
+# ----------------------------------------------------------------------- rows
+
+
+def columns(width: int, name_w: int) -> tuple[int, int]:
+    """(name width, bar width) for this terminal width."""
+    name_w = max(4, min(name_w, 24, width // 4))
+    fixed = 2 + name_w + 2 + 4 + 2 + 9 + 2 + 19 + 2 + 22 + 2 + 4 + 2 + 10
+    return name_w, max(4, min(30, width - fixed))
+
+
+def header_line(name_w: int, bar_w: int) -> str:
+    return ("  " + "HOST".ljust(name_w) + "  GPUS  BUSY/FREE  " + "MEMORY".ljust(bar_w + 21)
+            + "UNATTRIBUTED".ljust(24) + "WARN  AGE")
+
+
+def age_text(view: LiveHost, now: float) -> str:
+    state = view.state(now)
+    age = view.age_s(now)
+    if state == DOWN:
+        return "down"
+    if age is None:
+        return "..."
+    return f"{'stale ' if state == STALE else ''}{age:.0f}s"
+
+
+def host_line(view: LiveHost, info: HostInfo, state: TopState, now: float, name_w: int,
+              bar_w: int) -> Line:
+    n = host_numbers(_snap(view), info.expected_mib)
+    mark = "-" if ("host", view.host) in state.expanded else "+"
+    name = fit(cell(view.host), name_w).ljust(name_w)
+    hstate = view.state(now)
+    role = {UP: "host", STALE: "stale", DOWN: "down"}.get(hstate, "host")
+    if _snap(view) is None:
+        why = view.failure.message if view.failure else "connecting..."
+        text = f"{mark} {name}  " + ("down: " if hstate == DOWN else "") + cell(why)
+        return Line(text, role, ("host", view.host))
+    memory = f"{bar(n.used_mib, n.total_mib, bar_w)} " + (
+        f"{fmt_mib(n.used_mib)} / {fmt_mib(n.total_mib)}").ljust(20)
+    unattr = (f"{fmt_mib(n.unattributed_mib)} (exp {fmt_mib(n.expected_mib)})"
+              + (" !" if n.unexpected else "")).ljust(24)
+    text = (f"{mark} {name}  {n.gpus:>4}  {n.busy:>4}/{n.gpus - n.busy:<4}  {memory}"
+            f"{unattr}{(str(n.warnings) if n.warnings else '-'):>4}  {age_text(view, now)}")
+    if hstate == STALE and view.failure is not None:
+        text += "  " + cell(view.failure.message)
+    if n.unexpected and role == "host":
+        role = "warn"
+    return Line(text, role, ("host", view.host))
+
+
+def marked(state: TopState, key: Key) -> str:
+    if key[0] == "gpu":
+        return "[x]" if ("gpu", key[1], key[2]) in state.marks else "[ ]"
+    pid = key[3] if key[0] == "app" else key[2]
+    return "[x]" if ("pid", key[1], pid) in state.marks else "[ ]"
+
+
+def _proc_cells(snap: Snapshot, pid: int, fallback: str) -> tuple[str, str, str]:
+    proc = snap.processes.get(pid)
+    name = cell(proc.name if proc else (fallback or "?"))
+    user = cell(proc.user or "?") if proc else "?"
+    where = []
+    if proc is not None and proc.unit:
+        where.append("unit " + cell(proc.unit))
+    if proc is not None and proc.container:
+        where.append("container " + cell(proc.container))
+    return name, user, "  ".join(where)
+
+
+def gpu_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: TopState,
+              bar_w: int) -> list[Line]:
+    out: list[Line] = []
+    rows = {r.index: r for r in ledger(snap, info.expected_mib)}
+    box = "" if state.readonly else "{} "
+    for gpu in snap.gpus:
+        key: Key = ("gpu", view.host, gpu.index)
+        row = rows[gpu.index]
+        util = "n/a" if gpu.utilization_pct is None else f"{gpu.utilization_pct}%"
+        text = (f"    {box.format(marked(state, key))}GPU {gpu.index:<2} {fit(cell(gpu.name), 30):<30} "
+                f"{bar(gpu.memory_used_mib or 0, gpu.memory_total_mib or 0, min(bar_w, 16))} "
+                f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}  util {util}"
+                f"  unattr. {fmt_mib(row.unattributed_mib)}")
+        out.append(Line(text, "gpu", key))
+        for app in snap.apps_on(gpu.index):
+            akey: Key = ("app", view.host, gpu.index, app.pid)
+            name, user, where = _proc_cells(snap, app.pid, app.process_name)
+            text = (f"        {box.format(marked(state, akey))}{fit(name, 28):<28} pid {app.pid:<8} "
+                    f"{fit(user, 12):<12} {fmt_mib(app.used_mib):>9}  nvidia-smi  {where}")
+            out.append(Line(text.rstrip(), "holder", akey))
+    return out
+
+
+def device_file_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: TopState
+                      ) -> list[Line]:
+    """Holders nvidia-smi does not list (markable when they may hold memory), the GPU
+    clients on one quiet line, and the host's warnings."""
+    out: list[Line] = []
+    box = "" if state.readonly else "{} "
+    roles = policy.holder_roles(snap, info.expected_mib + BUSY_TOLERANCE_MIB)
+    clients = []
+    holders = [h for h in snap.unlisted_holders() if h.pid in roles]
+    for holder in holders:
+        name, user, where = _proc_cells(snap, holder.pid, "?")
+        if roles[holder.pid].role == policy.ROLE_CLIENT:
+            clients.append(f"{name} {holder.pid}")
+            continue
+        if not out:
+            out.append(Line("    device files, not listed by nvidia-smi:", "dim"))
+        gpus = snap.holder_gpu_indices(holder)
+        evidence = "fd" + (" + mapped" if holder.mapped else "") + (
+            f": GPUs {format_gpu_ranges(gpus)}" if gpus else "")
+        key: Key = ("fd", view.host, holder.pid)
+        text = (f"        {box.format(marked(state, key))}{fit(name, 28):<28} pid {holder.pid:<8} "
+                f"{fit(user, 12):<12} {'-':>9}  {evidence}  {where}")
+        out.append(Line(text.rstrip(), "holder", key))
+    if clients:
+        out.append(Line("    clients (no memory): " + ", ".join(clients), "dim"))
+    for warning in snap.warnings:
+        out.append(Line("    warning: " + cell(warning), "warn"))
+    if not snap.nvidia_smi_ok:
+        out.append(Line("    nvidia-smi: " + cell(snap.nvidia_smi_error or "failed"), "warn"))
+    return out
+
+
+def list_lines(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopState,
+               now: float, name_w: int, bar_w: int) -> list[Line]:
+    lines: list[Line] = []
+    for view in ordered(views, info, state):
+        hinfo = info.get(view.host, HostInfo())
+        lines.append(host_line(view, hinfo, state, now, name_w, bar_w))
+        snap = _snap(view)
+        if ("host", view.host) in state.expanded and snap is not None:
+            lines += gpu_lines(view, snap, hinfo, state, bar_w)
+            lines += device_file_lines(view, snap, hinfo, state)
+    return lines
+
+
+# ----------------------------------------------------------------------- the screen
+
+
+def footer(state: TopState) -> Line:
+    if state.editing:
+        return Line(f"filter: {cell(state.filter)}_   (Enter keeps, Esc clears)", "prompt")
+    if state.message:
+        return Line(cell(state.message), "message")
+    keys = "Enter expand  s sort  / filter  ? help  q quit"
+    if not state.readonly:
+        keys = "Enter expand  space mark  c clean  s sort  / filter  ? help  q quit"
+    return Line(f"{keys}  | every {state.interval_s:g}s, sort {state.sort}", "dim")
+
+
+def title(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopState,
+          now: float) -> Line:
+    extra = f" | filter {cell(state.filter)!r}" if state.filter else ""
+    if state.readonly:
+        extra += " | read-only"
+    return Line(summary(views, info, now) + extra, "title")
+
+
+def overlay_lines(overlay: Overlay, width: int, height: int) -> list[Line]:
+    body = [Line(fit(overlay.title, width), "title")]
+    room = height - 2
+    texts = []
+    for text in overlay.lines:  # wrapped, not cut: a refusal's reason is the point of a plan
+        text = terminal_safe(text, one_line=True)
+        indent = " " * min(len(text) - len(text.lstrip()) + 4, width // 2)
+        texts += textwrap.wrap(text, width, subsequent_indent=indent, drop_whitespace=False,
+                               replace_whitespace=False) or [""]
+    if len(texts) > room:
+        texts = texts[: room - 1] + [f"... {len(overlay.lines) - room + 1} more lines"]
+    body += [Line(t, "text") for t in texts]
+    body += [Line("", "text")] * (height - 1 - len(body))
+    role = "prompt" if overlay.kind == "confirm" else "message"
+    return body + [Line(fit(overlay.prompt, width), role)]
+
+
+def layout(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopState,
+           width: int, height: int, now: float) -> Screen:
+    """Every line of the screen for a terminal of ``width`` x ``height``."""
+    if width < MIN_WIDTH or height < MIN_HEIGHT:
+        text = (f"terminal too small ({width}x{height}): gpufleet top needs "
+                f"{MIN_WIDTH}x{MIN_HEIGHT}; waiting for a resize (q quits)")
+        return Screen((Line(fit(text, width), "warn"),), too_small=True)
+    if state.overlay is not None:
+        return Screen(tuple(overlay_lines(state.overlay, width, height)))
+    name_w, bar_w = columns(width, max((len(v.host) for v in views), default=4))
+    body = list_lines(views, info, state, now, name_w, bar_w)
+    keys = tuple(line.key for line in body if line.key is not None)
+    room = height - 3
+    at = next((i for i, line in enumerate(body) if line.key == state.cursor), 0)
+    top = min(max(0, state.top), max(0, len(body) - room))
+    if at < top:
+        top = at
+    elif at >= top + room:
+        top = at - room + 1
+    shown = body[top: top + room]
+    if not body:
+        shown = [Line(f"no host matches the filter {cell(state.filter)!r} (/ to change it)"
+                      if state.filter else "no hosts", "message")]
+    cursor = state.cursor if state.cursor in keys else (keys[0] if keys else None)
+    lines = [title(views, info, state, now), Line(header_line(name_w, bar_w), "header")]
+    lines += [replace(line, role="cursor") if line.key is not None and line.key == cursor
+              else line for line in shown]
+    lines += [Line("", "text")] * (height - 1 - len(lines))
+    lines.append(footer(state))
+    names = tuple(v.host for v in ordered(views, info, state))
+    return Screen(tuple(replace(ln, text=fit(ln.text, width)) for ln in lines), keys, top,
+                  False, room, names)
+
+
+# ----------------------------------------------------------------------- keys
+
+MOVES = {"UP": -1, "k": -1, "DOWN": 1, "j": 1, "PGUP": -10, "PGDN": 10}
+
+
+def move(state: TopState, screen: Screen, step: int) -> TopState:
+    keys = screen.keys
+    if not keys:
+        return state
+    at = keys.index(state.cursor) if state.cursor in keys else 0
+    if step in (-10, 10):
+        step = (screen.list_height or 10) * (1 if step > 0 else -1)
+    return replace(state, cursor=keys[max(0, min(len(keys) - 1, at + step))])
+
+
+def toggle_expand(state: TopState, screen: Screen) -> TopState:
+    cursor = state.cursor if state.cursor in screen.keys else (
+        screen.keys[0] if screen.keys else None)
+    if cursor is None:
+        return state
+    host_key = ("host", cursor[1])
+    expanded = set(state.expanded)
+    if host_key in expanded:
+        expanded.discard(host_key)
+    else:
+        expanded.add(host_key)
+    return replace(state, expanded=frozenset(expanded), cursor=host_key)
+
+
+def mark_key(key: Key) -> Optional[tuple]:
+    if key[0] == "gpu":
+        return ("gpu", key[1], key[2])
+    if key[0] == "app":
+        return ("pid", key[1], key[3])
+    if key[0] == "fd":
+        return ("pid", key[1], key[2])
+    return None
+
+
+def toggle_mark(state: TopState, screen: Screen) -> TopState:
+    if state.readonly:
+        return replace(state, message="read-only: no marks (started with --readonly)")
+    cursor = state.cursor if state.cursor in screen.keys else None
+    mark = mark_key(cursor) if cursor is not None else None
+    if mark is None:
+        return replace(state, message="expand a host (Enter), then mark its GPUs or holders")
+    marks = set(state.marks)
+    marks.symmetric_difference_update({mark})
+    return replace(state, marks=frozenset(marks), message="")
+
+
+def edit_filter(state: TopState, key: str) -> TopState:
+    if key == "ENTER":
+        return replace(state, editing=False)
+    if key == "ESC":
+        return replace(state, editing=False, filter="")
+    if key == "BACKSPACE":
+        return replace(state, filter=state.filter[:-1])
+    if len(key) == 1 and key.isprintable():
+        return replace(state, filter=state.filter + key)
+    return state
+
+
+def on_key(state: TopState, key: str, screen: Screen) -> tuple[TopState, Optional[str]]:
+    """The next state for a key, and an action for the caller: "quit" or "clean"."""
+    if state.editing:
+        return edit_filter(state, key), None
+    if state.overlay is not None:
+        return state, ("answer:" + key)  # the caller owns overlays (help, plan, outcome)
+    state = replace(state, message="")
+    if key in ("q", "Q"):
+        return state, "quit"
+    if key in MOVES:
+        return move(state, screen, MOVES[key]), None
+    if key in ("HOME", "g"):
+        return replace(state, cursor=screen.keys[0] if screen.keys else None), None
+    if key in ("END", "G"):
+        return replace(state, cursor=screen.keys[-1] if screen.keys else None), None
+    if key in ("ENTER", "RIGHT", "LEFT"):
+        return toggle_expand(state, screen), None
+    if key == " ":
+        return toggle_mark(state, screen), None
+    if key == "s":
+        return replace(state, sort=SORTS[(SORTS.index(state.sort) + 1) % len(SORTS)]), None
+    if key == "/":  # a new filter (Esc clears it, Enter keeps it)
+        return replace(state, editing=True, filter=""), None
+    if key == "?":
+        return replace(state, overlay=Overlay("help", HELP)), None
+    if key == "c":
+        if state.readonly:
+            return replace(state, message="read-only: no actions (started with --readonly)"), None
+        return state, "clean"
+    return state, None
+
+
+def clean_scope(state: TopState, views: Sequence[LiveHost]) -> tuple[Optional[str], list[int], str]:
+    """(host, GPUs, "") the marks ask to clean, or (None, [], why not). A marked holder
+    brings its GPUs (the planner works on GPUs, as `gpufleet clean --gpus` does)."""
+    hosts = sorted({m[1] for m in state.marks})
+    if not hosts:
+        return None, [], "nothing marked: mark GPUs or holders with space (expand a host first)"
+    if len(hosts) > 1:
+        return None, [], f"marks on {len(hosts)} hosts: clean one host at a time"
+    host = hosts[0]
+    view = next((v for v in views if v.host == host), None)
+    snap = _snap(view) if view is not None else None
+    if snap is None:
+        return None, [], f"{host}: no snapshot to plan from"
+    gpus: set[int] = set()
+    for mark in state.marks:
+        if mark[0] == "gpu":
+            gpus.add(int(mark[2]))
+            continue
+        listed = snap.gpu_indices_of_app(int(mark[2]))
+        gpus.update(listed)  # a CUDA process opens every /dev/nvidiaN: nvidia-smi's GPUs first
+        holder = next((h for h in snap.holders if h.pid == mark[2]), None)
+        if holder is not None and not listed:
+            gpus.update(snap.holder_gpu_indices(holder))
+    if not gpus:
+        return None, [], f"{host}: the marked processes are on no GPU any more"
+    return host, sorted(gpus), ""

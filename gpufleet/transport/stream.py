@@ -1,0 +1,244 @@
+"""A streaming run: one resident command, its stdout read line by line, its stdin kept open.
+
+Internal to gpufleet.transport (sessions open streams: ``Session.stream_agent``). The agent's
+watch mode (gpufleet/remote/watch.py) prints a line per interval and ends itself when stdin
+closes or keep-alives stop, so :meth:`Stream.close` only has to close stdin (and the channel).
+Over SSH the stream is an exec channel on the host's existing connection; locally a
+subprocess in its own session (its process group is ended on close if it lingers). Every
+failure is a TransportError with a kind, from ``connection.transport_error`` (the one place
+lower-level errors get their kind).
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from gpufleet import errors
+from gpufleet.errors import TransportError
+from gpufleet.transport.run import KILL_AFTER_S, STDERR_KEEP
+
+if TYPE_CHECKING:  # a local stream must not import the SSH stack (transport/__init__.py)
+    import paramiko
+
+
+def transport_error(exc: BaseException) -> TransportError:
+    """connection.transport_error, imported when an SSH failure is classified."""
+    from gpufleet.transport.connection import transport_error as classify
+
+    return classify(exc)
+
+MAX_LINE = 64 << 20  # a snapshot line longer than this is not one: the stream is broken
+
+
+class Stream:
+    """Lines from a resident command. ``readline`` -> a line (bytes, no newline), or None
+    when ``timeout`` passed first; raises TransportError(kind closed) once the command ended."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._err = bytearray()
+        self.ended = False
+
+    # subclass interface: wait for data, read it; send; end
+    def _wait(self, timeout: float) -> bool:
+        raise NotImplementedError
+
+    def _read(self) -> Optional[bytes]:
+        """Whatever is there (b"" is nothing yet, None is end of stream)."""
+        raise NotImplementedError
+
+    def _exit_code(self) -> Optional[int]:
+        raise NotImplementedError
+
+    def send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def readline(self, timeout: float) -> Optional[bytes]:
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            at = self._buf.find(b"\n")
+            if at >= 0:
+                line = bytes(self._buf[:at])
+                del self._buf[: at + 1]
+                return line
+            if len(self._buf) > MAX_LINE:
+                raise TransportError("agent line too long", kind=errors.AGENT)
+            if self.ended:
+                raise self._ended_error()
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._wait(left):
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            try:
+                chunk = self._read()
+            except Exception as exc:
+                raise TransportError(f"connection lost: {transport_error(exc)}",
+                                     kind=errors.CLOSED) from None
+            if chunk is None:
+                self.ended = True
+            elif chunk:
+                self._buf += chunk
+
+    def _ended_error(self) -> TransportError:
+        code = self._exit_code()
+        tail = [ln.strip() for ln in self._err.decode("utf-8", "replace").splitlines()
+                if ln.strip()]
+        text = "agent ended" + (f" (exit {code})" if code is not None else "") + (
+            f": {tail[-1][:200]}" if tail else "")
+        return TransportError(text, kind=errors.CLOSED if code is None else errors.COMMAND)
+
+    def _keep_err(self, data: bytes) -> None:
+        self._err += data
+        if len(self._err) > 2 * STDERR_KEEP:
+            del self._err[: len(self._err) - STDERR_KEEP]
+
+
+class ChannelStream(Stream):
+    """An exec channel on the host's open SSH connection."""
+
+    def __init__(self, transport: paramiko.Transport, command: str, head: bytes,
+                 timeout: float):
+        super().__init__()
+        self.chan: Optional[paramiko.Channel] = None
+        try:
+            self.chan = transport.open_session(timeout=max(0.1, timeout))
+            self.chan.settimeout(max(0.1, timeout))
+            self.chan.exec_command(command)
+            self.chan.sendall(head)
+            self.chan.settimeout(None)
+        except Exception as exc:
+            if self.chan is not None:
+                self.chan.close()
+            self.chan = None
+            failed = transport_error(exc)
+            raise TransportError(f"stream refused: {failed}", kind=failed.kind) from None
+
+    def _wait(self, timeout: float) -> bool:
+        assert self.chan is not None
+        if self.chan.recv_ready() or self.chan.recv_stderr_ready() or self.chan.closed:
+            return True
+        select.select([self.chan.fileno()], [], [], timeout)
+        return True
+
+    def _read(self) -> Optional[bytes]:
+        assert self.chan is not None
+        while self.chan.recv_stderr_ready():
+            self._keep_err(self.chan.recv_stderr(65536))
+        if self.chan.recv_ready():
+            return self.chan.recv(65536) or None
+        if self.chan.closed or self.chan.eof_received:
+            return None
+        return b""
+
+    def _exit_code(self) -> Optional[int]:
+        if self.chan is not None and self.chan.status_event.wait(1.0):
+            code = self.chan.exit_status
+            return None if code == -1 else code
+        return None
+
+    def send(self, data: bytes) -> None:
+        assert self.chan is not None
+        try:
+            self.chan.settimeout(5.0)
+            self.chan.sendall(data)
+        except Exception as exc:
+            raise TransportError(f"connection lost: {transport_error(exc)}",
+                                 kind=errors.CLOSED) from None
+
+    def close(self) -> None:
+        """stdin closed = EOF for the agent (it ends); then the channel."""
+        if self.chan is None:
+            return
+        try:
+            self.chan.shutdown_write()
+        except Exception:
+            pass
+        try:
+            self.chan.close()
+        except Exception:
+            pass
+
+
+class ProcessStream(Stream):
+    """``connection: local``: the same argv as a subprocess (no shell), its own session."""
+
+    def __init__(self, argv: Sequence[str], head: bytes):
+        super().__init__()
+        try:
+            self.proc = subprocess.Popen(
+                list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        except OSError as exc:
+            raise TransportError(f"{argv[0]}: {exc.strerror or exc}", kind=errors.COMMAND) from None
+        assert self.proc.stdin and self.proc.stdout and self.proc.stderr
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        os.set_blocking(self.proc.stderr.fileno(), False)
+        self._err_open = True
+        self.send(head)
+
+    def _wait(self, timeout: float) -> bool:
+        assert self.proc.stdout and self.proc.stderr
+        fds = [self.proc.stdout] + ([self.proc.stderr] if self._err_open else [])
+        ready, _, _ = select.select(fds, [], [], timeout)
+        return bool(ready)
+
+    def _read(self) -> Optional[bytes]:
+        assert self.proc.stdout and self.proc.stderr
+        if self._err_open:
+            err = _read_some(self.proc.stderr.fileno())
+            if err is None:
+                self._err_open = False
+            elif err:
+                self._keep_err(err)
+        return _read_some(self.proc.stdout.fileno())
+
+    def _exit_code(self) -> Optional[int]:
+        try:
+            return self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send(self, data: bytes) -> None:
+        assert self.proc.stdin
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"agent gone: {transport_error(exc)}", kind=errors.CLOSED) from None
+
+    def close(self) -> None:
+        """stdin closed: the agent ends itself; its process group is ended if it lingers."""
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                if pipe:
+                    pipe.close()
+            except OSError:
+                pass
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                try:
+                    os.killpg(self.proc.pid, sig)  # the group we started (start_new_session)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                self.proc.wait(timeout=KILL_AFTER_S)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _read_some(fd: int) -> Optional[bytes]:
+    """b"" nothing yet, None at end of file."""
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:
+        return b""
+    return data or None

@@ -1,0 +1,117 @@
+"""The agent's watch mode, run the controller's way (the bootstrap, stdin kept open): one
+snapshot line per interval, and it ends ITSELF when the controller goes: stdin closed, no
+keep-alive, stdout closed, stdout blocked (watchdog). Each process started here is killed at
+teardown by its own PID.
+"""
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpufleet.core.model import parse_snapshot
+from gpufleet.remote import bootstrap_command, encode_request
+
+from test_agent_run import PYTHONS  # noqa: E402  (tests/unit is on sys.path under pytest)
+
+
+@pytest.fixture
+def agents():
+    started: list[subprocess.Popen] = []
+
+    def start(python=sys.executable, **request):
+        req = {"mode": "watch", "interval_s": 0.2, "keepalive_s": 1.5, "deadline_s": 5.0,
+               "nvidia_smi": "/nonexistent/nvidia-smi"}
+        req.update(request)
+        p = subprocess.Popen(bootstrap_command(python), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        started.append(p)
+        p.stdin.write(encode_request(req))
+        p.stdin.flush()
+        return p
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def read_line(p, timeout=10.0):
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    assert ready, "no line within %ss" % timeout
+    return p.stdout.readline()
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_one_snapshot_line_per_interval_while_keepalives_come(agents, python):
+    p = agents(python, keepalive_s=2.0)
+    seqs = []
+    started = time.monotonic()
+    while time.monotonic() - started < 5.0:  # two and a half keep-alive deadlines
+        doc = json.loads(read_line(p))
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+        assert doc["mode"] == "snapshot", doc
+        snap = parse_snapshot(doc)  # the document of core/model.py, line by line
+        assert snap.facts.agent_pid == p.pid
+        seqs.append(doc["watch_seq"])
+    assert p.poll() is None, "it ended although keep-alives came"
+    assert seqs == list(range(len(seqs))) and len(seqs) >= 5  # 0.2 s interval over 5 s
+
+
+def test_ends_when_stdin_closes(agents):
+    p = agents(interval_s=0.5, keepalive_s=60)
+    assert json.loads(read_line(p))["watch_seq"] == 0
+    p.stdin.close()  # what sshd does when the controller's connection ends
+    assert p.wait(timeout=5) == 0
+    last = [json.loads(ln) for ln in p.stdout.read().splitlines()][-1]
+    assert last["mode"] == "watch_end" and last["reason"] == "stdin closed"
+
+
+def test_ends_when_keepalives_stop_without_eof(agents):
+    """The controller is silent: no EOF ever comes, no keep-alive either (its lines are still
+    read here, so only the keep-alive deadline can end it)."""
+    p = agents(interval_s=0.2, keepalive_s=2.0)
+    started = time.monotonic()
+    docs = []
+    while True:
+        line = read_line(p)
+        if not line:
+            break
+        docs.append(json.loads(line))
+        if time.monotonic() - started < 1.0:
+            assert p.poll() is None  # not before its keep-alive deadline
+    assert p.wait(timeout=10) == 0 and time.monotonic() - started >= 2.0
+    assert docs[-1]["mode"] == "watch_end" and docs[-1]["reason"].startswith("no keep-alive")
+    assert len(docs) >= 5  # it kept snapshotting until the deadline
+
+
+def test_ends_when_stdout_closes(agents):
+    p = agents(interval_s=0.1, keepalive_s=60)
+    read_line(p)
+    p.stdout.close()  # the reader went away: the next write fails
+    assert p.wait(timeout=5) == 0
+    assert p.stdin is not None
+    p.stdin.close()
+
+
+def test_watchdog_ends_an_agent_blocked_on_a_full_pipe(agents):
+    """Nobody reads and nobody sends: the loop is stuck in a write; the watchdog ends it."""
+    p = agents(interval_s=0.05, keepalive_s=3.0, deadline_s=1.0)
+    # 64 KiB of pipe: full after ~10 lines (~0.5 s), long before the 3 s keep-alive deadline
+    rc = p.wait(timeout=20)
+    assert rc == 3  # os._exit(3): the watchdog, not the loop
+    assert b"watch ended by its watchdog" in p.stderr.read()
+
+
+def test_a_bad_watch_request_is_one_document(agents):
+    p = agents(interval_s=0)
+    doc = json.loads(read_line(p))
+    assert doc["error"].startswith("bad request: interval_s must be a number")
+    p.stdin.close()
+    assert p.wait(timeout=5) == 0
