@@ -134,7 +134,7 @@ def run_epilog(env: Mapping[str, str], opts: SlurmOptions) -> SlurmOutcome:
         smi_timeout_s=budget.smi_s,
         audit_extra=(("job_id", job.job_id), ("job_user", job.user), ("job_uid", job.uid)))
     try:
-        run = run_clean([host], clean_opts, forks=1, confirm=_act_when_targets)
+        run = run_clean([host], clean_opts, forks=1, confirm=_act_unless_free)
     except UsageError as exc:  # a GPU the node does not have: Slurm's configuration
         raise SlurmConfigError(str(exc).split("; nothing signalled")[0]) from None
     row = run.results[0]
@@ -146,10 +146,18 @@ def run_epilog(env: Mapping[str, str], opts: SlurmOptions) -> SlurmOutcome:
     return _done(out, opts, started)
 
 
-def _act_when_targets(results: list[HostClean]) -> bool:
-    """run_clean's confirm step: signal only when the plan has targets; otherwise the first
-    snapshot is already the verdict (nothing to wait for: no second agent run)."""
-    return any(r.plan is not None and r.plan.targets for r in results)
+def _act_unless_free(results: list[HostClean]) -> bool:
+    """run_clean's confirm step: act when the plan has targets or the memory is not back yet
+    (a driver still releasing a dead process's memory: the agent's memory wait); when the
+    GPUs are already free and nothing is to be signalled, the first snapshot is the verdict
+    (no second agent run: the common case at every job end stays fast)."""
+    for r in results:
+        if r.plan is None or r.before is None or r.before.snapshot is None:
+            continue
+        if r.plan.targets or core.gpu_problems(r.before.snapshot, r.plan.scope,
+                                               r.plan.threshold_mib):
+            return True
+    return False
 
 
 def _epilog_outcome(job: core.JobEnv, row: HostClean, declined: bool) -> SlurmOutcome:

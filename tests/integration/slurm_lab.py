@@ -67,11 +67,7 @@ class SlurmCluster:
 
     def write_files(self) -> None:
         r = self.root
-        r.mkdir(parents=True, exist_ok=True)
-        # the job's user reaches the munge socket and the job directory through every parent
-        for parent in [r] + list(r.parents):
-            if str(parent).startswith(("/tmp/", "/var/tmp/")):
-                os.chmod(parent, os.stat(parent).st_mode | 0o011)
+        r.mkdir(parents=True, exist_ok=True)  # its parents must let the job's user through
         for d in ("munge", "ctld", "spool/" + self.node_name, "log", "gresdev", "jobs"):
             (r / d).mkdir(parents=True, exist_ok=True)
         os.chmod(r / "munge", 0o755)
@@ -236,14 +232,15 @@ class SlurmCluster:
     def node_state(self) -> str:
         return self.node().get("State", "?")
 
-    def wait_node_state(self, wanted: Sequence[str], timeout: float = 30, all_of: bool = False) -> str:
-        """Until State (e.g. IDLE+DRAIN) contains one (or ``all_of``: every) word of ``wanted``."""
+    def wait_node_state(self, wanted: Sequence[str], timeout: float = 30, exact: bool = False) -> str:
+        """Until State (e.g. IDLE+DRAIN) contains one word of ``wanted`` (``exact``: is one of
+        them, no flags: IDLE+COMPLETING is not IDLE, an epilog still runs)."""
         deadline = time.time() + timeout
         state = "?"
         while time.time() < deadline:
             state = self.node_state()
             words = set(state.replace("*", "").split("+"))
-            if (all(w in words for w in wanted) if all_of else any(w in words for w in wanted)):
+            if (state in wanted) if exact else any(w in words for w in wanted):
                 return state
             time.sleep(0.2)
         raise SlurmError("node state %s, wanted %s; logs: %s" % (state, wanted, self.logs()))
