@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from gpufleet.core.gpus import format_gpu_indices, format_gpu_ranges
 from gpufleet.core.model import Snapshot
+from gpufleet.core.plan import Plan
 from gpufleet.errors import SlurmConfigError, UsageError
 
 # Where the job's GPUs are read from, in order (the epilog's SLURM_JOB_GPUS holds physical
@@ -175,6 +176,15 @@ def gpu_problems(snapshot: Snapshot, scope: Sequence[int], threshold_mib: Mappin
         elif used > limit and not any(h.gpu == index for h in out):
             out.append(Held(index, f"GPU {index}: {used} MiB used, no process holds it "
                                    f"(expected at most {limit} MiB)"))
+    return out
+
+
+def plan_holders(plan: Plan) -> list[tuple[int, Sequence[int], str]]:
+    """Every process a plan found GPU evidence for on its scope: targets, refusals (with their
+    reason) and processes nvidia-smi lists that this PID namespace cannot see."""
+    out: list[tuple[int, Sequence[int], str]] = [(t.pid, t.gpus, "") for t in plan.targets]
+    out += [(r.pid, r.gpus, f": {r.reason}") for r in plan.refused]
+    out += [(i.pid, (i.gpu,), " (not visible from this PID namespace)") for i in plan.invisible]
     return out
 
 

@@ -217,9 +217,7 @@ PrologGate = Callable[[Snapshot, tuple[int, ...], Plan, "SlurmOptions"], list[co
 def free_gate(snap: Snapshot, scope: tuple[int, ...], plan: Plan, opts: SlurmOptions
               ) -> list[core.Held]:
     """No process with GPU evidence on the job's GPUs, memory at or below the expected."""
-    holders = [(t.pid, t.gpus, "") for t in plan.targets] + _refused_holders(plan)
-    holders += [(i.pid, (i.gpu,), " (not visible from this PID namespace)") for i in plan.invisible]
-    return core.gpu_problems(snap, scope, plan.threshold_mib, holders)
+    return core.gpu_problems(snap, scope, plan.threshold_mib, core.plan_holders(plan))
 
 
 PROLOG_GATES: tuple[PrologGate, ...] = (free_gate,)
