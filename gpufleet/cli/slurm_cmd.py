@@ -54,9 +54,10 @@ def _options(grace_s: float, audit_log: Optional[str], kw: dict[str, Any]) -> An
 
 
 def _report(out: Any) -> int:
-    """Exit 0 when the job's GPUs are free; otherwise the one line on stderr and exit 1."""
+    """Exit 0 when the job's GPUs are free; otherwise the one line on stderr and exit 1
+    (notes, such as the drain done, go to stdout: stderr stays that one line)."""
     for note in out.notes:
-        click.echo(terminal_safe(f"gpufleet: {note}"), err=True)
+        click.echo(terminal_safe(f"gpufleet: {note}"))
     if out.ok:
         click.echo(terminal_safe(f"gpufleet: {out.line} ({out.seconds:.2f}s)"))
         return 0

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
+from gpufleet.core import policy
 from gpufleet.core.gpus import format_gpu_indices, format_gpu_ranges
 from gpufleet.core.model import Snapshot
 from gpufleet.core.plan import Plan
@@ -179,11 +180,21 @@ def gpu_problems(snapshot: Snapshot, scope: Sequence[int], threshold_mib: Mappin
     return out
 
 
-def plan_holders(plan: Plan) -> list[tuple[int, Sequence[int], str]]:
-    """Every process a plan found GPU evidence for on its scope: targets, refusals (with their
-    reason) and processes nvidia-smi lists that this PID namespace cannot see."""
+# Refusals that hold no GPU memory by what they are: driver daemons, sshd and protected
+# processes hold every device file on purpose (nvidia-persistenced on every real node), and a
+# zombie holds none (measured); they keep a GPU from being free only when nvidia-smi lists
+# them on it.
+_NO_MEMORY_KINDS = (policy.PROTECTED, policy.ZOMBIE)
+
+
+def plan_holders(plan: Plan, snapshot: Snapshot) -> list[tuple[int, Sequence[int], str]]:
+    """Every process that keeps the plan's GPUs from being free: its targets, its refusals
+    (with their reason; driver daemons and zombies only when nvidia-smi lists them there) and
+    processes nvidia-smi lists that this PID namespace cannot see."""
     out: list[tuple[int, Sequence[int], str]] = [(t.pid, t.gpus, "") for t in plan.targets]
-    out += [(r.pid, r.gpus, f": {r.reason}") for r in plan.refused]
+    listed = {a.pid for i in plan.scope for a in snapshot.apps_on(i)}
+    out += [(r.pid, r.gpus, f": {r.reason}") for r in plan.refused
+            if r.kind not in _NO_MEMORY_KINDS or r.pid in listed]
     out += [(i.pid, (i.gpu,), " (not visible from this PID namespace)") for i in plan.invisible]
     return out
 

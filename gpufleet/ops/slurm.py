@@ -167,7 +167,7 @@ def _epilog_outcome(job: core.JobEnv, row: HostClean, declined: bool) -> SlurmOu
         return SlurmOutcome(False, line, job, clean=row)
     if declined:  # nothing to signal: the first snapshot decides
         problems = core.gpu_problems(row.before.snapshot, plan.scope, plan.threshold_mib,
-                                     _refused_holders(plan))
+                                     core.plan_holders(plan, row.before.snapshot))
     elif row.verdict == "clean":
         problems = []
     else:
@@ -181,10 +181,6 @@ def _epilog_outcome(job: core.JobEnv, row: HostClean, declined: bool) -> SlurmOu
         "nothing left to signal"
     return SlurmOutcome(True, f"job {job.job_id}: GPU {core.describe_gpus(plan.scope)} free "
                         f"({what})", job, plan.scope, [], row)
-
-
-def _refused_holders(plan: Plan) -> list[tuple[int, Sequence[int], str]]:
-    return [(r.pid, r.gpus, f": {r.reason}") for r in plan.refused]
 
 
 def _dirty_problems(row: HostClean, plan: Plan) -> list[core.Held]:
@@ -217,7 +213,7 @@ PrologGate = Callable[[Snapshot, tuple[int, ...], Plan, "SlurmOptions"], list[co
 def free_gate(snap: Snapshot, scope: tuple[int, ...], plan: Plan, opts: SlurmOptions
               ) -> list[core.Held]:
     """No process with GPU evidence on the job's GPUs, memory at or below the expected."""
-    return core.gpu_problems(snap, scope, plan.threshold_mib, core.plan_holders(plan))
+    return core.gpu_problems(snap, scope, plan.threshold_mib, core.plan_holders(plan, snap))
 
 
 PROLOG_GATES: tuple[PrologGate, ...] = (free_gate,)

@@ -139,10 +139,32 @@ def test_prolog_sees_every_holder_of_a_job_gpu_through_the_plan() -> None:
     snap = train()
     plan = make_plan(snap, (1,))  # cuts the vLLM family: its members are refused, still holders
     texts = [p.text for p in slurm.gpu_problems(snap, (1,), plan.threshold_mib,
-                                                slurm.plan_holders(plan))]
+                                                slurm.plan_holders(plan, snap))]
     assert any(t.startswith("GPU 1: 44136 MiB held by pid 4361 VLLM::Worker (uid 1000): ")
                for t in texts), texts
     assert not any("no process holds it" in t for t in texts)
+
+
+def test_driver_daemons_holding_every_device_file_do_not_make_a_gpu_busy() -> None:
+    snap = train()
+    plan = make_plan(snap, (0, 1, 2, 3))
+    refused = {r.pid: r.kind for r in plan.refused}
+    assert refused[1187] == policy.PROTECTED  # nvidia-persistenced: every device file open
+    pids = {pid for pid, _, _ in slurm.plan_holders(plan, snap)}
+    assert 1187 not in pids and 1203 not in pids
+    assert {4360, 4361, 4362, 4363} <= pids
+    # the same GPUs with the vLLM family gone: free, persistenced or not
+    gone = {4340, 4341, 4360, 4361, 4362, 4363}
+    idle = dataclasses.replace(
+        snap, compute_apps=tuple(a for a in snap.compute_apps if a.pid not in gone),
+        processes={p: v for p, v in snap.processes.items() if p not in gone},
+        holders=tuple(h for h in snap.holders if h.pid not in gone),
+        gpus=tuple(dataclasses.replace(g, memory_used_mib=0) if g.index < 4 else g
+                   for g in snap.gpus))
+    plan = make_plan(idle, (0, 1, 2, 3))
+    assert 1187 in {r.pid for r in plan.refused}
+    assert slurm.gpu_problems(idle, plan.scope, plan.threshold_mib,
+                              slurm.plan_holders(plan, idle)) == []
 
 
 # ------------------------------------------------------------ policy: the job's owner
