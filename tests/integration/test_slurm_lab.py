@@ -27,9 +27,7 @@ NODE = "slurm-node1"
 CONTRIB = REPO_ROOT / "contrib" / "slurm"
 
 
-def _require_slurm() -> None:
-    from conftest import require
-
+def _require_slurm(require: Any) -> None:
     missing = missing_tools()
     if missing:
         require("Slurm", "missing %s (apt-get install slurmctld slurmd slurm-client munge)"
@@ -87,13 +85,13 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(lab: Any) -> Iterator[Cluster]:
+def cluster(lab: Any, prerequisite: Any) -> Iterator[Cluster]:
     """Its own directory under /tmp, not pytest's (that one is 0700, and the job's user must
     reach the munge socket and the job scripts); removed afterwards."""
     import shutil
     import tempfile
 
-    _require_slurm()
+    _require_slurm(prerequisite)
     root = Path(tempfile.mkdtemp(prefix="gflab-slurm-"))
     os.chmod(root, 0o711)
     c = Cluster(lab, root)
