@@ -7,6 +7,8 @@ alone on the host, is the exception: it is standard library only)::
       UsageError                  exit 2: bad command line, inventory or runbook
         InventoryError            the inventory (fleet.yaml) is wrong
         LoadError                 YAML that cannot be read (the line is known)
+        SlurmConfigError          the job environment Slurm gave is unusable (the node's
+                                  configuration is at fault: gres.conf, SLURM_JOB_GPUS, users)
       TransportError              a host could not be reached or run the command; ``kind``
         HostKeyError              kind "hostkey": a host key gpufleet will not accept
         SshConfigError            kind "sshconfig": ssh_config gives the alias no destination
@@ -93,6 +95,17 @@ class LoadError(UsageError):
         super().__init__(message)
         self.line = line
         self.message = message
+
+
+class SlurmConfigError(UsageError):
+    """The Slurm job's environment cannot be acted on (a malformed SLURM_JOB_GPUS, a GPU the
+    node lacks, an unknown SLURM_JOB_UID): nothing is signalled, exit 2, and the line says
+    that the configuration, not the job, is at fault (Slurm then drains the node)."""
+
+    AT_FAULT = "the node's Slurm configuration is at fault (gres.conf, slurm.conf, users)"
+
+    def __init__(self, message: str):
+        super().__init__(f"{message}; nothing signalled: {self.AT_FAULT}")
 
 
 class TransportError(GpufleetError):

@@ -56,6 +56,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 @pytest.fixture(scope="session")
+def prerequisite() -> Callable[[str, str], None]:
+    """``require`` for test modules (``from conftest import`` may find another conftest)."""
+    return require
+
+
+@pytest.fixture(scope="session")
 def recorded_dir() -> Path:
     """tests/fixtures/recorded/logs: raw logs of real H200 hosts (see its README.md)."""
     if not (RECORDED_DIR / "h200-single-gpu.log").is_file():

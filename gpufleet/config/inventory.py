@@ -467,6 +467,21 @@ def _host_values(body: Any, defaults: Mapping[str, Any], hctx: _Ctx, line: int) 
     return dict(merged, address=own.get("address"), explicit=explicit)
 
 
+def _group_member_names(member: str, fail: Fail) -> list[str]:
+    """A group member is a host name or a Slurm host range (``node[01-04,08]``)."""
+    import re
+
+    if not re.search(r"\[[0-9][0-9,-]*\]", member):
+        return [member]
+    from ClusterShell.NodeSet import NodeSet, NodeSetException  # type: ignore[import-untyped]
+
+    try:
+        return list(NodeSet(member))
+    except (NodeSetException, ValueError) as exc:
+        fail(f"bad host range {member!r}: {exc}")
+    return []
+
+
 def _groups(doc: Any, hosts_raw: Any, host_names: list[str], ctx: _Ctx) -> dict[str, tuple[str, ...]]:
     """The ``groups:`` section: each group's hosts, known and without repeats, in order."""
     groups: dict[str, tuple[str, ...]] = {}
@@ -488,8 +503,10 @@ def _groups(doc: Any, hosts_raw: Any, host_names: list[str], ctx: _Ctx) -> dict[
                 mline, member = members.item_line(i), members.item_text(i)
             mfail = gctx.failer(mline, f"groups.{gname}[{i}]")
             plain_string(member, mfail, "a host name")
-            if member not in hosts_raw:
-                mfail(f"unknown host {member!r}{did_you_mean(member, host_names)}")
-            out.setdefault(member, None)
+            for name in _group_member_names(member, mfail):
+                if name not in hosts_raw:
+                    mfail(f"unknown host {name!r}{did_you_mean(name, host_names)}"
+                          + (f" (from {member!r})" if name != member else ""))
+                out.setdefault(name, None)
         groups[gname] = tuple(out)
     return groups

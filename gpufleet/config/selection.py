@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 from typing import Iterable, Optional, Sequence
 
 from gpufleet.config.inventory import Host, Inventory
@@ -16,16 +17,50 @@ from gpufleet.errors import UsageError
 
 # GPU lists are parsed and formatted in gpufleet.core.gpus; these names stay importable here
 # for callers the refactor has not reached yet (ops/clean.py, cli/clean_cmd.py).
-__all__ = ["MAX_GPU_INDEX", "format_gpu_list", "parse_gpu_list", "select"]
+__all__ = ["MAX_GPU_INDEX", "expand_host_range", "format_gpu_list", "is_host_range",
+           "parse_gpu_list", "select"]
+
+
+# A Slurm/ClusterShell host range: brackets holding only digits, commas and dashes
+# (``node[01-32]``, ``node[01-04,08]``). fnmatch's classes (``node[ab]``) stay globs.
+_RANGE = re.compile(r"\[[0-9][0-9,-]*\]")
+
+
+def is_host_range(text: str) -> bool:
+    return bool(_RANGE.search(text))
+
+
+def expand_host_range(text: str) -> list[str]:
+    """``node[01-04,08]`` -> node01..node04, node08, by ClusterShell's NodeSet (the syntax
+    Slurm's scontrol and sinfo print); a malformed range is a usage error."""
+    from ClusterShell.NodeSet import NodeSet, NodeSetException  # type: ignore[import-untyped]
+
+    try:
+        return list(NodeSet(text))
+    except (NodeSetException, ValueError) as exc:
+        raise UsageError(f"bad host range {text!r}: {exc}") from None
+
+
+def _split_outside_brackets(value: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in value:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
 
 
 def _split(values: Optional[Iterable[str]]) -> list[str]:
-    """Flags are repeatable and also take comma lists: ``-H a -H b`` == ``-H a,b``."""
+    """Flags are repeatable and also take comma lists: ``-H a -H b`` == ``-H a,b``; commas
+    inside a host range's brackets (``node[01-04,08]``) belong to the range."""
     out: list[str] = []
     if isinstance(values, str):
         values = [values]
     for value in values or ():
-        for part in str(value).split(","):
+        for part in _split_outside_brackets(str(value)):
             part = part.strip()
             if not part:
                 raise UsageError(f"empty name in {value!r}")
@@ -66,13 +101,23 @@ def select(
 ) -> list[Host]:
     """Hosts matching any criterion (a union), in inventory order.
 
-    ``hosts`` are fnmatch globs on host names (case-sensitive); ``groups`` and ``tags`` are
+    ``hosts`` are fnmatch globs on host names (case-sensitive) or Slurm host ranges
+    (``node[01-32]``: every host named must exist); ``groups`` and ``tags`` are
     exact names. No criteria at all selects every host. Every glob, group and tag must
     match at least one host, even with ``all_``: a typo is reported, never ignored.
     """
     host_globs, group_names, tag_names = _split(hosts), _split(groups), _split(tags)
     chosen: set[str] = set()
+    names = {h.name for h in inventory.hosts}
     for pattern in host_globs:
+        if is_host_range(pattern) and not any(c in pattern for c in "*?"):
+            missing = [n for n in expand_host_range(pattern) if n not in names]
+            if missing:
+                raise UsageError(f"no host {missing[0]!r} (from {pattern!r})"
+                                 f"{_suggest(missing[0], inventory, '--host')}"
+                                 + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+            chosen.update(expand_host_range(pattern))
+            continue
         matched = [h.name for h in inventory.hosts if fnmatch.fnmatchcase(h.name, pattern)]
         if not matched:
             raise UsageError(f"no host matches {pattern!r}"

@@ -22,6 +22,7 @@ OWNER = "owner"
 CONTAINER = "container"
 UNIT = "unit"
 IDENTITY = "identity"
+JOB_OWNER = "job-owner"  # a Slurm epilog's job GPUs: only the job user's processes are its
 
 # Daemons that hold NVIDIA device files on purpose and must outlive any clean. The kernel
 # truncates comm to 15 bytes ("nvidia-persiste"), so names are compared both ways.
@@ -67,6 +68,7 @@ class PolicyContext:
     protect: tuple[str, ...] = ()
     stop_units: bool = False
     own_container: Optional[str] = None
+    job_uid: Optional[int] = None  # a Slurm job's user: every other user's process is refused
 
     @classmethod
     def from_snapshot(
@@ -76,6 +78,7 @@ class PolicyContext:
         protect: tuple[str, ...] = (),
         stop_units: bool = False,
         is_sudo: bool = False,
+        job_uid: Optional[int] = None,
     ) -> "PolicyContext":
         facts = snapshot.facts
         return cls(
@@ -87,6 +90,7 @@ class PolicyContext:
             protect=tuple(protect),
             stop_units=stop_units,
             own_container=facts.container if facts.in_container else None,
+            job_uid=job_uid,
         )
 
     @property
@@ -199,6 +203,9 @@ def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str,
         return PROTECTED, reason
     if is_zombie(proc):
         return ZOMBIE, zombie_reason(proc, ctx)
+    job = job_owner_reason(proc, ctx)
+    if job is not None:
+        return JOB_OWNER, job
     if not ctx.privileged:
         if proc.uid is None or ctx.uid is None:
             return OWNER, "owner unknown; connect as root or with sudo"
@@ -213,6 +220,20 @@ def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str,
         return UNIT, f"belongs to {unit}; stop the unit or pass --stop-units"
     if proc.starttime is None:
         return IDENTITY, "start time unknown; cannot guard against PID reuse"
+    return None
+
+
+def job_owner_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
+    """A Slurm epilog frees its job's GPUs of the job's own processes only: another user's
+    process there (a second job sharing the GPU, someone's shell) is refused and reported,
+    even though the epilog runs as root; an owner that cannot be read is refused too."""
+    if ctx.job_uid is None:
+        return None
+    if proc.uid is None:
+        return f"owner unknown; only the job user's (uid {ctx.job_uid}) processes are signalled"
+    if proc.uid != ctx.job_uid:
+        who = f"{proc.user} (uid {proc.uid})" if proc.user else f"uid {proc.uid}"
+        return f"owned by {who}, not the job's user (uid {ctx.job_uid})"
     return None
 
 

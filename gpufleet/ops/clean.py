@@ -48,6 +48,9 @@ class CleanOptions:
     audit_log: Optional[str] = None
     operator: str = field(default_factory=audit.operator_name)
     lock_path: Optional[str] = None
+    job_uid: Optional[int] = None  # a Slurm job's user: nobody else's process is signalled
+    smi_timeout_s: float = 10.0  # the after-snapshot's nvidia-smi bound
+    audit_extra: tuple[tuple[str, Any], ...] = ()  # more audit keys (a Slurm job id, its user)
 
 
 @dataclass
@@ -100,7 +103,8 @@ def plan_host(host: Host, session: Session, opts: CleanOptions) -> HostClean:
             snap, scope, protect=tuple(host.protect) + tuple(opts.protect),
             include_spanning=opts.include_spanning, stop_units=opts.stop_units,
             disable_units=opts.disable_units, unattributed_mib=int(host.unattributed_mib or 0),
-            tolerance_mib=opts.tolerance_mib, is_sudo=bool(host.sudo), host=host.name)
+            tolerance_mib=opts.tolerance_mib, is_sudo=bool(host.sudo), host=host.name,
+            job_uid=opts.job_uid)
     except UsageError as exc:
         return out.fail(Failure(errors.USAGE, str(exc)))
     out.verdict = "planned"
@@ -112,7 +116,7 @@ def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[S
                   ) -> dict[str, Any]:
     request = to_request(plan, grace_s=opts.grace_s, timeout_s=opts.timeout_s, shm=opts.shm,
                          reset=opts.reset, operator=opts.operator, lock_path=opts.lock_path,
-                         nvidia_smi=host.nvidia_smi)
+                         nvidia_smi=host.nvidia_smi, smi_timeout_s=opts.smi_timeout_s)
     request["gpu_source"] = host.gpu_source
     # The verdict reads the after-snapshot's memory, processes and holders, never the CUDA
     # version: without it that snapshot skips a bare `nvidia-smi` run (110 ms on an H200)
@@ -189,9 +193,10 @@ def _record_signals(host: Host, planned: HostClean, opts: CleanOptions) -> None:
     snap = planned.before.snapshot if planned.before else None
     cmdlines = {pid: p.cmdline for pid, p in (snap.processes.items() if snap else ())}
     started_at = doc.get("started_at")
-    audit.append(opts.audit_log, audit.signal_records(
+    records = audit.signal_records(
         host.name, opts.operator, signals, cmdlines,
-        started_at=float(started_at) if isinstance(started_at, (int, float)) else None))
+        started_at=float(started_at) if isinstance(started_at, (int, float)) else None)
+    audit.append(opts.audit_log, [dict(r, **dict(opts.audit_extra)) for r in records])
 
 
 def _record_verdict(host: Host, planned: HostClean, opts: CleanOptions) -> None:

@@ -662,6 +662,7 @@ class Lab:
         listen: Optional[str] = None,
         path_prefix: Optional[str] = None,
         nvml: Union[bool, str, None] = True,
+        keep: Sequence[str] = (),
         **config: Any,
     ) -> LabHost:
         """Start one host. ``driver``: ok | fail | hang | garbage. ``nvidia_smi``: a path inside
@@ -676,6 +677,9 @@ class Lab:
         /root, for a fake systemctl that the agent then finds as `systemctl`). ``nvml``: the
         fake libnvidia-ml.so.1: True (the default place, found by name), an absolute path inside
         the host, "broken" (installed, nvmlInit fails) or False/None (no library).
+        ``keep``: outside directories (under /tmp or /root) that stay visible at the same path
+        inside the host's private /tmp and /root (a Slurm cluster's directory, tests/integration
+        /slurm_lab.py: both sides read the same slurm.conf and munge socket).
         """
         if driver not in ("ok", "fail", "hang", "garbage"):
             raise ValueError("driver must be ok, fail, hang or garbage")
@@ -730,7 +734,7 @@ class Lab:
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
                 "nvidia_smi": nvidia_smi, "python3": python3, "smi_python": self._smi_python,
                 "nvml": nvml,
-                "path": (path_prefix + ":" if path_prefix else "") + DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs(),
+                "path": (path_prefix + ":" if path_prefix else "") + DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs() + [os.path.realpath(k) for k in keep],
                 "sshd_config": self._sshd_config(port)
                 + ("ListenAddress %s\n" % listen if listen else "") + sshd_extra.strip() + "\n",
                 "files": {

@@ -217,3 +217,42 @@ def test_parse_gpu_list_never_raises_anything_else(text):
         return
     assert result is None or (result == tuple(sorted(set(result)))
                               and all(0 <= i <= MAX_GPU_INDEX for i in result))
+
+
+# ------------------------------------------------------------ Slurm/ClusterShell host ranges
+
+NODES = parse_inventory(textwrap.dedent("""\
+    hosts:
+      node01: {address: 10.0.0.1}
+      node02: {address: 10.0.0.2}
+      node03: {address: 10.0.0.3}
+      node04: {address: 10.0.0.4}
+      node08: {address: 10.0.0.8}
+      nodea: {address: 10.0.0.10}
+    groups:
+      rack1: ['node[01-03]', node08]
+    """), source="fleet.yaml")
+
+
+def test_host_ranges_select_what_they_name():
+    assert names(select(NODES, hosts=["node[01-04,08]"])) == ["node01", "node02", "node03",
+                                                              "node04", "node08"]
+    assert names(select(NODES, hosts=["node[02-03],nodea"])) == ["node02", "node03", "nodea"]
+    assert names(select(NODES, hosts=["node[01-02]", "node08"])) == ["node01", "node02", "node08"]
+    # fnmatch classes stay globs: [ab] is one letter
+    assert names(select(NODES, hosts=["node[ab]"])) == ["nodea"]
+    assert names(select(NODES, hosts=["node0[1-2]*"])) == ["node01", "node02"]
+
+
+def test_host_range_naming_a_missing_host_is_an_error():
+    with pytest.raises(UsageError, match=r"no host 'node05' \(from 'node\[01-05\]'\)"):
+        select(NODES, hosts=["node[01-05]"])
+    with pytest.raises(UsageError, match="bad host range"):
+        select(NODES, hosts=["node[3-1]"])
+
+
+def test_inventory_groups_accept_host_ranges():
+    assert NODES.groups["rack1"] == ("node01", "node02", "node03", "node08")
+    assert names(select(NODES, groups=["rack1"])) == ["node01", "node02", "node03", "node08"]
+    with pytest.raises(UsageError, match=r"unknown host 'node09'.*\(from 'node\[08-09\]'\)"):
+        parse_inventory("hosts:\n  node08: {address: a}\ngroups:\n  g: ['node[08-09]']\n")

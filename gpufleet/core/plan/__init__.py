@@ -95,9 +95,11 @@ def make_plan(
     tolerance_mib: int = policy.DEFAULT_TOLERANCE_MIB,
     is_sudo: bool = False,
     host: Optional[str] = None,
+    job_uid: Optional[int] = None,
 ) -> Plan:
     """Decide what a clean of ``scope`` (None = every GPU) on this host would signal: the
-    steps of the module docstring, in order."""
+    steps of the module docstring, in order. ``job_uid`` (a Slurm epilog): only that user's
+    processes may be signalled (policy.job_owner_reason)."""
     host = host or snapshot.facts.hostname or "?"
     untrusted = untrusted_rows(snapshot)
     listed_as = {pid: snapshot.gpu_indices_of_app(pid) for pid in untrusted}
@@ -108,7 +110,8 @@ def make_plan(
         raise UsageError(f"{host}: unattributed_mib and tolerance_mib must be >= 0")
     plan_scope = resolve_scope(snapshot, scope, host)
     ctx = policy.PolicyContext.from_snapshot(
-        snapshot, protect=tuple(protect), stop_units=stop_units, is_sudo=is_sudo)
+        snapshot, protect=tuple(protect), stop_units=stop_units, is_sudo=is_sudo,
+        job_uid=job_uid)
     threshold = unattributed_mib + tolerance_mib
     tree = Tree.of(snapshot.processes)
 
