@@ -193,7 +193,9 @@ def test_clean_from_the_screen_frees_the_marked_gpu_and_nothing_else(fleet: Any,
     assert a.wait_gone(a.victim, 10)
     assert a.alive(a.keeper) and a.gpu_used() == [0, 3000]
     audit = read_jsonl(home / ".local" / "state" / "gpufleet" / "audit.jsonl")
-    assert {(r["host"], r["pid"], r["signal"]) for r in audit} == {("top-a", a.victim, "TERM")}
+    signals = [r for r in audit if r.get("event") != "verdict"]  # one verdict line per clean
+    assert {(r["host"], r["pid"], r["signal"]) for r in signals} == {("top-a", a.victim, "TERM")}
+    assert [r["verdict"] for r in audit if r.get("event") == "verdict"] == ["clean"]
     t.keys("x")  # the outcome page closes; the screen follows the host
     t.wait(lambda s: f"{fmt_mib(3000)} / " in row(s, "top-a"))
     t.keys("q")
