@@ -206,8 +206,9 @@ def _record_verdict(host: Host, planned: HostClean, opts: CleanOptions) -> None:
     doc = planned.agent_doc or {}
     signals = sum(1 for s in doc.get("signals") or () if s.get("signal"))
     try:
-        audit.append(opts.audit_log, [audit.verdict_record(
-            host.name, opts.operator, planned.verdict, planned.reason or planned.error, signals)])
+        audit.append(opts.audit_log, [dict(audit.verdict_record(
+            host.name, opts.operator, planned.verdict, planned.reason or planned.error, signals),
+            **dict(opts.audit_extra))])  # a Slurm job's verdict names the job too
     except OSError:
         pass
 

@@ -75,10 +75,12 @@ def test_another_users_holder_on_the_job_gpu_is_refused_and_reported(node: Any, 
     line = res.stderr.strip().splitlines()[-1]
     assert line == ("gpufleet: GPU 1: 500 MiB held by pid %d someone (uid 0): owned by root "
                     "(uid 0), not the job's user (uid %d)" % (theirs, uid_of(user))), res.stderr
-    records = [json.loads(x) for x in audit.read_text().splitlines()]
+    every = [json.loads(x) for x in audit.read_text().splitlines()]
+    records = [r for r in every if r.get("event") != "verdict"]  # the signals' lines
     assert {r["pid"] for r in records} == {mine}
     assert all(r["job_id"] == "42" and r["job_user"] == user and r["job_uid"] == uid_of(user)
-               and r["operator"].startswith("slurm-epilog job 42 user %s" % user) for r in records)
+               and r["operator"].startswith("slurm-epilog job 42 user %s" % user) for r in every)
+    assert [r["verdict"] for r in every if r.get("event") == "verdict"] == ["dirty"]
     assert node.gpu_used()[0] == 0 and node.gpu_used()[1] == 500
     node.kill(theirs)
 
