@@ -110,6 +110,7 @@ def snapshot(req, deadline, proc=PROC):
         gpus, apps, driver, cuda, more = _query_nvml(nv, reason, smi_doc, nvml_doc,
                                                      nvml_timeout(req, deadline), proc)
         extra.update(more)
+        lost_bus_ids(extra.get("gpu_errors") or [], len(gpus), proc)
     elif smi is not None:
         gpus, apps, driver, cuda = _query_smi(smi, req, deadline, jobs, smi_doc, warnings)
     attach_minors(gpus, None if source == "nvml" else smi, req, deadline, smi_doc, warnings,
@@ -191,6 +192,16 @@ def _query_nvml(nv, reason, smi_doc, nvml_doc, timeout, proc):
     else:
         smi_doc["ok"] = True
     return got["gpus"], got["compute_apps"], got["driver"], got["cuda"], extra
+
+
+def lost_bus_ids(gpu_errors, readable, proc=PROC):
+    """pci_bus_id of each GPU NVML cannot read (lost: no handle, no PCI info), from the
+    driver's /proc/driver/nvidia/gpus: NVML numbers GPUs in PCI bus order, so index i is the
+    i-th bus there, when that directory has exactly one entry per GPU (else None)."""
+    buses = sorted(gpu_minors_from_proc(proc))
+    for e in gpu_errors:
+        ok = len(buses) == readable + len(gpu_errors) and 0 <= e["index"] < len(buses)
+        e["pci_bus_id"] = buses[e["index"]] if ok else None
 
 
 def _start_smi_jobs(smi, req, deadline):
