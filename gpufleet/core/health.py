@@ -82,10 +82,12 @@ class Finding:
     message: str
     action: str = NONE
     xid: Optional[int] = None
+    detail: str = ""  # the evidence verbatim (an Xid's last kernel log message): untrusted text
 
     def as_dict(self) -> dict[str, Any]:
         return {"code": self.code, "severity": self.severity, "message": self.message,
-                "action": self.action, "action_text": ACTION_TEXT[self.action], "xid": self.xid}
+                "action": self.action, "action_text": ACTION_TEXT[self.action], "xid": self.xid,
+                "detail": self.detail}
 
 
 @dataclass(frozen=True)
@@ -180,25 +182,27 @@ def _reset_or_reboot(snapshot: Snapshot, finding: Finding) -> Finding:
         return finding
     return Finding(finding.code, finding.severity,
                    f"{finding.message} (a GPU reset is not possible here: {why})",
-                   DRAIN_REBOOT, finding.xid)
+                   DRAIN_REBOOT, finding.xid, finding.detail)
 
 
 def xid_finding(event: XidEvent) -> Finding:
     """An Xid code's severity and action from NVIDIA's catalog bucket."""
     code = event.code
-    what = XID_NAMES.get(code, "Xid")
+    what = XID_NAMES.get(code, "see NVIDIA's Xid catalog")
     text = f"Xid {code} ({what}) x{event.count} since boot"
     if code in _RESTART_BM_XIDS:
-        return Finding(f"xid_{code}", CRITICAL, text, DRAIN_REBOOT, code)
-    if code in _RESET_GPU_XIDS:
-        return Finding(f"xid_{code}", CRITICAL, text, RESET_GPU, code)
-    if code in _RESTART_APP_XIDS:
-        return Finding(f"xid_{code}", WARN, text, RESTART_APP, code)
-    if code in _IGNORE_XIDS:
-        return Finding(f"xid_{code}", OK, text, NONE, code)
-    if code in _CHECK_MECHANICALS_XIDS:
-        return Finding(f"xid_{code}", WARN, text, INSPECT, code)
-    return Finding(f"xid_{code}", WARN, text, CONTACT_SUPPORT, code)
+        sev, action = CRITICAL, DRAIN_REBOOT
+    elif code in _RESET_GPU_XIDS:
+        sev, action = CRITICAL, RESET_GPU
+    elif code in _RESTART_APP_XIDS:
+        sev, action = WARN, RESTART_APP
+    elif code in _IGNORE_XIDS:
+        sev, action = OK, NONE
+    elif code in _CHECK_MECHANICALS_XIDS:
+        sev, action = WARN, INSPECT
+    else:
+        sev, action = WARN, CONTACT_SUPPORT
+    return Finding(f"xid_{code}", sev, text, action, code, event.message)
 
 
 def memory_findings(gpu: GpuInfo) -> list[Finding]:

@@ -126,7 +126,7 @@ def parse_mask(value):
     try:
         return int(v, 16)
     except ValueError:
-        raise ParseError("not a hex bitmask: %r" % v[:40])
+        raise ParseError("not a hex bitmask: %r" % v[:40]) from None
 
 
 def clocks_event_names(mask):
