@@ -127,6 +127,7 @@ class HostHealth:
     error: Optional[str] = None
     gpus: tuple[GpuHealth, ...] = ()
     host_findings: tuple[Finding, ...] = ()
+    reset_blocker: Optional[str] = None  # why gpufleet may not reset a GPU here (None: it may)
 
     @property
     def severity(self) -> str:
@@ -319,8 +320,10 @@ def assess(host: str, snapshot: Snapshot, expected_gpus: Optional[int] = None) -
                               tuple(_reset_or_reboot(snapshot, xid_finding(x)) for x in events)))
     rows.sort(key=lambda g: (g.index is None, g.index if g.index is not None else 0, g.pci or ""))
     seen = len(snapshot.gpus) + len(snapshot.gpu_errors)
+    allowed, why = reset_possible(snapshot)
     return HostHealth(host, True, None, tuple(rows),
-                      tuple(host_level(snapshot, expected_gpus, seen)))
+                      tuple(host_level(snapshot, expected_gpus, seen)),
+                      None if allowed else why)
 
 
 def assess_result(result: HostResult, expected_gpus: Optional[int] = None) -> HostHealth:

@@ -73,8 +73,10 @@ def gpu_doc(g: GpuHealth) -> dict[str, Any]:
 
 
 def health_document(report: Sequence[HostHealth]) -> dict[str, Any]:
-    """``{"hosts": [{"host", "ok", "error", "severity", "gpus": [...], "findings": [...]}]}``."""
+    """``{"hosts": [{"host", "ok", "error", "severity", "reset_blocker", "gpus": [...],
+    "findings": [...]}]}``."""
     return {"hosts": [{"host": h.host, "ok": h.ok, "error": h.error,
                        "severity": h.severity if h.ok else None,
+                       "reset_blocker": h.reset_blocker,
                        "gpus": [gpu_doc(g) for g in h.gpus],
                        "findings": [f.as_dict() for f in h.host_findings]} for h in report]}

@@ -9,11 +9,13 @@ from typing import Any, Iterable, Optional, Sequence
 
 from gpufleet.core import health, policy
 from gpufleet.core.health import OK, RANK, GpuHealth, HostHealth
+from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
 from gpufleet.errors import COMMAND
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
-BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB  # clean's --tolerance-mib default
+BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB
+HEALTH_READINGS = HEALTH_INT_KEYS + HEALTH_BOOL_KEYS  # per GPU in status JSON (issue 16)  # clean's --tolerance-mib default
 
 
 def cell_text(text: str) -> str:
@@ -245,6 +247,9 @@ def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger) -> dict[str, Any]:
         "persistence_mode": gpu.persistence_mode,
         "temperature_c": gpu.temperature_c,
         "power_w": gpu.power_w,
+        **{key: getattr(gpu, key) for key in HEALTH_READINGS},
+        "clocks_event_names": None if gpu.clocks_event_names is None
+        else list(gpu.clocks_event_names),
         "processes": [
             _process_doc(snap, a.pid, a.process_name, a.used_mib) for a in snap.apps_on(gpu.index)
         ],
