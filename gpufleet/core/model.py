@@ -331,6 +331,25 @@ def _opt_float(value: Any) -> Optional[float]:
     return float(value)
 
 
+def _gpu(g: Mapping[str, Any]) -> GpuInfo:
+    return GpuInfo(
+        index=int(g["index"]),
+        uuid=str(g["uuid"]),
+        name=str(g.get("name") or "?"),
+        pci_bus_id=g.get("pci_bus_id"),
+        minor=_opt_int(g.get("minor")),
+        memory_used_mib=_opt_int(g.get("memory_used_mib")),
+        memory_total_mib=_opt_int(g.get("memory_total_mib")),
+        memory_free_mib=_opt_int(g.get("memory_free_mib")),
+        memory_reserved_mib=_opt_int(g.get("memory_reserved_mib")),
+        utilization_pct=_opt_int(g.get("utilization_pct")),
+        persistence_mode=_opt_bool(g.get("persistence_mode")),
+        temperature_c=_opt_int(g.get("temperature_c")),
+        power_w=_opt_float(g.get("power_w")),
+        **_health_fields(g),
+    )
+
+
 def _health_fields(g: Mapping[str, Any]) -> dict[str, Any]:
     """The health readings of one GPU row (absent keys: an older agent, None)."""
     out: dict[str, Any] = {k: _opt_int(g.get(k)) for k in HEALTH_INT_KEYS}
@@ -387,25 +406,7 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
         facts_raw = doc.get("facts") or {}
         known = HostFacts.__dataclass_fields__
         facts = HostFacts(**{k: v for k, v in facts_raw.items() if k in known})
-        gpus = tuple(
-            GpuInfo(
-                index=int(g["index"]),
-                uuid=str(g["uuid"]),
-                name=str(g.get("name") or "?"),
-                pci_bus_id=g.get("pci_bus_id"),
-                minor=_opt_int(g.get("minor")),
-                memory_used_mib=_opt_int(g.get("memory_used_mib")),
-                memory_total_mib=_opt_int(g.get("memory_total_mib")),
-                memory_free_mib=_opt_int(g.get("memory_free_mib")),
-                memory_reserved_mib=_opt_int(g.get("memory_reserved_mib")),
-                utilization_pct=_opt_int(g.get("utilization_pct")),
-                persistence_mode=_opt_bool(g.get("persistence_mode")),
-                temperature_c=_opt_int(g.get("temperature_c")),
-                power_w=_opt_float(g.get("power_w")),
-                **_health_fields(g),
-            )
-            for g in doc.get("gpus") or ()
-        )
+        gpus = tuple(_gpu(g) for g in doc.get("gpus") or ())
         apps = tuple(
             ComputeApp(
                 pid=int(a["pid"]),
