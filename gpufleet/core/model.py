@@ -43,8 +43,12 @@ inventory); the ``nvidia_smi`` object is then the GPU readings' status whatever 
 ``nvml``: {"library", "error", "seconds"}; ``graphics_apps`` (NVML: graphics processes, not
 counted as attributed, like nvidia-smi's --query-compute-apps); ``gpu_errors``: [{"index",
 "error", "code"}] GPUs NVML counts but cannot read (lost: code 15); the document then has
-``nvidia_smi.ok`` false. ``persistence_mode``, ``temperature_c``, ``power_w`` are None from the
-nvidia-smi path.
+``nvidia_smi.ok`` false. ``temperature_c``, ``power_w`` are None from the nvidia-smi path.
+
+Health (issue 16, docs/health.md): per GPU the ECC, remapped rows, retired pages, clocks event
+and PCIe readings (``HEALTH_INT_KEYS``, ``HEALTH_BOOL_KEYS``, ``clocks_event_names``,
+``nvml_error_codes``), ``gpu_errors[].pci_bus_id``, ``nvml.code``, ``nvidia_smi.exit_code`` and
+``kernel_log`` (Xid events, ``KernelLog``); absent keys (older agents) read as None.
 """
 from __future__ import annotations
 
