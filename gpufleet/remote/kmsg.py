@@ -14,11 +14,13 @@ is an Xid: a process name quoted inside one (``name=...``) cannot make a second 
 import errno
 import os
 import re
+import stat
 import time
 
 from .jobs import run_cmd, which  # joined
 
 KMSG = "/dev/kmsg"
+XID_MARK = b"NVRM: Xid"
 #: Bounds of one read of the ring buffer (the kernel's is 128 KiB - 32 MiB).
 KMSG_MAX_BYTES = 16 << 20
 KMSG_MAX_SECONDS = 0.5
@@ -55,41 +57,45 @@ def kmsg_records(data):
     return out
 
 
-def read_kmsg(path=KMSG, max_bytes=KMSG_MAX_BYTES, max_seconds=KMSG_MAX_SECONDS):
-    """(bytes, truncated, error): the ring buffer from its oldest record, read without
-    blocking (each read of /dev/kmsg returns one record; EAGAIN = read to the end; EPIPE = a
-    record was overwritten meanwhile, reading goes on). A regular file (the lab's fake) is read
-    to its end. error is None, or why it could not be opened."""
+def read_kmsg(path=KMSG, max_bytes=KMSG_MAX_BYTES, max_seconds=KMSG_MAX_SECONDS, mark=XID_MARK):
+    """(records holding ``mark``, bytes read, truncated, error): the ring buffer from its
+    oldest record, read without blocking (each read of /dev/kmsg returns one record; EAGAIN =
+    read to the end; EPIPE = a record was overwritten meanwhile, reading goes on); only the
+    records that can be Xid lines are kept. A regular file (the lab's fake) is read whole, up
+    to max_bytes. error is None, or why it could not be opened."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        return b"", False, "%s: %s" % (path, exc.strerror or exc)
+        return b"", 0, False, "%s: %s" % (path, exc.strerror or exc)
     chunks = []
     size = 0
+    count = 0
     truncated = False
     end = time.monotonic() + max_seconds
+    read = os.read
     try:
+        bufsize = max_bytes if stat.S_ISREG(os.fstat(fd).st_mode) else 8192
         while True:
             try:
-                chunk = os.read(fd, 8192)
+                chunk = read(fd, bufsize)
             except OSError as exc:
                 if exc.errno == errno.EPIPE:
                     continue
                 if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
                     break
-                return b"".join(chunks), truncated, "%s: %s" % (path, exc.strerror or exc)
+                return b"".join(chunks), size, truncated, "%s: %s" % (path, exc.strerror or exc)
             if not chunk:
                 break
-            if not chunk.endswith(b"\n"):
-                chunk += b"\n"  # the lab's file may lack one; a kmsg record always has it
-            chunks.append(chunk)
             size += len(chunk)
-            if size >= max_bytes or time.monotonic() > end:
+            if mark in chunk:
+                chunks.append(chunk if chunk.endswith(b"\n") else chunk + b"\n")
+            count += 1
+            if size >= max_bytes or (count & 255 == 0 and time.monotonic() > end):
                 truncated = True
                 break
     finally:
         os.close(fd)
-    return b"".join(chunks), truncated, None
+    return b"".join(chunks), size, truncated, None
 
 
 def text_records(text, line_re):
@@ -146,9 +152,9 @@ def kernel_log(deadline, kmsg=KMSG, proc="/proc"):
     ``last_epoch`` (wall-clock seconds, from /proc/uptime) when the boot time is known."""
     t0 = time.monotonic()
     doc = {"source": None, "error": None, "bytes": 0, "truncated": False, "xid": []}
-    data, truncated, why = read_kmsg(kmsg)
+    data, size, truncated, why = read_kmsg(kmsg)
     if why is None:
-        doc.update(source=kmsg, bytes=len(data), truncated=truncated)
+        doc.update(source=kmsg, bytes=size, truncated=truncated)
         records = kmsg_records(data)
     else:
         records, errors = _log_commands(deadline, [why])

@@ -94,25 +94,27 @@ def test_the_real_dev_kmsg_is_read_without_blocking_and_completely() -> None:
     marker = "gpufleet-kmsg-test " + uuid.uuid4().hex
     with open("/dev/kmsg", "w") as f:
         f.write(marker + "\n")
-    data, truncated, error = kmsg.read_kmsg()
-    assert error is None and not truncated
+    data, size, truncated, error = kmsg.read_kmsg(mark=b"gpufleet-kmsg-test")
+    assert error is None and not truncated and size > len(data)
     mine = [r for r in kmsg.kmsg_records(data) if r[2] == marker]
     assert len(mine) == 1 and mine[0][0] == 1  # facility 1: user, not kernel
-    assert any(r[0] == 0 for r in kmsg.kmsg_records(data))  # the kernel's own records too
+    everything, _, _, _ = kmsg.read_kmsg(mark=b"")  # every record is kept with an empty mark
+    assert any(r[0] == 0 for r in kmsg.kmsg_records(everything))  # the kernel's own records
 
 
 def test_a_regular_file_stands_in_for_dev_kmsg(tmp_path: Path) -> None:
     path = tmp_path / "kmsg"
     path.write_bytes(record(XID["xid79_bare"]["line"]))
-    data, truncated, error = kmsg.read_kmsg(str(path))
+    data, size, truncated, error = kmsg.read_kmsg(str(path))
     assert error is None and not truncated and kmsg.fold_xids(kmsg.kmsg_records(data))
+    assert size == path.stat().st_size
 
 
 def test_the_read_is_bounded_in_size(tmp_path: Path) -> None:
     path = tmp_path / "kmsg"
-    path.write_bytes(record("x" * 100) * 1000)
-    data, truncated, error = kmsg.read_kmsg(str(path), max_bytes=8192)
-    assert truncated and error is None and len(data) < 20000
+    path.write_bytes(record("NVRM: Xid " + "x" * 100) * 1000)
+    data, size, truncated, error = kmsg.read_kmsg(str(path), max_bytes=8192)
+    assert truncated and error is None and size == 8192 and len(data) < 9000
 
 
 def test_without_dev_kmsg_journalctl_then_dmesg_are_read(tmp_path: Path,
