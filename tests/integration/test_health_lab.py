@@ -149,3 +149,19 @@ def test_runbook_health_step_stops_the_run_before_anything_is_done(
     bad.write_text("name: b\nsteps:\n  - {name: sound, kind: health, fail_on: sometimes}\n")
     run = run_gpufleet(home, inv, "run", str(bad), "--yes")
     assert run.rc == 2 and "fail_on" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_driver_not_loaded_is_critical_on_both_paths(lab: Any, make_host: Any,
+                                                     home: Path) -> None:
+    """The lab's broken driver: nvmlInit returns DRIVER_NOT_LOADED (9) and nvidia-smi exits 9
+    with its recorded "couldn't communicate" text."""
+    hosts = [make_host("nodrv", gpus=2, driver="fail"),
+             make_host("nodrv-smi", gpus=2, driver="fail", nvml=False)]
+    run = run_gpufleet(home, lab.inventory_yaml(hosts), "health", "--json")
+    assert run.rc == 1, str(run)
+    for h in hosts:
+        doc = run.host(h.name)
+        assert [(f["code"], f["severity"], f["action"]) for f in doc["findings"]] == [
+            ("driver_not_loaded", "CRITICAL", "drain_reboot")], doc
+    status = run_gpufleet(home, lab.inventory_yaml(hosts), "status")
+    assert "CRITICAL driver_not_loaded" in status.stdout, str(status)
