@@ -49,10 +49,11 @@ def test_model_swap_loads_with_the_documented_vars() -> None:
     kinds = [s.kind for s in rb.steps]
     assert kinds == ["health", "stop_units", "clean", "wait_free", "clear_shm", "fit", "start_unit",
                      "wait_http"]
-    assert rb.steps[0].params["units"] == ("vllm-minimax.service",)
-    assert rb.steps[5].params["unit"] == "vllm-kimi.service"
-    assert rb.steps[6].params["url"] == "http://127.0.0.1:8000/health"
-    assert rb.steps[4].params["tp"] == 8 and rb.steps[4].params["params"] == 1e12
+    assert rb.steps[0].params["fail_on"] == "critical"
+    assert rb.steps[1].params["units"] == ("vllm-minimax.service",)
+    assert rb.steps[6].params["unit"] == "vllm-kimi.service"
+    assert rb.steps[7].params["url"] == "http://127.0.0.1:8000/health"
+    assert rb.steps[5].params["tp"] == 8 and rb.steps[5].params["params"] == 1e12
     assert rb.mutating
 
 
