@@ -64,7 +64,8 @@ def _register() -> None:
     from gpufleet.cli import hosts_cmd, status_cmd  # noqa: F401  (importing registers the commands)
     del hosts_cmd, status_cmd
 
-    for optional in ("clean_cmd", "export_cmd", "fit_cmd", "run_cmd", "slurm_cmd", "top", "trust_cmd"):
+    for optional in ("clean_cmd", "export_cmd", "fit_cmd", "health_cmd", "run_cmd", "slurm_cmd", "top",
+                     "trust_cmd"):
         try:
             __import__(f"{__name__}.{optional}")
         except ImportError as exc:

@@ -51,12 +51,13 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     with HostProgress(selected, "status") as progress:  # stderr, on a terminal only
         results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
     expected = {h.name: int(h.unattributed_mib or 0) for h in selected}
+    expected_gpus = {h.name: h.gpus for h in selected}
     if as_json:
-        doc = status_document(results, expected)
+        doc = status_document(results, expected, expected_gpus)
         doc["seconds"] = round(time.monotonic() - started, 3)
         click.echo(to_json(doc))
     else:
-        click.echo(terminal_safe(status_table(results, expected)))
+        click.echo(terminal_safe(status_table(results, expected, expected_gpus)))
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
         click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
         return EXIT_INTERRUPTED

@@ -75,6 +75,7 @@ class Host:
     nvidia_smi: Optional[str] = None
     gpu_source: str = "auto"
     unattributed_mib: int = 0
+    gpus: Optional[int] = None  # GPUs the host should have (health: a missing GPU); None: any
     protect: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()
     groups: tuple[str, ...] = ()
@@ -318,6 +319,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "nvidia_smi": _v_remote_path,
     "gpu_source": _shared(validators.choice(GPU_SOURCES)),
     "unattributed_mib": _shared(validators.mib, one_message=True),
+    "gpus": _shared(validators.gpu_count),
     "protect": _list_of(_glob, "glob strings"),
     "tags": _list_of(_tag, "tags", names=True),
 }
@@ -326,7 +328,7 @@ HOST_KEYS: tuple[str, ...] = tuple(_VALIDATORS)
 DEFAULT_KEYS: tuple[str, ...] = tuple(k for k in HOST_KEYS if k != "address")
 # Keys that accept null, meaning "unset here" (so ~/.ssh/config or a search fills them in).
 _NULLABLE = frozenset(
-    {"address", "port", "user", "identity_file", "known_hosts_file", "nvidia_smi"}
+    {"address", "port", "user", "identity_file", "known_hosts_file", "nvidia_smi", "gpus"}
 )
 
 

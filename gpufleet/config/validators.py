@@ -162,6 +162,16 @@ def mib(value: Any, fail: Fail, one_message: bool = False) -> int:
     return int(v)
 
 
+def gpu_count(value: Any, fail: Fail) -> int:
+    """How many GPUs a host should have (the health gate's expectation), 0 to 1024."""
+    what = "a whole number of GPUs >= 0"
+    v = number(value, _always(fail, f"expected {what}, got {describe(value)}"), what,
+               integer=True)
+    if not 0 <= v <= 1024:
+        fail(f"expected {what} (at most 1024), got {value!r}")
+    return int(v)
+
+
 def fraction(value: Any, fail: Fail) -> float:
     """0 < x <= 1."""
     v = number(value, fail, "a fraction between 0 and 1")

@@ -43,8 +43,12 @@ inventory); the ``nvidia_smi`` object is then the GPU readings' status whatever 
 ``nvml``: {"library", "error", "seconds"}; ``graphics_apps`` (NVML: graphics processes, not
 counted as attributed, like nvidia-smi's --query-compute-apps); ``gpu_errors``: [{"index",
 "error", "code"}] GPUs NVML counts but cannot read (lost: code 15); the document then has
-``nvidia_smi.ok`` false. ``persistence_mode``, ``temperature_c``, ``power_w`` are None from the
-nvidia-smi path.
+``nvidia_smi.ok`` false. ``temperature_c``, ``power_w`` are None from the nvidia-smi path.
+
+Health (issue 16, docs/health.md): per GPU the ECC, remapped rows, retired pages, clocks event
+and PCIe readings (``HEALTH_INT_KEYS``, ``HEALTH_BOOL_KEYS``, ``clocks_event_names``,
+``nvml_error_codes``), ``gpu_errors[].pci_bus_id``, ``nvml.code``, ``nvidia_smi.exit_code`` and
+``kernel_log`` (Xid events, ``KernelLog``); absent keys (older agents) read as None.
 """
 from __future__ import annotations
 
@@ -118,6 +122,52 @@ class GpuInfo:
     persistence_mode: Optional[bool] = None
     temperature_c: Optional[int] = None
     power_w: Optional[float] = None
+    # health readings (issue 16): None = not available (the GPU or the reader has none)
+    ecc_uncorrected_volatile: Optional[int] = None
+    ecc_uncorrected_aggregate: Optional[int] = None
+    remapped_rows_correctable: Optional[int] = None
+    remapped_rows_uncorrectable: Optional[int] = None
+    remapped_rows_pending: Optional[bool] = None
+    remapped_rows_failure: Optional[bool] = None
+    retired_pages_pending: Optional[bool] = None
+    clocks_event_reasons: Optional[int] = None
+    clocks_event_names: Optional[tuple[str, ...]] = None
+    pcie_gen_current: Optional[int] = None
+    pcie_gen_max: Optional[int] = None
+    pcie_width_current: Optional[int] = None
+    pcie_width_max: Optional[int] = None
+    nvml_error_codes: tuple[tuple[str, int], ...] = ()  # (reading, NVML code) that failed
+
+
+#: GpuInfo's health readings, as the document names them (parse_snapshot reads these).
+HEALTH_INT_KEYS = ("ecc_uncorrected_volatile", "ecc_uncorrected_aggregate",
+                   "remapped_rows_correctable", "remapped_rows_uncorrectable",
+                   "clocks_event_reasons", "pcie_gen_current", "pcie_gen_max",
+                   "pcie_width_current", "pcie_width_max")
+HEALTH_BOOL_KEYS = ("remapped_rows_pending", "remapped_rows_failure", "retired_pages_pending")
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """Xid events of one code on one PCI device since boot (the kernel log), folded."""
+
+    pci: str  # 0000:18:00 (domain:bus:device, as the Xid line names it)
+    code: int
+    count: int
+    first_s: Optional[float] = None  # seconds since boot
+    last_s: Optional[float] = None
+    last_epoch: Optional[float] = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class KernelLog:
+    """What the agent read of the kernel log: where from, or why not (a value, not an error)."""
+
+    source: Optional[str] = None  # /dev/kmsg | journalctl | dmesg | None (none readable)
+    error: Optional[str] = None
+    truncated: bool = False
+    xid: tuple[XidEvent, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +177,7 @@ class GpuError:
     index: int
     error: str
     code: Optional[int] = None
+    pci_bus_id: Optional[str] = None  # from the driver's /proc listing (NVML has none then)
 
 
 @dataclass(frozen=True)
@@ -197,6 +248,9 @@ class Snapshot:
     holders_vanished: tuple[int, ...] = ()
     fd_unreadable: tuple[FdUnreadable, ...] = ()
     gpu_errors: tuple[GpuError, ...] = ()
+    kernel_log: Optional[KernelLog] = None  # None: an agent before issue 16, or not read
+    nvidia_smi_exit_code: Optional[int] = None  # 9 driver not loaded, 14 InfoROM, 15 lost
+    nvml_error_code: Optional[int] = None  # NVML's code when it could not be opened
 
     @property
     def gpu_reader(self) -> str:
@@ -281,6 +335,49 @@ def _opt_float(value: Any) -> Optional[float]:
     return float(value)
 
 
+def _gpu(g: Mapping[str, Any]) -> GpuInfo:
+    return GpuInfo(
+        index=int(g["index"]),
+        uuid=str(g["uuid"]),
+        name=str(g.get("name") or "?"),
+        pci_bus_id=g.get("pci_bus_id"),
+        minor=_opt_int(g.get("minor")),
+        memory_used_mib=_opt_int(g.get("memory_used_mib")),
+        memory_total_mib=_opt_int(g.get("memory_total_mib")),
+        memory_free_mib=_opt_int(g.get("memory_free_mib")),
+        memory_reserved_mib=_opt_int(g.get("memory_reserved_mib")),
+        utilization_pct=_opt_int(g.get("utilization_pct")),
+        persistence_mode=_opt_bool(g.get("persistence_mode")),
+        temperature_c=_opt_int(g.get("temperature_c")),
+        power_w=_opt_float(g.get("power_w")),
+        **_health_fields(g),
+    )
+
+
+def _health_fields(g: Mapping[str, Any]) -> dict[str, Any]:
+    """The health readings of one GPU row (absent keys: an older agent, None)."""
+    out: dict[str, Any] = {k: _opt_int(g.get(k)) for k in HEALTH_INT_KEYS}
+    out.update({k: _opt_bool(g.get(k)) for k in HEALTH_BOOL_KEYS})
+    names = g.get("clocks_event_names")
+    out["clocks_event_names"] = None if names is None else tuple(str(n) for n in names)
+    codes = g.get("nvml_error_codes") or {}
+    out["nvml_error_codes"] = tuple(sorted((str(k), int(v)) for k, v in codes.items()
+                                           if _opt_int(v) is not None))
+    return out
+
+
+def _kernel_log(raw: Any) -> Optional[KernelLog]:
+    if not isinstance(raw, Mapping):
+        return None
+    events = tuple(
+        XidEvent(pci=str(x["pci"]), code=int(x["code"]), count=int(x.get("count") or 1),
+                 first_s=_opt_float(x.get("first_s")), last_s=_opt_float(x.get("last_s")),
+                 last_epoch=_opt_float(x.get("last_epoch")), message=str(x.get("message") or ""))
+        for x in raw.get("xid") or ())
+    return KernelLog(source=raw.get("source"), error=raw.get("error"),
+                     truncated=bool(raw.get("truncated")), xid=events)
+
+
 def _process(raw: Mapping[str, Any]) -> ProcessInfo:
     return ProcessInfo(
         pid=int(raw["pid"]),
@@ -302,28 +399,6 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
     )
 
 
-def _gpus(rows: Any) -> tuple[GpuInfo, ...]:
-    """The document's GPU rows as values (keys the agent did not send are None)."""
-    return tuple(
-        GpuInfo(
-            index=int(g["index"]),
-            uuid=str(g["uuid"]),
-            name=str(g.get("name") or "?"),
-            pci_bus_id=g.get("pci_bus_id"),
-            minor=_opt_int(g.get("minor")),
-            memory_used_mib=_opt_int(g.get("memory_used_mib")),
-            memory_total_mib=_opt_int(g.get("memory_total_mib")),
-            memory_free_mib=_opt_int(g.get("memory_free_mib")),
-            memory_reserved_mib=_opt_int(g.get("memory_reserved_mib")),
-            utilization_pct=_opt_int(g.get("utilization_pct")),
-            persistence_mode=_opt_bool(g.get("persistence_mode")),
-            temperature_c=_opt_int(g.get("temperature_c")),
-            power_w=_opt_float(g.get("power_w")),
-        )
-        for g in rows
-    )
-
-
 def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
     """Turn the agent's JSON into a Snapshot; a malformed document raises SnapshotError."""
     if not isinstance(doc, Mapping):
@@ -335,7 +410,7 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
         facts_raw = doc.get("facts") or {}
         known = HostFacts.__dataclass_fields__
         facts = HostFacts(**{k: v for k, v in facts_raw.items() if k in known})
-        gpus = _gpus(doc.get("gpus") or ())
+        gpus = tuple(_gpu(g) for g in doc.get("gpus") or ())
         apps = tuple(
             ComputeApp(
                 pid=int(a["pid"]),
@@ -368,8 +443,12 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
             holders_vanished=tuple(int(p) for p in doc.get("holders_vanished") or ()),
             fd_unreadable=unreadable,
             gpu_errors=tuple(GpuError(index=int(e["index"]), error=str(e.get("error") or "?"),
-                                      code=_opt_int(e.get("code")))
+                                      code=_opt_int(e.get("code")),
+                                      pci_bus_id=e.get("pci_bus_id"))
                              for e in doc.get("gpu_errors") or ()),
+            kernel_log=_kernel_log(doc.get("kernel_log")),
+            nvidia_smi_exit_code=_opt_int(smi.get("exit_code")),
+            nvml_error_code=_opt_int((doc.get("nvml") or {}).get("code")),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SnapshotError(f"malformed agent document: {exc}") from None

@@ -22,15 +22,22 @@ import threading
 import time
 
 from .jobs import read_bytes_bounded  # joined
+from .parse import clocks_event_names  # joined
 
 NVML_SUCCESS = 0
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_CORRUPTED_INFOROM = 14
 NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_VALUE_NOT_AVAILABLE_ULL = (1 << 64) - 1
 NVML_TEMPERATURE_GPU = 0
+#: nvml.h nvmlMemoryErrorType_t / nvmlEccCounterType_t
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+NVML_VOLATILE_ECC = 0
+NVML_AGGREGATE_ECC = 1
 MIB = 1024 * 1024
 
 LIBRARY = "libnvidia-ml.so.1"
@@ -137,6 +144,7 @@ class Nvml(object):
         self.handles = {}
         self.minors = {}
         self.wedged = None
+        self.init_rc = None
         self._names = {}
         err = lib.nvmlErrorString if hasattr(lib, "nvmlErrorString") else None
         if err is not None:
@@ -169,6 +177,7 @@ class Nvml(object):
         rc = self.call("nvmlInit_v2")
         if rc == NVML_ERROR_FUNCTION_NOT_FOUND:
             rc = self.call("nvmlInit")
+        self.init_rc = rc
         return None if rc == NVML_SUCCESS else "nvmlInit: " + self.error(rc)
 
     def handle(self, index):
@@ -201,9 +210,15 @@ def open_nvml(requested=None, timeout=CALL_TIMEOUT_S):
     why = why or late
     if why:
         _STATE["error"] = why
+        _STATE["error_code"] = nv.init_rc if nv.init_rc else None
         return None, why
     _STATE["nvml"] = nv
     return nv, None
+
+
+def nvml_error_code():
+    """NVML's return code when it could not be opened (9: driver not loaded), else None."""
+    return _STATE.get("error_code")
 
 
 def text_of(nv, name, handle=None, size=BUFFER):
@@ -302,12 +317,13 @@ def process_name(pid, proc="/proc"):
 def device_row(nv, index, handle, errors):
     """One GPU's row with parse.GPU_KEYS' keys (+ minor and the NVML-only readings); a reading
     the GPU does not support is None, any other failure is None plus an entry in errors."""
-    row = {"index": index}
+    row = {"index": index, "nvml_error_codes": {}}
 
     def keep(key, value, rc):
         row[key] = value
         if rc not in (NVML_SUCCESS, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND):
             errors[key] = nv.error(rc)
+            row["nvml_error_codes"][key] = rc
         return rc
 
     keep("uuid", *text_of(nv, "nvmlDeviceGetUUID", handle))
@@ -334,7 +350,43 @@ def device_row(nv, index, handle, errors):
                                    ctypes.c_int(NVML_TEMPERATURE_GPU)))
     power, rc = uint_of(nv, "nvmlDeviceGetPowerUsage", handle)
     keep("power_w", None if power is None else round(power / 1000.0, 2), rc)
+    health_readings(nv, handle, row, keep)
     return row
+
+
+def health_readings(nv, handle, row, keep):
+    """The readings of the health gate (issue 16), each None where the GPU has none: ECC
+    uncorrected counts, remapped rows, retired pages pending, clocks event reasons, PCIe link.
+    Entry points and out parameters as recorded on the H200 (probe/h200-clients-probe3.log)."""
+    for key, counter in (("ecc_uncorrected_volatile", NVML_VOLATILE_ECC),
+                         ("ecc_uncorrected_aggregate", NVML_AGGREGATE_ECC)):
+        out = ctypes.c_ulonglong()
+        rc = nv.call("nvmlDeviceGetTotalEccErrors", handle,
+                     ctypes.c_int(NVML_MEMORY_ERROR_TYPE_UNCORRECTED), ctypes.c_int(counter),
+                     ctypes.byref(out))
+        keep(key, int(out.value) if rc == NVML_SUCCESS else None, rc)
+    rows = [ctypes.c_uint() for _ in range(4)]  # corrRows, uncRows, isPending, failureOccurred
+    rc = nv.call("nvmlDeviceGetRemappedRows", handle, *[ctypes.byref(r) for r in rows])
+    ok = rc == NVML_SUCCESS
+    keep("remapped_rows_correctable", rows[0].value if ok else None, rc)
+    row["remapped_rows_uncorrectable"] = rows[1].value if ok else None
+    row["remapped_rows_pending"] = bool(rows[2].value) if ok else None
+    row["remapped_rows_failure"] = bool(rows[3].value) if ok else None
+    pending = ctypes.c_int()
+    rc = nv.call("nvmlDeviceGetRetiredPagesPendingStatus", handle, ctypes.byref(pending))
+    keep("retired_pages_pending", bool(pending.value) if rc == NVML_SUCCESS else None, rc)
+    reasons = ctypes.c_ulonglong()
+    rc = nv.call("nvmlDeviceGetCurrentClocksEventReasons", handle, ctypes.byref(reasons))
+    if rc == NVML_ERROR_FUNCTION_NOT_FOUND:  # drivers before 535: the older name, same bits
+        rc = nv.call("nvmlDeviceGetCurrentClocksThrottleReasons", handle, ctypes.byref(reasons))
+    mask = int(reasons.value) if rc == NVML_SUCCESS else None
+    keep("clocks_event_reasons", mask, rc)
+    row["clocks_event_names"] = clocks_event_names(mask)
+    for key, name in (("pcie_gen_current", "nvmlDeviceGetCurrPcieLinkGeneration"),
+                      ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
+                      ("pcie_width_current", "nvmlDeviceGetCurrPcieLinkWidth"),
+                      ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth")):
+        keep(key, *uint_of(nv, name, handle))
 
 
 def read_devices(nv, proc="/proc"):

@@ -14,7 +14,15 @@ GPU_FIELDS = (
     "index", "uuid", "name", "pci.bus_id", "memory.used", "memory.total", "memory.free",
     "utilization.gpu", "driver_version",
 )
-OPTIONAL_GPU_FIELDS = ("memory.reserved",)
+#: Dropped one by one when a driver rejects them (query_gpus' INVALID_FIELD retry). The health
+#: readings (issue 16) are --help-query-gpu's names; remapped rows are not among them (only
+#: --query-remapped-rows has them): None on this path.
+OPTIONAL_GPU_FIELDS = (
+    "memory.reserved", "persistence_mode", "pcie.link.gen.current", "pcie.link.gen.max",
+    "pcie.link.width.current", "pcie.link.width.max", "clocks_event_reasons.active",
+    "ecc.errors.uncorrected.volatile.total", "ecc.errors.uncorrected.aggregate.total",
+    "retired_pages.pending",
+)
 REQUIRED_GPU_FIELDS = ("index", "uuid")
 APP_FIELDS = ("pid", "process_name", "used_memory", "gpu_uuid")
 GPU_KEYS = {
@@ -28,9 +36,36 @@ GPU_KEYS = {
     "memory.reserved": "memory_reserved_mib",
     "utilization.gpu": "utilization_pct",
     "driver_version": "driver_version",
+    "persistence_mode": "persistence_mode",
+    "pcie.link.gen.current": "pcie_gen_current",
+    "pcie.link.gen.max": "pcie_gen_max",
+    "pcie.link.width.current": "pcie_width_current",
+    "pcie.link.width.max": "pcie_width_max",
+    "clocks_event_reasons.active": "clocks_event_reasons",
+    "ecc.errors.uncorrected.volatile.total": "ecc_uncorrected_volatile",
+    "ecc.errors.uncorrected.aggregate.total": "ecc_uncorrected_aggregate",
+    "retired_pages.pending": "retired_pages_pending",
 }
 INT_FIELDS = frozenset(
-    ["index", "memory.used", "memory.total", "memory.free", "memory.reserved", "utilization.gpu"]
+    ["index", "memory.used", "memory.total", "memory.free", "memory.reserved", "utilization.gpu",
+     "pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current",
+     "pcie.link.width.max", "ecc.errors.uncorrected.volatile.total",
+     "ecc.errors.uncorrected.aggregate.total"]
+)
+#: Health keys the nvidia-smi path has no field for (None there).
+SMI_MISSING_KEYS = ("clocks_event_names", "remapped_rows_correctable",
+                    "remapped_rows_uncorrectable", "remapped_rows_pending",
+                    "remapped_rows_failure")
+#: nvidia-smi's words for a boolean field: persistence_mode (Enabled/Disabled, recorded in the
+#: bare table as On), retired_pages.pending (Yes/No).
+BOOL_WORDS = {"enabled": True, "disabled": False, "yes": True, "no": False, "on": True,
+              "off": False}
+#: nvml.h nvmlClocksEventReason* (= the older nvmlClocksThrottleReason*): bit -> name.
+CLOCKS_EVENT_REASONS = (
+    (0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"), (0x10, "sync_boost"), (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"), (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
 )
 
 DEVICE_RE = re.compile(
@@ -71,6 +106,45 @@ def parse_int(value):
     if not m:
         raise ParseError("not a number: %r" % v[:40])
     return int(m.group(1))
+
+
+def parse_bool(value):
+    """Enabled/Disabled, Yes/No -> bool; not available -> None; anything else raises."""
+    v = na(value)
+    if v is None:
+        return None
+    if v.lower() not in BOOL_WORDS:
+        raise ParseError("not a yes/no value: %r" % v[:40])
+    return BOOL_WORDS[v.lower()]
+
+
+def parse_mask(value):
+    """clocks_event_reasons.active's 0x0000000000000000 -> int; not available -> None."""
+    v = na(value)
+    if v is None:
+        return None
+    try:
+        return int(v, 16)
+    except ValueError:
+        raise ParseError("not a hex bitmask: %r" % v[:40]) from None
+
+
+def clocks_event_names(mask):
+    """The names of the bits set in a clocks event reasons mask ([] for 0, None for None);
+    an unknown bit is named by its value, so nothing the driver says is lost."""
+    if mask is None:
+        return None
+    names = [name for bit, name in CLOCKS_EVENT_REASONS if mask & bit]
+    known = 0
+    for bit, _ in CLOCKS_EVENT_REASONS:
+        known |= bit
+    if mask & ~known:
+        names.append("0x%x" % (mask & ~known))
+    return names
+
+
+FIELD_PARSERS = {"persistence_mode": parse_bool, "retired_pages.pending": parse_bool,
+                 "clocks_event_reasons.active": parse_mask}
 
 
 def split_row(line, n, free=None):
@@ -119,7 +193,12 @@ def parse_gpu_csv(text, fields):
         row = {}
         for f, v in zip(fields, parts):
             key = GPU_KEYS.get(f, f.replace(".", "_"))
-            row[key] = parse_int(v) if f in INT_FIELDS else na(v)
+            if f in FIELD_PARSERS:
+                row[key] = FIELD_PARSERS[f](v)
+            else:
+                row[key] = parse_int(v) if f in INT_FIELDS else na(v)
+        if "clocks_event_reasons" in row:
+            row["clocks_event_names"] = clocks_event_names(row["clocks_event_reasons"])
         if "index" in fields and row.get("index") is None:
             raise ParseError("GPU row without index: %r" % line[:80])
         if "uuid" in fields and not row.get("uuid"):

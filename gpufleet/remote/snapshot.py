@@ -9,7 +9,8 @@ import sys
 import time
 
 from .jobs import Job, find_nvidia_smi, run_cmd, smi_failure  # joined
-from .nvml import open_nvml, read_bounded, read_devices  # joined
+from .kmsg import kernel_log  # joined
+from .nvml import nvml_error_code, open_nvml, read_bounded, read_devices  # joined
 from .parse import (  # joined
     AGENT_VERSION,
     APP_FIELDS,
@@ -19,6 +20,7 @@ from .parse import (  # joined
     INVALID_FIELD_RE,
     OPTIONAL_GPU_FIELDS,
     REQUIRED_GPU_FIELDS,
+    SMI_MISSING_KEYS,
     ParseError,
     check_complete,
     normalize_bus_id,
@@ -89,7 +91,7 @@ def snapshot(req, deadline, proc=PROC):
     smi_doc = {"ok": False, "error": None, "exit_code": None, "seconds": 0.0}
     source, nv, reason = gpu_source(req, deadline)
     nvml_doc = {"library": nv.path if nv else None, "error": None if nv else reason,
-                "seconds": 0.0}
+                "code": None if nv else nvml_error_code(), "seconds": 0.0}
     gpus, apps, driver, cuda = [], [], None, None
     jobs = (None, None)  # NVML is read after the /proc scan: milliseconds, no children
     if source == "nvml":
@@ -102,10 +104,13 @@ def snapshot(req, deadline, proc=PROC):
     own = set([ctx["self_pid"]]) | _job_pids(jobs)
     holders, denied, seen_start, mapped = _scan_holders(own, proc)
     hidden, can_read_all = _fd_visibility(denied, warnings, proc)
-    extra = {}
+    extra = {"kernel_log": kernel_log(deadline, proc=proc) if req.get("kernel_log", True)
+             else None}
     if source == "nvml":
-        gpus, apps, driver, cuda, extra = _query_nvml(nv, reason, smi_doc, nvml_doc,
-                                                      nvml_timeout(req, deadline), proc)
+        gpus, apps, driver, cuda, more = _query_nvml(nv, reason, smi_doc, nvml_doc,
+                                                     nvml_timeout(req, deadline), proc)
+        extra.update(more)
+        lost_bus_ids(extra.get("gpu_errors") or [], len(gpus), proc)
     elif smi is not None:
         gpus, apps, driver, cuda = _query_smi(smi, req, deadline, jobs, smi_doc, warnings)
     attach_minors(gpus, None if source == "nvml" else smi, req, deadline, smi_doc, warnings,
@@ -187,6 +192,16 @@ def _query_nvml(nv, reason, smi_doc, nvml_doc, timeout, proc):
     else:
         smi_doc["ok"] = True
     return got["gpus"], got["compute_apps"], got["driver"], got["cuda"], extra
+
+
+def lost_bus_ids(gpu_errors, readable, proc=PROC):
+    """pci_bus_id of each GPU NVML cannot read (lost: no handle, no PCI info), from the
+    driver's /proc/driver/nvidia/gpus: NVML numbers GPUs in PCI bus order, so index i is the
+    i-th bus there, when that directory has exactly one entry per GPU (else None)."""
+    buses = sorted(gpu_minors_from_proc(proc))
+    for e in gpu_errors:
+        ok = len(buses) == readable + len(gpu_errors) and 0 <= e["index"] < len(buses)
+        e["pci_bus_id"] = buses[e["index"]] if ok else None
 
 
 def _start_smi_jobs(smi, req, deadline):
@@ -285,7 +300,7 @@ def _pop_driver_versions(gpus):
     for g in gpus:
         driver = driver or g.pop("driver_version", None)
         g.pop("driver_version", None)
-        for key in GPU_KEYS.values():
+        for key in list(GPU_KEYS.values()) + list(SMI_MISSING_KEYS):
             if key != "driver_version":
                 g.setdefault(key, None)
     return driver

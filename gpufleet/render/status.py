@@ -7,14 +7,17 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional, Sequence
 
 
-from gpufleet.core import policy
+from gpufleet.core import health, policy
+from gpufleet.core.health import OK, RANK, GpuHealth, HostHealth
 from gpufleet.core.live import STALE, LiveHost
+from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
 from gpufleet.core.results import Failure
 from gpufleet.errors import COMMAND, TIMEOUT
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
-BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB  # clean's --tolerance-mib default
+BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB
+HEALTH_READINGS = HEALTH_INT_KEYS + HEALTH_BOOL_KEYS  # per GPU in status JSON (issue 16)  # clean's --tolerance-mib default
 
 
 def cell_text(text: str) -> str:
@@ -64,18 +67,39 @@ def gpu_is_busy(snapshot: Snapshot, gpu: GpuInfo, expected_mib: int) -> bool:
     return used is not None and used > expected_mib + BUSY_TOLERANCE_MIB
 
 
-def status_rows(results: Sequence[HostResult], expected: dict[str, int]) -> list[list[str]]:
+def health_cell(gpu: Optional[GpuHealth]) -> str:
+    """The HEALTH column: OK, or the worst finding's severity and code (``CRITICAL xid_79``)."""
+    if gpu is None:
+        return NA
+    top = gpu.worst_finding
+    return OK if top is None else f"{top.severity} {top.code}"
+
+
+def host_health_cell(h: HostHealth) -> str:
+    """A host row without GPU rows (readings failed): its worst finding, if any."""
+    bad = [f for g in h.gpus for f in g.findings] + list(h.host_findings)
+    bad = [f for f in bad if f.severity != OK]
+    if not bad:
+        return "-"
+    top = max(bad, key=lambda f: RANK[f.severity])
+    return f"{top.severity} {top.code}"
+
+
+def status_rows(results: Sequence[HostResult], expected: dict[str, int],
+                expected_gpus: Optional[dict[str, Optional[int]]] = None) -> list[list[str]]:
     rows: list[list[str]] = []
     for res in results:
         snap = res.snapshot
         if not res.ok or snap is None:
-            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(res.error)])
+            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(res.error), "-"])
             continue
+        hh = health.assess(res.host, snap, (expected_gpus or {}).get(res.host))
         if not snap.nvidia_smi_ok:
-            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(snap.nvidia_smi_error)])
+            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(snap.nvidia_smi_error),
+                         host_health_cell(hh)])
             continue
         if not snap.gpus:
-            rows.append([res.host, "-", "no GPUs", "-", "-", "-", "-"])
+            rows.append([res.host, "-", "no GPUs", "-", "-", "-", "-", host_health_cell(hh)])
             continue
         exp = expected.get(res.host, 0)
         led = {row.index: row for row in ledger(snap, exp)}
@@ -96,19 +120,20 @@ def status_rows(results: Sequence[HostResult], expected: dict[str, int]) -> list
                     util,
                     unattr,
                     holders_text(snap, gpu),
+                    health_cell(hh.gpu(gpu.index)),
                 ]
             )
         unlisted = unlisted_holders_text(snap, exp)
         if unlisted:
-            rows.append([res.host, "fd", "open device files, not listed by nvidia-smi", "", "", "", unlisted])
+            rows.append([res.host, "fd", "open device files, not listed by nvidia-smi", "", "", "", unlisted, ""])
         clients = unlisted_holders_text(snap, exp, policy.ROLE_CLIENT)
         if clients:
             rows.append([res.host, "clients", "GPU clients (monitors, exporters): no memory", "",
-                         "", "", clients])
+                         "", "", clients, ""])
     return rows
 
 
-STATUS_HEADERS = ["HOST", "GPU", "NAME", "MEMORY", "UTIL", "UNATTRIBUTED", "HOLDERS"]
+STATUS_HEADERS = ["HOST", "GPU", "NAME", "MEMORY", "UTIL", "UNATTRIBUTED", "HOLDERS", "HEALTH"]
 
 
 def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str:
@@ -125,9 +150,11 @@ def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str
     return f"hosts: {ok} ok, {failed} failed; GPUs: {busy} busy, {free} free"
 
 
-def status_table(results: Sequence[HostResult], expected: dict[str, int]) -> str:
+def status_table(results: Sequence[HostResult], expected: dict[str, int],
+                 expected_gpus: Optional[dict[str, Optional[int]]] = None) -> str:
     from tabulate import tabulate  # imported when a table is drawn: --json skips ~30 ms
-    table = tabulate(status_rows(results, expected), headers=STATUS_HEADERS, tablefmt="simple")
+    table = tabulate(status_rows(results, expected, expected_gpus), headers=STATUS_HEADERS,
+                     tablefmt="simple")
     notes = [f"{name}: {error}" for name, error in _long_errors(results)]
     notes += [f"{r.host}: warning: {w}" for r in results if r.snapshot is not None
               for w in screen_warnings(r.snapshot, expected.get(r.host, 0))]
@@ -169,7 +196,8 @@ def _process_doc(snapshot: Snapshot, pid: int, fallback: str, used_mib: Optional
     }
 
 
-def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
+def host_doc(res: HostResult, expected_mib: int,
+             expected_gpus: Optional[int] = None) -> dict[str, Any]:
     snap = res.snapshot
     doc: dict[str, Any] = {
         "host": res.host,
@@ -186,8 +214,12 @@ def host_doc(res: HostResult, expected_mib: int) -> dict[str, Any]:
     if snap is None:
         return doc
     led = {row.index: row for row in ledger(snap, expected_mib)}
+    hh = health.assess(res.host, snap, expected_gpus)
     for gpu in snap.gpus:
         doc["gpus"].append(_gpu_doc(snap, gpu, led[gpu.index]))
+        doc["gpus"][-1]["health"] = _health_doc(hh.gpu(gpu.index))
+    doc["health"] = {"severity": hh.severity,
+                     "findings": [f.as_dict() for f in hh.host_findings]}
     doc["holders"].extend(_holder_docs(snap, expected_mib))
     doc["holders_vanished"] = list(snap.holders_vanished)
     doc["fd_unreadable"] = [{"pid": u.pid, "comm": u.comm, "reason": u.reason}
@@ -217,10 +249,22 @@ def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger) -> dict[str, Any]:
         "persistence_mode": gpu.persistence_mode,
         "temperature_c": gpu.temperature_c,
         "power_w": gpu.power_w,
+        **{key: getattr(gpu, key) for key in HEALTH_READINGS},
+        "clocks_event_names": None if gpu.clocks_event_names is None
+        else list(gpu.clocks_event_names),
         "processes": [
             _process_doc(snap, a.pid, a.process_name, a.used_mib) for a in snap.apps_on(gpu.index)
         ],
     }
+
+
+def _health_doc(g: Optional[GpuHealth]) -> Optional[dict[str, Any]]:
+    """A GPU's ``health``: severity, worst code, action, every finding."""
+    if g is None:
+        return None
+    top = g.worst_finding
+    return {"severity": g.severity, "code": top.code if top else None, "action": g.action,
+            "findings": [f.as_dict() for f in g.findings]}
 
 
 def _holder_docs(snap: Snapshot, expected_mib: int) -> list[dict[str, Any]]:
@@ -249,8 +293,10 @@ def _holder_docs(snap: Snapshot, expected_mib: int) -> list[dict[str, Any]]:
     return out
 
 
-def status_document(results: Iterable[HostResult], expected: dict[str, int]) -> dict[str, Any]:
-    return {"hosts": [host_doc(r, expected.get(r.host, 0)) for r in results]}
+def status_document(results: Iterable[HostResult], expected: dict[str, int],
+                    expected_gpus: Optional[dict[str, Optional[int]]] = None) -> dict[str, Any]:
+    return {"hosts": [host_doc(r, expected.get(r.host, 0), (expected_gpus or {}).get(r.host))
+                      for r in results]}
 
 
 

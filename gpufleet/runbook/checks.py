@@ -201,3 +201,31 @@ def report_lines(snapshot: Snapshot, gpus: Optional[Sequence[int]], expected_una
                      f"free {mib(m['free_mib'])}, reserved {mib(g.memory_reserved_mib)}, "
                      f"{what} {mib(unattr)}{note}")
     return lines
+
+
+def health_outcome(snapshot: Snapshot, host: str, gpus: Optional[Sequence[int]],
+                   expected_gpus: Optional[int], fail_on: str,
+                   warn_on: str = "warn") -> tuple[bool, str]:
+    """(failed, detail) of a `health` step (pure): the findings on the chosen GPUs (None:
+    all) and the host's own, judged against fail_on / warn_on ("critical", "warn", "never")."""
+    from gpufleet.core import health
+
+    hh = health.assess(host, snapshot, expected_gpus)
+    rows = [g for g in hh.gpus if gpus is None or g.index is None or g.index in gpus]
+    limit = {"critical": health.RANK[health.CRITICAL], "warn": health.RANK[health.WARN],
+             "never": 99}
+    bad: list[str] = []
+    warned: list[str] = []
+    for where, f in [(f"GPU {g.index}" if g.index is not None else f"PCI {g.pci}", f)
+                     for g in rows for f in g.findings] + [("host", f) for f in hh.host_findings]:
+        text = f"{where}: {f.severity} {f.code} ({health.ACTION_TEXT[f.action]})"
+        if health.RANK[f.severity] >= limit[fail_on]:
+            bad.append(text)
+        elif health.RANK[f.severity] >= limit[warn_on]:
+            warned.append(text)
+    checked = f"{len(rows)} GPU(s)"
+    if bad:
+        return True, "; ".join(bad + warned)
+    if warned:
+        return False, f"{checked}; warning: " + "; ".join(warned)
+    return False, f"{checked} OK"

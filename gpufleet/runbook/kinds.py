@@ -21,16 +21,22 @@ from gpufleet.runbook.values import v_dtype, v_gib, v_params, v_positive_int
 if TYPE_CHECKING:
     from gpufleet.runbook.model import Step
 
-KINDS = ("stop_units", "clean", "wait_free", "fit", "clear_shm", "start_unit", "wait_http",
-         "shell", "assert", "report")
+KINDS = ("stop_units", "clean", "wait_free", "fit", "health", "clear_shm", "start_unit",
+         "wait_http", "shell", "assert", "report")
 # Steps that change the host: they need --yes, like `gpufleet clean`.
 MUTATING = frozenset({"stop_units", "clean", "clear_shm", "start_unit", "shell"})
 # Steps that take a GPU snapshot (their result is what a later `assert` may look at).
 DEFAULT_TIMEOUT_S = {
-    "stop_units": 120.0, "clean": 60.0, "wait_free": 300.0, "fit": 60.0, "clear_shm": 60.0,
+    "stop_units": 120.0, "clean": 60.0, "wait_free": 300.0, "fit": 60.0, "health": 60.0,
+    "clear_shm": 60.0,
     "start_unit": 120.0, "wait_http": 900.0, "shell": 60.0, "assert": 60.0, "report": 60.0,
 }
 
+
+# The health step's thresholds: the lowest severity that fails the step / is reported as a
+# warning in its detail.
+HEALTH_FAIL_ON = ("critical", "warn", "never")
+HEALTH_WARN_ON = ("warn", "critical", "never")
 
 # --------------------------------------------------------------------------- assert vocabulary
 
@@ -147,6 +153,13 @@ KIND_FIELDS: dict[str, dict[str, _Field]] = {
         "util": _Field(validators.fraction, default=0.9),
         "context_mib": _Field(validators.mib, default=None),
         "gpus": _Field(validators.gpu_list, default=None),
+    },
+    # the health gate (gpufleet health): fail on CRITICAL (or on WARN too, or never), warn on
+    # what does not fail; the inventory's `gpus:` is the expected GPU count
+    "health": {
+        "gpus": _Field(validators.gpu_list, default=None),
+        "fail_on": _Field(validators.choice(HEALTH_FAIL_ON), default="critical"),
+        "warn_on": _Field(validators.choice(HEALTH_WARN_ON), default="warn"),
     },
     "clear_shm": {},
     "start_unit": {
@@ -266,6 +279,10 @@ def describe(step: Step) -> str:
         tp = f", tp {p['tp']}" if p["tp"] > 1 else ""
         return (f"vLLM fit check: {model}{activations} on {_gpus_text(p['gpus'])} at util "
                 f"{p['util']:g}{tp}")
+    if k == "health":
+        fail = "never fail" if p["fail_on"] == "never" else f"fail on {p['fail_on'].upper()}"
+        return (f"health gate on {_gpus_text(p['gpus'])}: ECC, remapped rows, Xid, lost GPUs, "
+                f"GPU count, throttling, PCIe; {fail}")
     if k == "clear_shm":
         return "remove leftover /dev/shm files (nccl-, psm_, torch_, vllm) no live process holds"
     if k == "start_unit":

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 from gpufleet.config.inventory import Host
 from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snapshot
 from gpufleet.runbook.model import Step
-from gpufleet.runbook.checks import StepFailed, _chosen, check_conditions, gpu_metrics, report_lines
+from gpufleet.runbook.checks import (StepFailed, _chosen, check_conditions, gpu_metrics,
+                                     health_outcome, report_lines)
 from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
 from gpufleet.remote import PYTHON_FLAGS  # the probe starts isolated, as the agent does
 # The controller waits MARGIN_S longer than a host-side bound; a snapshot's agent ends itself
@@ -56,7 +57,7 @@ class _HostRun:
 
     # -- transport helpers
 
-    def snapshot(self, timeout: float) -> Snapshot:
+    def snapshot(self, timeout: float, require_gpus: bool = True) -> Snapshot:
         from gpufleet.ops.collect import snapshot_request
 
         request = snapshot_request(self.host)
@@ -70,7 +71,7 @@ class _HostRun:
             snap = parse_snapshot(reply.doc)
         except SnapshotError as exc:
             raise StepFailed(f"snapshot unreadable: {exc}") from None
-        if not snap.nvidia_smi_ok:
+        if require_gpus and not snap.nvidia_smi_ok:
             raise StepFailed(f"{snap.gpu_reader} failed: {snap.nvidia_smi_error or '?'}")
         self.latest = snap
         return snap
@@ -262,6 +263,19 @@ def _step_fit(ctx: _HostRun, step: Step, end: float) -> str:
     return "; ".join(parts)
 
 
+def _step_health(ctx: _HostRun, step: Step, end: float) -> str:
+    """The health gate: a lost GPU or an unloaded driver is a finding here, not a failed
+    snapshot (the readings that failed are the verdict)."""
+    p = step.params
+    snap = ctx.snapshot(max(1.0, _remaining(end)), require_gpus=False)
+    ctx.latest = None if not snap.nvidia_smi_ok else snap
+    failed, detail = health_outcome(snap, ctx.host.name, p["gpus"], ctx.host.gpus,
+                                    p["fail_on"], p["warn_on"])
+    if failed:
+        raise StepFailed("health: " + detail)
+    return detail
+
+
 def _step_wait_http(ctx: _HostRun, step: Step, end: float) -> str:
     p = step.params
     left = max(1.0, _remaining(end))
@@ -317,6 +331,7 @@ EXECUTORS: dict[str, Callable[[_HostRun, Step, float], str]] = {
     "clean": _step_clean,
     "wait_free": _step_wait_free,
     "fit": _step_fit,
+    "health": _step_health,
     "clear_shm": _step_clear_shm,
     "start_unit": _step_start_unit,
     "wait_http": _step_wait_http,

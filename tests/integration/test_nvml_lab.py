@@ -53,7 +53,7 @@ def test_nvml_is_used_when_there_and_nvidia_smi_otherwise_with_the_same_numbers(
     assert numbers(docs["with-nvml"])[0][1] >= 1500  # real holders, not an empty fleet
     nv = docs["with-nvml"]["gpus"][0]
     assert nv["persistence_mode"] is True and nv["temperature_c"] is not None
-    assert docs["no-library"]["gpus"][0]["persistence_mode"] is None  # not read by that path
+    assert docs["no-library"]["gpus"][0]["persistence_mode"] is True  # --query-gpu has it too
     # the table is the same shape whatever read the GPUs
     table = run_gpufleet(home, lab.inventory_yaml(hosts), "status")
     assert table.rc == 0, str(table)

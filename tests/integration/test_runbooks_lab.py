@@ -106,9 +106,9 @@ def test_model_swap_end_to_end(lab: Any, make_host: Any) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["runbook"] == "model-swap" and doc["ok"] is True
-    assert outcomes(doc, "blackwell") == ["ok"] * 7
+    assert outcomes(doc, "blackwell") == ["ok"] * 8  # the health gate first
     assert [s["kind"] for s in doc["hosts"][0]["steps"]] == [
-        "stop_units", "clean", "wait_free", "clear_shm", "fit", "start_unit", "wait_http"]
+        "health", "stop_units", "clean", "wait_free", "clear_shm", "fit", "start_unit", "wait_http"]
     assert all(not host.alive(p) for p in old)
     assert not host.alive(stray)
     assert "TERM 1" in step(doc, "blackwell", "free GPUs")["detail"]
@@ -140,7 +140,7 @@ def test_model_swap_failed_step_stops_the_host_and_skips_the_rest(lab: Any, make
 
     assert res.returncode == 1, res.stdout + res.stderr
     doc = json.loads(res.stdout)
-    assert outcomes(doc, host.name) == ["failed"] + ["skipped"] * 6
+    assert outcomes(doc, host.name) == ["ok", "failed"] + ["skipped"] * 6  # gate passed
     assert "not loaded" in step(doc, host.name, "stop old unit")["detail"]
     assert doc["hosts"][0]["ok"] is False and "stop old unit" in doc["hosts"][0]["error"]
     # Nothing after the failure ran: the old model still holds its GPUs.
@@ -159,7 +159,7 @@ def test_model_swap_unhealthy_new_model_fails_the_last_step(lab: Any, make_host:
 
     assert res.returncode == 1, res.stdout + res.stderr
     doc = json.loads(res.stdout)
-    assert outcomes(doc, host.name) == ["ok"] * 6 + ["failed"]
+    assert outcomes(doc, host.name) == ["ok"] * 7 + ["failed"]
     detail = step(doc, host.name, "new model healthy")["detail"]
     assert f"127.0.0.1:{port}/health not HTTP 200" in detail and "refused" in detail.lower()
     assert step(doc, host.name, "new model healthy")["seconds"] < 10
@@ -176,7 +176,7 @@ def test_model_swap_dry_run_and_missing_yes_touch_nothing(lab: Any, make_host: A
     dry = gpufleet(inv, *_swap_args(host, systemctl, port, "--dry-run"))
     assert dry.returncode == 0, dry.stderr
     lines = [ln for ln in dry.stdout.splitlines() if ln.startswith(host.name)]
-    assert len(lines) == 7 and all(" planned " in ln for ln in lines)
+    assert len(lines) == 8 and all(" planned " in ln for ln in lines)
     assert "stop vllm-minimax.service with /root/bin/systemctl" in dry.stdout
     assert "start vllm-kimi.service" in dry.stdout
 
@@ -205,8 +205,8 @@ def test_runbook_hosts_run_in_parallel_and_fail_alone(lab: Any, make_host: Any) 
     assert res.returncode == 1
     doc = json.loads(res.stdout)
     assert [h["host"] for h in doc["hosts"]] == ["par-good", "par-bad"]
-    assert outcomes(doc, "par-good") == ["ok"] * 7
-    assert outcomes(doc, "par-bad") == ["failed"] + ["skipped"] * 6
+    assert outcomes(doc, "par-good") == ["ok"] * 8
+    assert outcomes(doc, "par-bad") == ["ok", "failed"] + ["skipped"] * 6
     assert "systemctl" in step(doc, "par-bad", "stop old unit")["detail"]
     assert bad.alive(bad_holder)
     assert good.gpu_used() == [30000] * 4
@@ -231,7 +231,7 @@ def test_pre_train_cleans_0_3_and_proves_4_7_untouched(lab: Any, make_host: Any)
 
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
-    assert outcomes(doc, host.name) == ["ok"] * 4
+    assert outcomes(doc, host.name) == ["ok"] * 5
     # Every process with GPU evidence is gone (the API server holds none; a clean leaves it).
     assert all(not host.alive(p) for p in vllm.family()[1:])
     assert host.alive(train)
@@ -253,7 +253,7 @@ def test_pre_train_refuses_a_process_spanning_the_line(lab: Any, make_host: Any)
 
     assert res.returncode == 1, res.stdout + res.stderr
     doc = json.loads(res.stdout)
-    assert outcomes(doc, host.name) == ["failed", "skipped", "skipped", "skipped"]
+    assert outcomes(doc, host.name) == ["ok", "failed", "skipped", "skipped", "skipped"]
     detail = step(doc, host.name, "free GPUs")["detail"]
     assert detail.startswith("dirty:")
     assert f"{int(spanning)} eval_job" in detail and "spans GPUs 3,4" in detail
@@ -272,7 +272,7 @@ def test_pre_train_without_training_still_cleans(lab: Any, make_host: Any) -> No
 
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
-    assert outcomes(doc, host.name) == ["ok"] * 4
+    assert outcomes(doc, host.name) == ["ok"] * 5
     assert step(doc, host.name, "training untouched")["detail"] == (
         "holders alive on 4-7: ok (nothing held these GPUs at the start)")
     assert all(not host.alive(p) for p in vllm.family()[1:])

@@ -54,6 +54,22 @@ DEFAULTS = {
     "temp_c": 37,
     "power_w": 126,
     "power_cap_w": 700,
+    # Health readings (issue 16), shared with the fake NVML (fakenvml.c); per GPU: {index: v}
+    # or [index, ...]. Defaults: the H200's recorded answers (probe/h200-clients-probe3.log).
+    "lost": [],  # GPUs fallen off the bus: NVML GPU_IS_LOST; nvidia-smi exits 15
+    "persistence": True,  # or {index: bool}
+    "ecc_volatile": {},  # uncorrected ECC errors since the driver loaded
+    "ecc_aggregate": {},  # uncorrected ECC errors over the GPU's life
+    "remapped_pending": [],
+    "remapped_failure": [],
+    "remapped_correctable": {},
+    "remapped_uncorrectable": {},
+    "retired_pending": None,  # None: NOT_SUPPORTED (the H200); else [index, ...] pending
+    "clocks_event_reasons": {},  # bitmask (nvml.h nvmlClocksEventReason*)
+    "pcie_gen": {},  # current generation (max: pcie_gen_max, 5)
+    "pcie_width": {},  # current width (max: pcie_width_max, 16)
+    "pcie_gen_max": 5,
+    "pcie_width_max": 16,
 }
 
 FAIL_TEXT = (
@@ -82,6 +98,17 @@ GPU_FIELDS = {
     "persistence_mode": "persistence_mode",
     "compute_mode": "compute_mode",
     "temperature.gpu": "temperature.gpu",
+    # --help-query-gpu names (NVIDIA's nvidia-smi manual page, "--query-gpu"); their values'
+    # spelling (Enabled/Disabled, Yes/No, 0x%016x, [N/A]) is unrecorded here
+    "pcie.link.gen.current": "pcie.link.gen.current",
+    "pcie.link.gen.max": "pcie.link.gen.max",
+    "pcie.link.width.current": "pcie.link.width.current",
+    "pcie.link.width.max": "pcie.link.width.max",
+    "clocks_event_reasons.active": "clocks_event_reasons.active",
+    "clocks_throttle_reasons.active": "clocks_event_reasons.active",
+    "ecc.errors.uncorrected.volatile.total": "ecc.errors.uncorrected.volatile.total",
+    "ecc.errors.uncorrected.aggregate.total": "ecc.errors.uncorrected.aggregate.total",
+    "retired_pages.pending": "retired_pages.pending",
 }
 GPU_UNITS = {
     "memory.used": "MiB",
@@ -423,6 +450,47 @@ def stamp():
     return time.strftime("%Y/%m/%d %H:%M:%S.000")
 
 
+def per_gpu_value(value, i, default):
+    """A health setting for GPU i: {index: v}, [index, ...] (True for those), or one value."""
+    if isinstance(value, dict):
+        return value.get(str(i), default)
+    if isinstance(value, list):
+        return i in value
+    return default if value is None else value
+
+
+def health_values(cfg, i):
+    retired = cfg.get("retired_pending")
+    return {
+        "persistence_mode": "Enabled" if per_gpu_value(cfg.get("persistence"), i, True)
+        else "Disabled",
+        "pcie.link.gen.current": per_gpu_value(cfg.get("pcie_gen"), i, cfg["pcie_gen_max"]),
+        "pcie.link.gen.max": cfg["pcie_gen_max"],
+        "pcie.link.width.current": per_gpu_value(cfg.get("pcie_width"), i,
+                                                 cfg["pcie_width_max"]),
+        "pcie.link.width.max": cfg["pcie_width_max"],
+        "clocks_event_reasons.active": "0x%016x" % int(
+            per_gpu_value(cfg.get("clocks_event_reasons"), i, 0)),
+        "ecc.errors.uncorrected.volatile.total": per_gpu_value(cfg.get("ecc_volatile"), i, 0),
+        "ecc.errors.uncorrected.aggregate.total": per_gpu_value(cfg.get("ecc_aggregate"), i,
+                                                                0),
+        "retired_pages.pending": "[N/A]" if retired is None
+        else ("Yes" if i in retired else "No"),
+    }
+
+
+def lost_check(cfg, gpus):
+    """A GPU fallen off the bus: nvidia-smi stops with the driver's words and NVML's code 15
+    ("Unable to determine the device handle for GPU 0000:02:00.0: GPU is lost.  Reboot the
+    system to recover this GPU": github.com/JosephKJ/OWOD/issues/81,
+    github.com/AlexeyAB/darknet/issues/86)."""
+    lost = [g for g in gpus if g["index"] in (cfg.get("lost") or [])]
+    if lost:
+        raise Exit(15, "".join(
+            "Unable to determine the device handle for GPU %s: GPU is lost.  Reboot the "
+            "system to recover this GPU\n" % g["bus_id"][4:] for g in lost))
+
+
 def query_gpu(cfg, gpus, fields_text, fmt):
     fields = resolve(fields_text, GPU_FIELDS)
     rows = []
@@ -440,10 +508,10 @@ def query_gpu(cfg, gpus, fields_text, fmt):
             "driver_version": cfg["driver"],
             "count": int(cfg["gpus"]),
             "timestamp": stamp(),
-            "persistence_mode": "Enabled",
             "compute_mode": "Default",
             "temperature.gpu": cfg["temp_c"],
         }
+        value.update(health_values(cfg, g["index"]))
         rows.append([value[f] for f in fields])
     return fmt_csv(fields, rows, fmt, GPU_UNITS)
 
@@ -681,6 +749,7 @@ def run(argv):
             cfg["cuda"],
         )
     all_gpus, apps = snapshot(cfg)
+    lost_check(cfg, all_gpus)
     if "reset" in flags:
         return reset(cfg, all_gpus, apps, opts["id"])
     gpus = select(all_gpus, opts["id"])

@@ -72,6 +72,17 @@ def check() -> Optional[str]:
     return None
 
 
+def kmsg_record(message: str, seq: int = 1, seconds: float = 100.0, facility: int = 0,
+                level: int = 4, raw: bool = False) -> str:
+    """One /dev/kmsg record as the kernel formats it (Documentation/ABI/testing/dev-kmsg):
+    ``prefix;message``: priority (facility << 3 | level), sequence number, microseconds since
+    boot, flags; a driver's printk is facility 0 (kernel), a process writing to /dev/kmsg
+    gets 1 (user). Non-printable bytes are escaped ``\\xNN`` by the kernel: so here (``raw``:
+    not, to test that a reader does not rely on it)."""
+    text = message if raw else "".join(c if " " <= c < "\x7f" or c > "\x9f" else "\\x%02x" % ord(c) for c in message)
+    return "%d,%d,%d,-;%s\n" % (facility << 3 | level, seq, int(seconds * 1e6), text)
+
+
 def _free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -465,6 +476,11 @@ class LabHost:
 
     # --- looking inside ----------------------------------------------------------------------
 
+    def append_kmsg(self, *records: str) -> None:
+        """Append records (``kmsg_record(...)``) to the host's fake /dev/kmsg."""
+        with open(self.path("/dev/kmsg"), "a") as f:
+            f.write("".join(records))
+
     def path(self, inner: str) -> Path:
         """Path, seen from outside, of a file inside the host (through /proc/PID/root)."""
         return Path("/proc/%d/root" % self.root_pid) / inner.lstrip("/")
@@ -663,6 +679,7 @@ class Lab:
         path_prefix: Optional[str] = None,
         nvml: Union[bool, str, None] = True,
         keep: Sequence[str] = (),
+        kmsg: Optional[Sequence[str]] = (),
         **config: Any,
     ) -> LabHost:
         """Start one host. ``driver``: ok | fail | hang | garbage. ``nvidia_smi``: a path inside
@@ -680,6 +697,9 @@ class Lab:
         ``keep``: outside directories (under /tmp or /root) that stay visible at the same path
         inside the host's private /tmp and /root (a Slurm cluster's directory, tests/integration
         /slurm_lab.py: both sides read the same slurm.conf and munge socket).
+        ``kmsg``: the host's kernel log, a REGULAR file at /dev/kmsg (root-readable, 0644,
+        like the real one) holding these records in /dev/kmsg's own format
+        (``kmsg_record``); None: no /dev/kmsg (the agent falls back to journalctl/dmesg).
         """
         if driver not in ("ok", "fail", "hang", "garbage"):
             raise ValueError("driver must be ok, fail, hang or garbage")
@@ -733,7 +753,7 @@ class Lab:
             spec = {
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
                 "nvidia_smi": nvidia_smi, "python3": python3, "smi_python": self._smi_python,
-                "nvml": nvml,
+                "nvml": nvml, "kmsg": None if kmsg is None else "".join(kmsg),
                 "path": (path_prefix + ":" if path_prefix else "") + DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs() + [os.path.realpath(k) for k in keep],
                 "sshd_config": self._sshd_config(port)
                 + ("ListenAddress %s\n" % listen if listen else "") + sshd_extra.strip() + "\n",

@@ -107,6 +107,9 @@ def build_dev(spec):
             write("/dev/nvidia%d" % minor, b"\0", 0o666)
         for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
             write("/dev/" + name, b"\0", 0o666)
+    # the kernel log: a regular file in /dev/kmsg's record format (crw-r--r-- root: 0644)
+    if spec.get("kmsg") is not None:
+        write("/dev/kmsg", spec["kmsg"].encode("utf-8"), 0o644)
 
 
 def overlay(target, upper_files, tag):

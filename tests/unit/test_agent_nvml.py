@@ -167,7 +167,8 @@ def test_a_lost_gpu_is_a_value_and_fails_the_readings(fake_nvml_library: Path,
     state.config(gpus=3, lost=[1])
     doc = via_nvml(fake_nvml_library)
     assert [g["index"] for g in doc["gpus"]] == [0, 2]
-    assert doc["gpu_errors"] == [{"index": 1, "error": "GPU is lost (15)", "code": 15}]
+    assert doc["gpu_errors"] == [{"index": 1, "error": "GPU is lost (15)", "code": 15,
+                                 "pci_bus_id": None}]  # no /proc/driver listing here
     assert not doc["nvidia_smi"]["ok"]  # a host with a lost GPU is not cleaned on half a view
     assert doc["nvidia_smi"]["error"] == "GPU 1: GPU is lost (15)"
     snap = parse_snapshot(doc)

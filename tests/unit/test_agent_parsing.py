@@ -172,7 +172,9 @@ def test_invalid_field_message_recorded():
 
 
 def test_query_gpu_agent_fields_recorded():
-    fields = list(agent.GPU_FIELDS) + list(agent.OPTIONAL_GPU_FIELDS)
+    # recorded with the agent's fields of then: the required ones and memory.reserved (the
+    # health fields came later: issue 16)
+    fields = list(agent.GPU_FIELDS) + ["memory.reserved"]
     gpus = agent.parse_gpu_csv(fixture("query_gpu_agent_fields.csv"), fields)
     assert [(g["index"], g["pci_bus_id"], g["memory_reserved_mib"], g["driver_version"])
             for g in gpus] == [(0, "00000000:00:06.0", 616, "580.159.04"),

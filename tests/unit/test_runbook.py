@@ -47,11 +47,13 @@ def test_model_swap_loads_with_the_documented_vars() -> None:
     rb = load_runbook(PLAYBOOKS / "model-swap.yaml",
                       {"OLD_UNIT": "vllm-minimax", "NEW_UNIT": "vllm-kimi"})
     kinds = [s.kind for s in rb.steps]
-    assert kinds == ["stop_units", "clean", "wait_free", "clear_shm", "fit", "start_unit", "wait_http"]
-    assert rb.steps[0].params["units"] == ("vllm-minimax.service",)
-    assert rb.steps[5].params["unit"] == "vllm-kimi.service"
-    assert rb.steps[6].params["url"] == "http://127.0.0.1:8000/health"
-    assert rb.steps[4].params["tp"] == 8 and rb.steps[4].params["params"] == 1e12
+    assert kinds == ["health", "stop_units", "clean", "wait_free", "clear_shm", "fit", "start_unit",
+                     "wait_http"]
+    assert rb.steps[0].params["fail_on"] == "critical"
+    assert rb.steps[1].params["units"] == ("vllm-minimax.service",)
+    assert rb.steps[6].params["unit"] == "vllm-kimi.service"
+    assert rb.steps[7].params["url"] == "http://127.0.0.1:8000/health"
+    assert rb.steps[5].params["tp"] == 8 and rb.steps[5].params["params"] == 1e12
     assert rb.mutating
 
 
@@ -66,11 +68,12 @@ def test_model_swap_overrides_are_typed() -> None:
     rb = load_runbook(PLAYBOOKS / "model-swap.yaml",
                       {"OLD_UNIT": "a", "NEW_UNIT": "b@x", "GPUS": "0-1", "NEW_TP": "2",
                        "NEW_PARAMS": "7B", "NEW_DTYPE": "bf16", "START_TIMEOUT": "30"})
-    fit = rb.steps[4]
+    fit = rb.steps[5]
     assert fit.params["gpus"] == (0, 1) and fit.params["tp"] == 2 and fit.params["params"] == 7e9
-    assert rb.steps[1].params["gpus"] == (0, 1)
-    assert rb.steps[5].params["unit"] == "b@x.service"
-    assert rb.steps[6].timeout == 30.0
+    assert rb.steps[0].params["gpus"] == (0, 1)  # the health gate
+    assert rb.steps[2].params["gpus"] == (0, 1)
+    assert rb.steps[6].params["unit"] == "b@x.service"
+    assert rb.steps[7].timeout == 30.0
     with pytest.raises(UsageError, match="NEW_TP|tp"):
         load_runbook(PLAYBOOKS / "model-swap.yaml", {"OLD_UNIT": "a", "NEW_UNIT": "b", "NEW_TP": "two"})
     with pytest.raises(UsageError, match="new model fits"):
@@ -550,8 +553,9 @@ def test_report_names_the_wsl2_reservation() -> None:
 def test_dry_run_plan_connects_nowhere_and_says_sudo() -> None:
     rb = load_runbook(PLAYBOOKS / "model-swap.yaml", {"OLD_UNIT": "a", "NEW_UNIT": "b"})
     run = runner.plan_host(rb, Host(name="blackwell", address="203.0.113.1", sudo=True))
-    assert [s.outcome for s in run.steps] == ["planned"] * 7
-    assert run.steps[0].detail == "stop a.service (sudo -n)"
+    assert [s.outcome for s in run.steps] == ["planned"] * 8
+    assert run.steps[0].detail.startswith("health gate on all GPUs")
+    assert run.steps[1].detail == "stop a.service (sudo -n)"
     doc = runner.document(rb, [run], dry_run=True)
     assert set(doc) >= {"runbook", "hosts"} and doc["runbook"] == "model-swap"
     assert set(doc["hosts"][0]) >= {"host", "ok", "error", "steps"}

@@ -393,6 +393,10 @@ typedef struct {
     long long total, reserved, ghost;
     unsigned util;
     int lost;
+    /* health readings (issue 16): fake_nvidia_smi.DEFAULTS' keys, the same numbers */
+    int persistence, rr_pending, rr_failure, retired; /* retired: -1 = NOT_SUPPORTED */
+    unsigned long long ecc_volatile, ecc_aggregate, clocks;
+    unsigned rr_correctable, rr_uncorrectable, pcie_gen, pcie_width;
 } gpu_cfg;
 
 typedef struct {
@@ -405,6 +409,7 @@ typedef struct {
     long long touch_mib, unlisted_base, unlisted_per_process;
     unsigned temp_c, power_w;
     int init_error; /* nvml_init_error: a lab host with a broken library (README) */
+    unsigned pcie_gen_max, pcie_width_max;
 } config;
 
 static config g_cfg;
@@ -431,6 +436,48 @@ static long long by_index(jnode *obj, int i) {
     char key[16];
     snprintf(key, sizeof key, "%d", i);
     return num_or(jget(obj, key), 0);
+}
+
+/* [index, ...] lists the GPU; {"<index>": v} gives it a value; a bare value applies to all */
+static int listed(jnode *v, int i) {
+    if (!v) return 0;
+    if (v->type == J_ARR) {
+        for (jnode *m = v->child; m; m = m->next)
+            if (m->type == J_NUM && (int)m->num == i) return 1;
+        return 0;
+    }
+    return jtruthy(v);
+}
+
+static long long value_for(jnode *v, int i, long long dflt) {
+    if (!v || v->type == J_NULL) return dflt;
+    if (v->type == J_OBJ) {
+        char key[16];
+        snprintf(key, sizeof key, "%d", i);
+        return num_or(jget(v, key), dflt);
+    }
+    if (v->type == J_ARR) return listed(v, i);
+    return num_or(v, dflt);
+}
+
+static void parse_health(jnode *doc, config *c) {
+    c->pcie_gen_max = (unsigned)num_or(jget(doc, "pcie_gen_max"), 5);
+    c->pcie_width_max = (unsigned)num_or(jget(doc, "pcie_width_max"), 16);
+    jnode *retired = jget(doc, "retired_pending");
+    for (int i = 0; i < c->gpus; i++) {
+        gpu_cfg *g = &c->gpu[i];
+        g->persistence = (int)value_for(jget(doc, "persistence"), i, 1);
+        g->ecc_volatile = (unsigned long long)value_for(jget(doc, "ecc_volatile"), i, 0);
+        g->ecc_aggregate = (unsigned long long)value_for(jget(doc, "ecc_aggregate"), i, 0);
+        g->rr_pending = listed(jget(doc, "remapped_pending"), i);
+        g->rr_failure = listed(jget(doc, "remapped_failure"), i);
+        g->rr_correctable = (unsigned)value_for(jget(doc, "remapped_correctable"), i, 0);
+        g->rr_uncorrectable = (unsigned)value_for(jget(doc, "remapped_uncorrectable"), i, 0);
+        g->retired = (!retired || retired->type == J_NULL) ? -1 : listed(retired, i);
+        g->clocks = (unsigned long long)value_for(jget(doc, "clocks_event_reasons"), i, 0);
+        g->pcie_gen = (unsigned)value_for(jget(doc, "pcie_gen"), i, c->pcie_gen_max);
+        g->pcie_width = (unsigned)value_for(jget(doc, "pcie_width"), i, c->pcie_width_max);
+    }
 }
 
 static void parse_config(jnode *doc, config *c) {
@@ -495,6 +542,7 @@ static void parse_config(jnode *doc, config *c) {
     c->temp_c = (unsigned)num_or(jget(doc, "temp_c"), 37);
     c->power_w = (unsigned)num_or(jget(doc, "power_w"), 126);
     c->init_error = (int)num_or(jget(doc, "nvml_init_error"), 0);
+    parse_health(doc, c);
 }
 
 /* The current configuration. Writers rename a new config.json into place; a call trusts the
@@ -1140,7 +1188,8 @@ API nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode) {
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
     if (!mode) return NVML_ERROR_INVALID_ARGUMENT;
-    *mode = NVML_FEATURE_ENABLED; /* recorded rc=0 1; nvidia-smi says "Enabled" */
+    /* recorded rc=0 1 (nvidia-smi says "Enabled"); config "persistence" turns it off */
+    *mode = c->gpu[device.handle->index].persistence ? NVML_FEATURE_ENABLED : 0;
     return NVML_SUCCESS;
 }
 
@@ -1168,7 +1217,7 @@ API nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
     if (!clocksEventReasons) return NVML_ERROR_INVALID_ARGUMENT;
-    *clocksEventReasons = 0; /* recorded 0x0 */
+    *clocksEventReasons = c->gpu[device.handle->index].clocks; /* recorded 0x0 */
     return NVML_SUCCESS;
 }
 
@@ -1179,7 +1228,9 @@ API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType,
     if (rc) return rc;
     if (!eccCounts || errorType < 0 || errorType > 1 || counterType < 0 || counterType > 1)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *eccCounts = 0; /* recorded 0 (uncorrected; volatile and aggregate) */
+    /* recorded 0 (uncorrected; volatile and aggregate); corrected errors are not modelled */
+    const gpu_cfg *g = &c->gpu[device.handle->index];
+    *eccCounts = errorType == 1 ? (counterType == 0 ? g->ecc_volatile : g->ecc_aggregate) : 0;
     return NVML_SUCCESS;
 }
 
@@ -1190,7 +1241,11 @@ API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *co
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
     if (!corrRows || !uncRows || !isPending || !failureOccurred) return NVML_ERROR_INVALID_ARGUMENT;
-    *corrRows = *uncRows = *isPending = *failureOccurred = 0; /* recorded all 0 */
+    const gpu_cfg *g = &c->gpu[device.handle->index]; /* recorded all 0 */
+    *corrRows = g->rr_correctable;
+    *uncRows = g->rr_uncorrectable;
+    *isPending = (unsigned)g->rr_pending;
+    *failureOccurred = (unsigned)g->rr_failure;
     return NVML_SUCCESS;
 }
 
@@ -1198,29 +1253,35 @@ API nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
-    (void)isPending;
-    return NVML_ERROR_NOT_SUPPORTED; /* recorded on the H200: rc=3 */
+    const gpu_cfg *g = &c->gpu[device.handle->index];
+    if (g->retired < 0) return NVML_ERROR_NOT_SUPPORTED; /* recorded on the H200: rc=3 */
+    if (!isPending) return NVML_ERROR_INVALID_ARGUMENT;
+    *isPending = g->retired;
+    return NVML_SUCCESS;
 }
 
-static nvmlReturn_t pcie(nvmlDevice_t device, unsigned int *out, unsigned int value) {
+/* which: 0 current gen, 1 current width, 2 max gen, 3 max width */
+static nvmlReturn_t pcie(nvmlDevice_t device, unsigned int *out, int which) {
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
     if (!out) return NVML_ERROR_INVALID_ARGUMENT;
-    *out = value;
+    const gpu_cfg *g = &c->gpu[device.handle->index];
+    unsigned values[4] = {g->pcie_gen, g->pcie_width, c->pcie_gen_max, c->pcie_width_max};
+    *out = values[which];
     return NVML_SUCCESS;
 }
 
-/* recorded on the H200: current and max generation 5, width 16 */
+/* recorded on the H200: current and max generation 5, width 16 (the defaults) */
 API nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *currLinkGen) {
-    return pcie(device, currLinkGen, 5);
+    return pcie(device, currLinkGen, 0);
 }
 API nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *currLinkWidth) {
-    return pcie(device, currLinkWidth, 16);
+    return pcie(device, currLinkWidth, 1);
 }
 API nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *maxLinkGen) {
-    return pcie(device, maxLinkGen, 5);
+    return pcie(device, maxLinkGen, 2);
 }
 API nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *maxLinkWidth) {
-    return pcie(device, maxLinkWidth, 16);
+    return pcie(device, maxLinkWidth, 3);
 }

@@ -1,0 +1,38 @@
+"""`gpufleet health`: one row per GPU (OK / WARN / CRITICAL, findings, action)."""
+from __future__ import annotations
+
+import click
+
+from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
+from gpufleet.errors import EXIT_FAILED, EXIT_OK
+
+
+@cli.command()
+@selection_options
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON document (codes).")
+@click.option("--strict", is_flag=True, help="Exit 1 on WARN too, not only on CRITICAL.")
+@click.pass_obj
+def health(app: AppContext, hosts, groups, tags, all_, as_json: bool, strict: bool) -> int:
+    """Is every selected GPU sound? ECC, remapped rows, Xid events, lost GPUs, the GPU count
+    against the inventory's `gpus:`, throttling, PCIe link, persistence (one SSH exec per host).
+
+    Exit 0 when all are OK (or only WARN), 1 on any CRITICAL finding (on WARN too with
+    --strict) or a host that could not be read, 2 on usage errors.
+    """
+    from gpufleet.cli.progress import HostProgress
+    from gpufleet.core.health import CRITICAL, WARN, assess_result
+    from gpufleet.ops.collect import snapshot_hosts
+    from gpufleet.render.health import health_document, health_table, to_json
+
+    selected = app.select(hosts, groups, tags, all_)
+    with HostProgress(selected, "health") as progress:  # stderr, on a terminal only
+        results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
+    expected = {h.name: h.gpus for h in selected}
+    report = [assess_result(r, expected.get(r.host)) for r in results]
+    if as_json:
+        click.echo(to_json(health_document(report)))
+    else:
+        click.echo(terminal_safe(health_table(report)))
+    failing = (CRITICAL, WARN) if strict else (CRITICAL,)
+    bad = any(not h.ok or h.severity in failing for h in report)
+    return EXIT_FAILED if bad else EXIT_OK

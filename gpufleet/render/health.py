@@ -1,0 +1,82 @@
+"""The health table and JSON document (pure: values in, text out).
+
+One row per GPU: OK / WARN / CRITICAL, its findings, the action of the worst one. The JSON
+document carries the codes (docs/health.md); keys may be added, never renamed.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from gpufleet.core.health import ACTION_TEXT, OK, GpuHealth, HostHealth
+from gpufleet.render.common import error_cell, terminal_safe, to_json  # noqa: F401 (re-exported)
+
+HEALTH_HEADERS = ["HOST", "GPU", "PCI", "HEALTH", "FINDINGS", "ACTION"]
+DETAIL_MAX = 120
+
+
+def _cell(text: str) -> str:
+    return terminal_safe(text, one_line=True)
+
+
+def findings_text(g: GpuHealth) -> str:
+    """``code: message`` per finding (OK ones too: "not available" says so), worst first; an
+    Xid's last kernel log line below it, escaped and cut: it is text anyone's process name can
+    be part of."""
+    lines = []
+    for f in sorted(g.findings, key=lambda f: f.severity == OK):
+        lines.append(_cell(f"{f.code}: {f.message}"))
+        if f.detail:
+            detail = f.detail if len(f.detail) <= DETAIL_MAX else f.detail[:DETAIL_MAX - 1] + "…"
+            lines.append("  last: " + _cell(detail))
+    return "\n".join(lines) if lines else "-"
+
+
+def health_rows(report: Sequence[HostHealth]) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for h in report:
+        if not h.ok:
+            rows.append([h.host, "-", "-", "-", error_cell(h.error), "-"])
+            continue
+        for g in h.gpus:
+            gpu = "-" if g.index is None else str(g.index)
+            rows.append([h.host, gpu, g.pci or "n/a", g.severity, findings_text(g),
+                         ACTION_TEXT[g.action]])
+        for f in h.host_findings:
+            rows.append([h.host, "host", "-", f.severity, _cell(f"{f.code}: {f.message}"),
+                         ACTION_TEXT[f.action]])
+        if not h.gpus and not h.host_findings:
+            rows.append([h.host, "-", "-", OK, "no GPUs", "-"])
+    return rows
+
+
+def summary_line(report: Sequence[HostHealth]) -> str:
+    failed = sum(1 for h in report if not h.ok)
+    counts = {"OK": 0, "WARN": 0, "CRITICAL": 0}
+    for h in report:
+        for g in h.gpus:
+            counts[g.severity] += 1
+    return (f"hosts: {len(report) - failed} ok, {failed} failed; GPUs: {counts['OK']} OK, "
+            f"{counts['WARN']} WARN, {counts['CRITICAL']} CRITICAL")
+
+
+def health_table(report: Sequence[HostHealth]) -> str:
+    from tabulate import tabulate
+
+    table = tabulate(health_rows(report), headers=HEALTH_HEADERS, tablefmt="simple")
+    return table + "\n" + summary_line(report)
+
+
+def gpu_doc(g: GpuHealth) -> dict[str, Any]:
+    return {"index": g.index, "pci": g.pci, "uuid": g.uuid, "name": g.name,
+            "severity": g.severity, "action": g.action, "action_text": ACTION_TEXT[g.action],
+            "findings": [f.as_dict() for f in g.findings]}
+
+
+def health_document(report: Sequence[HostHealth]) -> dict[str, Any]:
+    """``{"hosts": [{"host", "ok", "error", "severity", "reset_blocker", "gpus": [...],
+    "findings": [...]}]}``."""
+    return {"hosts": [{"host": h.host, "ok": h.ok, "error": h.error,
+                       "severity": h.severity if h.ok else None,
+                       "reset_blocker": h.reset_blocker,
+                       "gpus": [gpu_doc(g) for g in h.gpus],
+                       "findings": [f.as_dict() for f in h.host_findings]} for h in report]}
