@@ -366,3 +366,22 @@ def finding_values(health: HostHealth) -> list[dict[str, Any]]:
         out.append({"host": health.host, "gpu": "", "pci": "", "code": f.code,
                     "severity": f.severity, "value": RANK[f.severity], "action": f.action})
     return out
+
+
+@dataclass(frozen=True)
+class MetricFinding:
+    """One finding as the exporter labels it (core/metrics.HealthFinding)."""
+
+    host: str
+    gpu: Optional[int]
+    code: str
+    severity: str
+
+
+def metric_findings(health: HostHealth) -> list[MetricFinding]:
+    """Every finding of a host, GPU ones with their index (None: a host finding, or a PCI
+    device no GPU reading matches), for `gpufleet export` / `serve`."""
+    out = [MetricFinding(health.host, g.index, f.code, f.severity)
+           for g in health.gpus for f in g.findings]
+    out += [MetricFinding(health.host, None, f.code, f.severity) for f in health.host_findings]
+    return out

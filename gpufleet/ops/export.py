@@ -14,6 +14,7 @@ import time
 from typing import Optional, Sequence
 
 from gpufleet.config.inventory import Host
+from gpufleet.core import health
 from gpufleet.core.metrics import ExportOptions, Family, RefreshStats, fleet_families
 from gpufleet.core.model import HostResult
 from gpufleet.errors import GpufleetError, UsageError
@@ -68,9 +69,13 @@ def families_for(hosts: Sequence[Host], results: Sequence[HostResult], taken_at:
                  opts: ExportOptions, audit_log: Optional[str],
                  refresh: Optional[RefreshStats] = None,
                  hostnames: Optional[dict[str, str]] = None) -> list[Family]:
-    """The families of these results, with each host's last clean from the audit log."""
+    """The families of these results, with each host's last clean from the audit log and its
+    health findings (issue 16: the same judgement as `gpufleet health`)."""
+    expected_gpus = {h.name: h.gpus for h in hosts}
+    findings = [f for r in results if r.ok and r.snapshot is not None
+                for f in health.metric_findings(health.assess_result(r, expected_gpus.get(r.host)))]
     return fleet_families(results, expected_of(hosts), audit.last_cleans(audit_log), opts,
-                          taken_at, refresh=refresh, hostnames=hostnames)
+                          taken_at, refresh=refresh, hostnames=hostnames, findings=findings)
 
 
 def export_once(hosts: Sequence[Host], opts: ExportOptions, audit_log: Optional[str],

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from gpufleet.config.inventory import Host
+from gpufleet.core import health
 from gpufleet.core import slurm as core
 from gpufleet.core.plan import Plan, make_plan
 from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
@@ -206,7 +207,7 @@ def _dirty_problems(row: HostClean, plan: Plan) -> list[core.Held]:
 # ------------------------------------------------------------------------------- prolog
 
 # The checks a job's GPUs must pass before it starts, in order; each gives what is wrong
-# (empty: passed). Issue 16's health verdict is the next gate: append it here.
+# (empty: passed): the GPUs are free, then they are healthy (core/health.job_refusal).
 PrologGate = Callable[[Snapshot, tuple[int, ...], Plan, "SlurmOptions"], list[core.Held]]
 
 
@@ -216,7 +217,16 @@ def free_gate(snap: Snapshot, scope: tuple[int, ...], plan: Plan, opts: SlurmOpt
     return core.gpu_problems(snap, scope, plan.threshold_mib, core.plan_holders(plan, snap))
 
 
-PROLOG_GATES: tuple[PrologGate, ...] = (free_gate,)
+def health_gate(snap: Snapshot, scope: tuple[int, ...], plan: Plan, opts: SlurmOptions
+                ) -> list[core.Held]:
+    """No CRITICAL health finding (docs/health.md) on the job's GPUs or on the node: a job
+    must not start on a GPU with uncorrected ECC errors, a failed row remap, Xid 79, ..."""
+    verdict = health.assess(snap.facts.hostname or "node", snap)
+    why = health.job_refusal(verdict, scope)
+    return [] if why is None else [core.Held(None, f"health: {why}")]
+
+
+PROLOG_GATES: tuple[PrologGate, ...] = (free_gate, health_gate)
 
 
 @logged

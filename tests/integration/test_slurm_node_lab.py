@@ -132,6 +132,17 @@ def test_prolog_refuses_held_gpus_and_passes_free_ones(node: Any) -> None:
     node.kill(holder)
 
 
+def test_prolog_refuses_a_job_on_a_critical_gpu(make_host: Any) -> None:
+    """Issue 16's gate: uncorrected ECC errors on GPU 1 refuse a job there, not on GPU 0."""
+    sick = make_host(gpus=2, ecc_volatile={"1": 2}, ecc_aggregate={"1": 2})
+    res = run_node(sick, "prolog", job_env(6, 0, "1"), "--no-syslog")
+    assert res.returncode == 1, res
+    line = res.stderr.strip()
+    assert line.startswith("gpufleet: ") and "health:" in line and "before job 6" in line, line
+    assert "ecc" in line.lower(), line
+    assert run_node(sick, "prolog", job_env(6, 0, "0"), "--no-syslog").returncode == 0
+
+
 @pytest.mark.parametrize("env,words", [
     ({}, "not running under Slurm: SLURM_JOB_ID is not set"),
     ({"SLURM_JOB_ID": "9", "SLURM_JOB_UID": "0", "SLURM_JOB_GPUS": "0,9"}, "GPU 9 does not exist"),

@@ -256,3 +256,23 @@ def test_a_failed_host_keeps_its_last_known_hostname_when_given() -> None:
     assert one(series(fleet_families([dead], {}), "gpufleet_up"), host="train", Hostname="") == 0
     fams = fleet_families([dead], {}, hostnames={"train": "train-node"})
     assert one(series(fams, "gpufleet_up"), host="train", Hostname="train-node") == 0
+
+
+def test_export_carries_the_health_findings_of_gpufleet_health() -> None:
+    """Issue 16 in the exporter: the same judgement as `gpufleet health` (core/health.assess),
+    one gpufleet_health_finding series per finding; a healthy host has none."""
+    from gpufleet.config.inventory import Host
+    from gpufleet.ops.export import families_for
+
+    sick = doc("basic")
+    sick["gpus"][0]["ecc_uncorrected_volatile"] = 3
+    results = [HostResult(host="sick", ok=True, snapshot=parse_snapshot(sick), seconds=0.1),
+               ok("well", "basic")]
+    hosts = [Host(name="sick", gpus=len(sick["gpus"]) + 1), Host(name="well")]
+    fams = families_for(hosts, results, {"sick": 0.0, "well": 0.0}, ExportOptions(), None)
+    found = series(fams, "gpufleet_health_finding")
+    gpu0 = str(sick["gpus"][0]["index"])
+    assert (("code", "ecc_uncorrected"), ("gpu", gpu0), ("host", "sick"),
+            ("severity", "CRITICAL")) in found
+    assert any(dict(k)["host"] == "sick" and dict(k)["gpu"] == "" for k in found)  # GPU count
+    assert not any(dict(k)["host"] == "well" for k in found)
