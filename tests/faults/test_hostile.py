@@ -351,7 +351,7 @@ def test_a_title_with_a_newline_cannot_forge_an_nvidia_smi_row(lab: Any, make_ho
     """nvidia-smi prints process_name (argv[0]) verbatim, newlines included. A user's process
     titled "x, 100, GPU-...\\nVICTIM, postgres" makes the CSV list VICTIM -- a root process
     that never touched a GPU -- with the forger's memory. A clean must not aim at it."""
-    host = make_host("forged", gpus=2)
+    host = make_host("forged", gpus=2, nvml=False)  # a forged row exists only in nvidia-smi's CSV
     victim = host.spawn_holder(gpus=[], mib=0, no_devices=True, title="postgres")
     uuid0 = host.smi("--query-gpu=uuid", "--format=csv,noheader").stdout.split()[0]
     title = "x, 100, %s\n%d, postgres" % (uuid0, victim)

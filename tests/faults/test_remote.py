@@ -102,7 +102,7 @@ def test_python3_too_old_is_named_and_nothing_is_signalled(lab: Any, make_host: 
 
 
 def test_nvidia_smi_missing(lab: Any, make_host: Any, home: Path) -> None:
-    host = make_host("no-smi", gpus=2, nvidia_smi=None)
+    host = make_host("no-smi", gpus=2, nvidia_smi=None, nvml=False)  # no GPU reader at all
     job, before = holder_and_census(host, gpus=[0], mib=800, title="job")
     inv = lab.inventory_yaml([host])
     status = run_cli(home, inv, "status", "--json")
@@ -123,7 +123,7 @@ def test_nvidia_smi_missing(lab: Any, make_host: Any, home: Path) -> None:
 ], ids=["exit9", "garbage"])
 def test_broken_driver_clean_signals_nothing(lab: Any, make_host: Any, home: Path, driver: str,
                                              fragment: str) -> None:
-    host = make_host("drv-" + driver, gpus=2)
+    host = make_host("drv-" + driver, gpus=2, nvml=False)  # nvidia-smi's own failures
     job, before = holder_and_census(host, gpus=[0], mib=800, title="job")
     host.set_config(**{driver: True})
     inv = lab.inventory_yaml([host])
