@@ -113,12 +113,17 @@ class ExportOptions:
 
 
 class HealthFinding(Protocol):
-    """The shape a health finding needs to become a metric (issue 16 defines the findings)."""
+    """The shape a health finding needs to become a metric (core/health.MetricFinding); read
+    only, so frozen dataclasses fit."""
 
-    host: str
-    gpu: Optional[int]
-    code: str
-    severity: str
+    @property
+    def host(self) -> str: ...
+    @property
+    def gpu(self) -> Optional[int]: ...
+    @property
+    def code(self) -> str: ...
+    @property
+    def severity(self) -> str: ...
 
 
 class _Families:
