@@ -216,6 +216,12 @@ class Bench:
 
     def check(self, tool: str, m: B.Measured, n: int) -> tuple[bool, str]:
         out = m.stdout.decode(errors="replace")
+        if m.rc != 0 and tool == "gpufleet" and out.lstrip().startswith("{"):
+            try:  # the hosts' own errors, not the JSON's last line
+                errs = [str(h.get("error")) for h in json.loads(out)["hosts"] if not h.get("ok")]
+                return False, "exit %d: %s" % (m.rc, "; ".join(errs)[:200])
+            except (ValueError, KeyError, TypeError):
+                pass
         if m.rc != 0:
             text = (out.strip() or m.stderr.decode(errors="replace").strip()).splitlines()
             return False, "exit %d: %s" % (m.rc, (text[-1] if text else "")[:200])
@@ -805,6 +811,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         import shutil
         shutil.rmtree(work, ignore_errors=True)
         raise
+    done = False
     try:
         bench.say("work dir %s, netns %s" % (work, bench.net.netns))
         n_max = max(args.ns + args.ns_far + [args.fail_n] + args.clean_ns)
@@ -816,11 +823,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             bench.failures()
         if args.clean_ns:
             bench.clean()
+        done = True
     finally:
         bench.close()
         if not args.keep:
             import shutil
             shutil.rmtree(work, ignore_errors=True)
+        if not done:  # interrupted (SIGTERM, an error): keep what was measured
+            bench.skipped.append("everything after the interruption")
+        if bench.runs or bench.real_rows or bench.fail_rows or bench.clean_rows:
+            write_outputs(bench, args, command, started)
+    return 0
+
+
+def write_outputs(bench: "Bench", args: argparse.Namespace, command: str, started: str) -> None:
+    """results.json, RESULTS.md and the plot, from what the bench measured."""
     seconds = time.monotonic() - T0
     saved = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "real"}
     raw = {"command": command, "date": started, "seconds": round(seconds, 1), "args": saved,
@@ -835,9 +852,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         print("bench: matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
     print("wrote %s, %s, %s (%.0f s)" % (args.out, args.plot, args.raw, seconds))
-    if args.keep:
-        print("work dir kept: %s" % work)
-    return 0
 
 
 if __name__ == "__main__":
