@@ -504,7 +504,7 @@ def write_report(bench: Any, args: argparse.Namespace, command: str, started: st
     L.append("- Every tool at parallelism min(N, %d); %d runs per cell, tools alternating (the order "
              "rotates each round); a tool whose first run took > %g s ran %d time(s) in that cell (marked *). "
              "Values: median (min–max)." % (args.forks, args.runs, args.slow_s, args.slow_runs))
-    L.append("- CPU: controller = the tool's process tree (cpuacct cgroup); hosts = all lab hosts "
+    L.append("- CPU: controller = the tool's process tree (a cgroup: v1 cpuacct.usage or v2 cpu.stat usage_usec); hosts = all lab hosts "
              "(sshd, shell/agent, fake nvidia-smi), which share this machine's %d cores; CPU floor = "
              "(controller + hosts CPU) / cores: no tool can finish faster on this machine." % mach["cores"])
     L.append("")
