@@ -323,6 +323,9 @@ class Scenario:
         """The inventory (connection: local, or SSH to this machine) the next CLI runs use."""
         self.transport = transport
         self.inventory = self.inventories[transport]
+        # the SSH round's captures beside, not over, the local ones (the unit tests replay those)
+        self.fix = self.out / ("fixtures" if transport == "local" else "fixtures-" + transport)
+        self.fix.mkdir(parents=True, exist_ok=True)
 
     def check(self, name: str, ok: bool, detail: Any = None) -> bool:
         if self.transport != "local":
