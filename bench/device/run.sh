@@ -7,10 +7,14 @@
 # 2. installs .device/gpu-whl and .device/bench/whl wheels with pip --no-index --target;
 # 3. starts the machine's own sshd (tests/gpu/ossh.sh) in a cgroup of its own: the real host;
 # 4. runs bench/run.py (lab hosts on this machine's cores + the real host), writing into OUTDIR:
-#    RESULTS-device.md, results-device.json, run.log; stops the sshd it started (by its pid file).
+#    RESULTS-device.md, results-device.json, run.log;
+# 5. runs tests/gpu/gpu_scenario.py (1+1 rounds) with its round 1 also through that sshd:
+#    OUTDIR/scenario/ (results.json, log.txt, fixtures*/) and OUTDIR/scenario.txt;
+# then stops the sshd it started (by its recorded pid) and removes its cgroup.
 # GF_DEVICE_WORK (default /var/tmp/gfdevice: outside /tmp and /root, which lab hosts make private,
 # so their sshd can run from there), GF_PYTHON (default /opt/torch/.venv/bin/python3, else
-# python3), GF_REAL=0 (no real host), GF_QUICK=1 (a small run: N=1,4, one RTT; for a dry run).
+# python3), GF_REAL=0 (no real host), GF_QUICK=1 (a small run: N=1,4, one RTT; for a dry run),
+# GF_SCENARIO=0 (no step 5), GF_SCENARIO_S (its time limit, default 150 s).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: bash bench/device/run.sh OUTDIR [bench/run.py options]" >&2; exit 2; }
 mkdir -p "$1"
@@ -102,7 +106,7 @@ if [ "${GF_QUICK:-0}" = 1 ]; then
 else
   sizing=(--ns 1,8,32,128 --rtts 20,100 --ns-far 1,32 --runs 3 --slow-s 5 --seq-max-n 1
           --pipelining-ns 1,32 --fail-n 32 --fail-k 0,1,4,8 --fail-over 8 --clean-ns 1,32
-          --clean-runs 3 --real-runs 3 --deadline-s 400)
+          --clean-runs 3 --real-runs 3 --deadline-s 330)
 fi
 label="$(nproc) cores, $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)"
 rc=0
@@ -110,4 +114,15 @@ rc=0
   --out "$out/RESULTS-device.md" --raw "$out/results-device.json" --plot "$out/wall_vs_n-device.png" \
   "$@" || rc=$?
 echo "run.sh: bench exit $rc; $(date -u '+%T UTC')"
+
+# 5. The real-GPU scenario, round 1 also through this sshd (GF_SCENARIO=0: not run).
+if [ "${GF_SCENARIO:-1}" = 1 ] && [ -n "$sshd_pid" ] && command -v nvidia-smi >/dev/null; then
+  src=0
+  timeout -s TERM "${GF_SCENARIO_S:-150}" "$PY" tests/gpu/gpu_scenario.py --out "$out/scenario" \
+    --rounds 1 --light-rounds 1 --floor-holders 2 --budget 40 --ssh-state "$W/ossh" \
+    --ssh-port "$port" > "$out/scenario.txt" 2>&1 || src=$?
+  tail -25 "$out/scenario.txt"
+  echo "run.sh: scenario exit $src; $(date -u '+%T UTC')"
+  [ "$src" = 0 ] || [ "$rc" != 0 ] || rc=1
+fi
 exit $rc
