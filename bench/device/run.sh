@@ -94,7 +94,8 @@ if [ "${GF_REAL:-1}" = 1 ]; then
   sh -c '[ -z "$1" ] || echo $$ > "$1/cgroup.procs"; exec sh tests/gpu/ossh.sh "$2" "$3" "$4"' sh \
     "$cg" "$dev/ossh" "$port" "$W/ossh"
   sshd_pid=$(cat "$W/ossh/sshd.pid")
-  command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "run.sh: no nvidia-smi here"
+  smi=$(command -v nvidia-smi || command -v /usr/local/nvidia/bin/nvidia-smi || true)
+  [ -n "$smi" ] && "$smi" -L || echo "run.sh: no nvidia-smi here"
   real_args=(--real-host "127.0.0.1:$port:$W/ossh/id_ed25519:$W/ossh/known_hosts")
   [ -z "$cg" ] || real_args+=(--real-host-cgroup "$cg")
 fi
@@ -116,7 +117,7 @@ rc=0
 echo "run.sh: bench exit $rc; $(date -u '+%T UTC')"
 
 # 5. The real-GPU scenario, round 1 also through this sshd (GF_SCENARIO=0: not run).
-if [ "${GF_SCENARIO:-1}" = 1 ] && [ -n "$sshd_pid" ] && command -v nvidia-smi >/dev/null; then
+if [ "${GF_SCENARIO:-1}" = 1 ] && [ -n "$sshd_pid" ] && [ -n "${smi:-}" ]; then
   src=0
   timeout -s TERM "${GF_SCENARIO_S:-150}" "$PY" tests/gpu/gpu_scenario.py --out "$out/scenario" \
     --rounds 1 --light-rounds 1 --floor-holders 2 --budget 40 --ssh-state "$W/ossh" \
