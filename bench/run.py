@@ -845,6 +845,8 @@ def write_outputs(bench: "Bench", args: argparse.Namespace, command: str, starte
            "measured_rtt_ms": {str(k): v for k, v in bench.measured_rtt.items()}, "runs": bench.runs,
            "failures": bench.fail_rows, "clean": bench.clean_rows, "real": bench.real_rows,
            "skipped": bench.skipped}
+    for p in (args.raw, args.out, args.plot):
+        p.parent.mkdir(parents=True, exist_ok=True)
     args.raw.write_text(json.dumps(raw, indent=1) + "\n")
     args.out.write_text(write_report(bench, args, command, started, seconds, raw["machine"], raw["versions"]))
     try:
