@@ -853,7 +853,7 @@ def write_outputs(bench: "Bench", args: argparse.Namespace, command: str, starte
         plot(bench, args, args.plot)
     except ImportError:
         print("bench: matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-    print("wrote %s, %s, %s (%.0f s)" % (args.out, args.plot, args.raw, seconds))
+    print("wrote %s (%.0f s)" % (", ".join(str(p) for p in (args.out, args.plot, args.raw) if p.exists()), seconds))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 # which has no network: Debian 12's iproute2 and the libraries its `ip` links against (ldd after
 # dpkg -x: libbpf, libelf, libmnl, libbsd, libmd, libcap, libz) in .device/bench/debs/, and
 # manylinux wheels of parallel-ssh, ssh2-python, ansible-core, prometheus_client, ClusterShell
-# and all their dependencies in .device/bench/whl/. ~22 MiB in all.
+# and all their dependencies in .device/bench/whl/, and a prebuilt fake libnvidia-ml.so.1 for
+# the lab (.device/bench/fakenvml/). ~22 MiB in all.
 #   GF_PYVER=3.11 (default 3.12): wheels for that CPython (3.12 = the GPU machine's).
 #   GF_ALL=1: also .device/ossh/ (OpenSSH's .debs) and .device/gpu-whl/ (gpufleet's own
 #             dependencies), which the lead carries already (docs/real-gpu.md): for a dry run.
@@ -26,6 +27,10 @@ wheels() {  # DIR PACKAGE...: binary wheels for the target interpreter, dependen
       -d "$d" "$@" 2>&1 | grep -v "^WARNING: Location 'file:" || true
 }
 wheels "$out/whl" parallel-ssh ssh2-python ssh-python ansible-core prometheus_client ClusterShell
+# The lab's fake libnvidia-ml.so.1, built here (glibc 2.36; runs on 2.39): run.sh uses it only
+# where the GPU machine's compiler cannot build it (no libc6-dev headers, say).
+mkdir -p "$out/fakenvml"
+cp "$(python3 tests/lab/fakenvml/fakenvml_build.py)" "$out/fakenvml/libnvidia-ml.so.1"
 if [ "${GF_ALL:-0}" = 1 ]; then
   mkdir -p .device/ossh .device/gpu-whl
   ( cd .device/ossh && apt-get download -q openssh-server openssh-client openssh-sftp-server \

@@ -16,6 +16,7 @@
 # python3), GF_REAL=0 (no real host), GF_QUICK=1 (a small run: N=1,4, one RTT; for a dry run),
 # GF_SCENARIO=0 (no step 5), GF_SCENARIO_S (its time limit, default 150 s).
 set -euo pipefail
+main() {  # the whole script is parsed before it runs (an edit meanwhile cannot break it)
 [ $# -ge 1 ] || { echo "usage: bash bench/device/run.sh OUTDIR [bench/run.py options]" >&2; exit 2; }
 mkdir -p "$1"
 out=$(cd "$1" && pwd); shift
@@ -57,7 +58,9 @@ for f in "$dev"/bench/whl/*.whl; do
   n=$(basename "$f" | sed 's/-.*//' | tr 'A-Z' 'a-z')
   printf '%s\n' "$have" | grep -qx "$n" || whls+=("$f")
 done
-"$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$W/site" "${whls[@]}"
+pip=("$PY" -m pip)
+"$PY" -m pip --version >/dev/null 2>&1 || pip=(pip)  # an interpreter without pip: the one on PATH
+"${pip[@]}" install -q --disable-pip-version-check --no-index --no-deps --target "$W/site" "${whls[@]}"
 export PATH=$W/bin:$W/site/bin:$PATH
 export PYTHONPATH=$repo:$W/site${PYTHONPATH:+:$PYTHONPATH}
 export GFLAB_SSHD=$W/sbin/sshd LANG=C.UTF-8 LC_ALL=C.UTF-8 PYTHONDONTWRITEBYTECODE=1
@@ -68,6 +71,25 @@ linked=""
 if ! PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin command -v python3 >/dev/null; then
   ln -s "$(readlink -f "$PY")" /usr/local/bin/python3 && linked=/usr/local/bin/python3
   echo "run.sh: no python3 on the hosts' PATH: linked $linked -> $(readlink -f "$PY")"
+fi
+
+# The lab's fake libnvidia-ml.so.1 is compiled on first use; where this machine's compiler
+# cannot (no libc headers), the one prepare.sh built goes where the lab's build looks first.
+if ! printf '#include <dirent.h>\n#include <stdio.h>\nint f(void){return 0;}\n' \
+    | "${CC:-cc}" -x c -shared -fPIC -o "$W/cc-probe.so" - 2>/dev/null; then
+  echo "run.sh: the C compiler cannot build the fake NVML here: using the prebuilt one"
+  "$PY" - "$dev/bench/fakenvml/libnvidia-ml.so.1" <<'PYEOF'
+import hashlib, os, shutil, sys, tempfile
+sys.path.insert(0, "tests/lab/fakenvml")
+import fakenvml_build as f
+cc = f.compiler()
+key = hashlib.sha256(f.SOURCE.read_bytes() + "\0".join([cc] + f.CFLAGS).encode()).hexdigest()[:16]
+d = os.path.join(tempfile.gettempdir(), "gflab-fakenvml", key)
+os.makedirs(d, exist_ok=True)
+shutil.copy(sys.argv[1], os.path.join(d, f.SONAME))
+os.chmod(os.path.join(d, f.SONAME), 0o755)
+print("prebuilt fake NVML ->", d, "; the lab builds:", f.build())
+PYEOF
 fi
 
 # 3. The real host: this machine's own sshd, in a cgroup of its own (its sessions inherit it).
@@ -127,3 +149,5 @@ if [ "${GF_SCENARIO:-1}" = 1 ] && [ -n "$sshd_pid" ] && [ -n "${smi:-}" ]; then
   [ "$src" = 0 ] || [ "$rc" != 0 ] || rc=1
 fi
 exit $rc
+}
+main "$@"

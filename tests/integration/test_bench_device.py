@@ -14,8 +14,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
 from cli_helpers import REPO_ROOT
 
 LAB_DIR = REPO_ROOT / "tests" / "lab"
