@@ -56,6 +56,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--slow-s", type=float, default=15.0)
     ap.add_argument("--seq-max-n", type=int, default=128,
                     help="largest N for the sequential ssh loop at RTTs above the first")
+    ap.add_argument("--seq-max-n-first", type=int, default=128,
+                    help="largest N for the sequential ssh loop at the first RTT (its wall is N × one host's)")
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--pipelining-ns", type=ints, default=[1, 32],
                     help="also run ansible with ANSIBLE_PIPELINING=True at these N (first RTT)")
@@ -300,8 +302,8 @@ class Bench:
             self.set_rtt(rtt)
             ns = self.a.ns if i == 0 else self.a.ns_far
             for n in ns:
-                tools = [t for t in self.a.tools
-                         if not (t == "ssh" and i > 0 and n > self.a.seq_max_n)]
+                cap = self.a.seq_max_n if i > 0 else getattr(self.a, "seq_max_n_first", 128)
+                tools = [t for t in self.a.tools if not (t == "ssh" and n > cap)]
                 if i == 0 and n in self.a.pipelining_ns and "ansible" in tools:
                     tools.append("ansible_pl")
                 slow: dict[str, float] = {}

@@ -128,8 +128,8 @@ if [ "${GF_QUICK:-0}" = 1 ]; then
           --fail-over 0 --clean-ns 1 --clean-runs 1 --real-runs 1 --deadline-s 300)
 else
   sizing=(--ns 1,8,32,128 --rtts 20,100 --ns-far 1,32 --runs 3 --slow-s 5 --seq-max-n 1
-          --pipelining-ns 1,32 --fail-n 32 --fail-k 0,1,4,8 --fail-over 8 --clean-ns 1,32
-          --clean-runs 3 --real-runs 3 --deadline-s 330)
+          --seq-max-n-first 32 --pipelining-ns 1,32 --fail-n 32 --fail-k 0,1,4,8 --fail-over 8
+          --clean-ns 1,32 --clean-runs 3 --real-runs 2 --deadline-s 330)
 fi
 label="$(nproc) cores, $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)"
 rc=0
