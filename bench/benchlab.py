@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests" / "lab"))
 
-from lab import Lab, LabHost  # noqa: E402
+from lab import DEFAULT_PATH, Lab, LabHost  # noqa: E402
 
 FAR_ADDR = "10.250.0.2"
 BLACKHOLE_NET = "10.250.1.0/24"
@@ -36,25 +37,71 @@ CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 BIN = Path(sys.executable).parent  # console scripts of this interpreter (no pyenv shim)
 
 
+def remote_python() -> str:
+    """The hosts' python3 for Ansible (no interpreter discovery): the one on their session PATH
+    (/usr/bin/python3 here; bench/device/run.sh links one into /usr/local/bin where it is missing)."""
+    found = shutil.which("python3", path=DEFAULT_PATH)
+    return found or "/usr/bin/python3"
+
+
 def tool_path(name: str) -> str:
     p = BIN / name
     return str(p) if p.exists() else name
 
 
-class Cgroup:
-    """A cpuacct cgroup (v1) for one tool run: CPU of the process and every descendant."""
+CGROUP2 = Path(os.environ.get("GFBENCH_CGROUP2") or "/sys/fs/cgroup")  # cgroup2 mount point
 
-    def __init__(self, name: str):
-        self.path = CPUACCT / name
-        self.available = CPUACCT.is_dir()
-        if self.available:
+
+def _v2_home() -> Optional[Path]:
+    """This process's cgroup2 directory, when /sys/fs/cgroup (or GFBENCH_CGROUP2) is cgroup2 and
+    there is no v1 cpuacct: the bench's cgroups are made under it (a container's own cgroup)."""
+    if CPUACCT.is_dir() and not os.environ.get("GFBENCH_CGROUP2"):
+        return None
+    if not (CGROUP2 / "cgroup.controllers").exists():
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.split("::", 1)[1].strip() for ln in f if ln.startswith("0::")), None)
+    except OSError:
+        return None
+    if rel is None:
+        return None
+    home = CGROUP2 / rel.lstrip("/")
+    return home if home.is_dir() else CGROUP2
+
+
+V2_HOME = _v2_home()  # read once, before the bench moves itself between its cgroups
+
+
+class Cgroup:
+    """A cgroup for one tool run: CPU of the process and every descendant. cgroup v1
+    (cpuacct.usage, ns) or v2 (cpu.stat usage_usec, present without any controller enabled)."""
+
+    def __init__(self, name: str, path: Optional[Path] = None):
+        """``name``: a new cgroup made here; ``path``: an existing one, only read (a real
+        host's sshd, started in it by bench/device/run.sh)."""
+        self.made = path is None
+        if path is not None:
+            self.path = Path(path)
+        else:
+            self.path = (V2_HOME if V2_HOME is not None else CPUACCT) / name
+        self.v2 = (self.path.parent / "cgroup.controllers").exists() or \
+            (self.path / "cgroup.controllers").exists()
+        self.available = self.path.parent.is_dir()
+        if self.available and self.made:
             try:
                 self.path.mkdir(exist_ok=True)
             except OSError:
                 self.available = False
+        self.available = self.available and self.path.is_dir()
 
     def usage_s(self) -> Optional[float]:
         if not self.available:
+            return None
+        if self.v2:
+            for line in (self.path / "cpu.stat").read_text().splitlines():
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) / 1e6
             return None
         return int((self.path / "cpuacct.usage").read_text()) / 1e9
 
@@ -75,8 +122,9 @@ class Cgroup:
 
     @staticmethod
     def leave_self() -> None:
-        if CPUACCT.is_dir():
-            (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+        home = V2_HOME if V2_HOME is not None else (CPUACCT if CPUACCT.is_dir() else None)
+        if home is not None:
+            (home / "cgroup.procs").write_text(str(os.getpid()))
 
     def pids(self) -> list[int]:
         if not self.available:
@@ -103,7 +151,7 @@ class Cgroup:
         return len(left)
 
     def remove(self) -> None:
-        if self.available:
+        if self.available and self.made:
             for _ in range(50):
                 try:
                     self.path.rmdir()
@@ -227,6 +275,31 @@ class Far:
     host_key_line: Optional[str] = None
 
 
+@dataclass
+class RealHost:
+    """A real machine's own sshd (bench/run.py --real-host), with its own key and known_hosts;
+    its CPU is read from the cgroup its sshd was started in (sessions inherit it)."""
+
+    name: str
+    address: str
+    port: int
+    key: Path
+    known_hosts: Path
+    host_key_line: Optional[str] = None
+
+    @classmethod
+    def parse(cls, spec: str, name: str = "real-gpu") -> "RealHost":
+        """ADDR:PORT:KEY:KNOWN_HOSTS -> RealHost; ValueError (one line) when malformed."""
+        parts = spec.split(":")
+        if len(parts) != 4 or not parts[1].isdigit():
+            raise ValueError("--real-host wants ADDR:PORT:KEY:KNOWN_HOSTS, got %r" % spec)
+        key, known = Path(parts[2]), Path(parts[3])
+        for p in (key, known):
+            if not p.is_file():
+                raise ValueError("--real-host: %s is not a file" % p)
+        return cls(name, parts[0], int(parts[1]), key.resolve(), known.resolve())
+
+
 class BenchLab:
     """Lab hosts on the far side, with inventories for every tool."""
 
@@ -263,26 +336,36 @@ class BenchLab:
 
     # --- inventories --------------------------------------------------------------------------
 
-    def gpufleet_inventory(self, hosts: Sequence, path: Path, connect_timeout: float = 5) -> Path:
+    def gpufleet_inventory(self, hosts: Sequence, path: Path, connect_timeout: float = 5,
+                           key: Optional[Path] = None, known_hosts: Optional[Path] = None) -> Path:
+        extra = {}
+        if key is not None:
+            extra = {"identity_file": str(key), "known_hosts_file": str(known_hosts)}
         return self.lab.inventory_yaml(list(hosts), path=path, connect_timeout=connect_timeout,
-                                       command_timeout=60)
+                                       command_timeout=60, **extra)
 
-    def ansible_inventory(self, hosts: Sequence[LabHost], path: Path) -> Path:
+    def ansible_inventory(self, hosts: Sequence, path: Path, key: Optional[Path] = None,
+                          known_hosts: Optional[Path] = None) -> Path:
+        """``key``/``known_hosts``: another host's (the real one), else the lab's."""
+        key = key or self.lab.client_key
+        known_hosts = known_hosts or self.lab.known_hosts_path
         lines = ["[gpu]"]
         for h in hosts:
             lines.append("%s ansible_host=%s ansible_port=%d" % (h.name, h.address, h.port))
         lines += [
             "", "[gpu:vars]", "ansible_user=root",
-            "ansible_ssh_private_key_file=%s" % self.lab.client_key,
-            "ansible_python_interpreter=/usr/bin/python3",
+            "ansible_ssh_private_key_file=%s" % key,
+            "ansible_python_interpreter=%s" % remote_python(),
             "ansible_ssh_common_args='-o UserKnownHostsFile=%s -o GlobalKnownHostsFile=/dev/null "
-            "-o StrictHostKeyChecking=yes -o IdentitiesOnly=yes'" % self.lab.known_hosts_path,
+            "-o StrictHostKeyChecking=yes -o IdentitiesOnly=yes'" % known_hosts,
         ]
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def hosts_json(self, hosts: Sequence[LabHost], path: Path) -> Path:
-        doc = {"key": str(self.lab.client_key), "known_hosts": str(self.lab.known_hosts_path),
+    def hosts_json(self, hosts: Sequence, path: Path, key: Optional[Path] = None,
+                   known_hosts: Optional[Path] = None) -> Path:
+        doc = {"key": str(key or self.lab.client_key),
+               "known_hosts": str(known_hosts or self.lab.known_hosts_path),
                "hosts": [{"name": h.name, "address": h.address, "port": h.port} for h in hosts]}
         path.write_text(json.dumps(doc))
         return path

@@ -49,10 +49,10 @@ def main() -> int:
     ip("link", "set", far, "netns", netns)
     for dev, ns in ((near, None), (far, netns)):
         pre = ["-n", ns] if ns else []
-        subprocess.run(["sysctl", "-q", "-w", "net.ipv6.conf.%s.disable_ipv6=1" % dev]
-                       if not ns else ["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                                       "net.ipv6.conf.%s.disable_ipv6=1" % dev],
-                       capture_output=True)
+        # no IPv6 on the link (best effort; written directly: the GPU machine has no sysctl)
+        knob = "/proc/sys/net/ipv6/conf/%s/disable_ipv6" % dev
+        subprocess.run(["tee", knob] if not ns else ["ip", "netns", "exec", ns, "tee", knob],
+                       input=b"1\n", capture_output=True)
         ip(*pre, "addr", "add", "10.250.0.%d/24" % (1 if ns is None else 2), "dev", dev)
         ip(*pre, "link", "set", dev, "up")
     ip("-n", netns, "link", "set", "lo", "up")

@@ -16,7 +16,7 @@ GPU_FIELDS = ("index,uuid,name,pci.bus_id,memory.used,memory.total,memory.free,"
               "utilization.gpu,driver_version,memory.reserved")
 
 SCRIPT = r"""export LC_ALL=C
-S=$(command -v nvidia-smi || echo /usr/bin/nvidia-smi)
+S=$(command -v nvidia-smi || command -v /usr/local/nvidia/bin/nvidia-smi || echo /usr/bin/nvidia-smi)
 echo @@gpus
 $S --query-gpu=%s --format=csv,noheader,nounits
 echo @@apps

@@ -264,7 +264,11 @@ def median(values):
 
 class Scenario:
     def __init__(self, out: Path, rounds: int = 5, light_rounds: int = 5, grace: float = 2.0,
-                 floor_holders: int = 4, time_budget_s: float = 420.0) -> None:
+                 floor_holders: int = 4, time_budget_s: float = 420.0,
+                 ssh_state: Optional[Path] = None, ssh_port: int = 2222) -> None:
+        """``ssh_state``: a tests/gpu/ossh.sh state dir (its sshd on 127.0.0.1:``ssh_port``):
+        round 1 (status and clean, every check) runs once more through SSH, the transport
+        users use, its checks named "[ssh] ..."."""
         self.out = Path(out)
         self.fix = self.out / "fixtures"
         self.fix.mkdir(parents=True, exist_ok=True)
@@ -278,6 +282,16 @@ class Scenario:
         self.home.mkdir()
         self.inventory = self.tmp / "fleet.yaml"
         self.inventory.write_text("hosts:\n  h200:\n    connection: local\n")
+        self.inventories = {"local": self.inventory}
+        if ssh_state is not None:
+            ssh_inv = self.tmp / "fleet-ssh.yaml"
+            ssh_inv.write_text(
+                "hosts:\n  h200:\n    address: 127.0.0.1\n    port: %d\n    user: root\n"
+                "    identity_file: %s\n    known_hosts_file: %s\n"
+                % (ssh_port, Path(ssh_state).resolve() / "id_ed25519",
+                   Path(ssh_state).resolve() / "known_hosts"))
+            self.inventories["ssh"] = ssh_inv
+        self.transport = "local"
         self.smi = find_smi()
         env = dict(os.environ)
         env["HOME"] = str(self.home)
@@ -305,7 +319,17 @@ class Scenario:
         self.logf.flush()
         sys.stderr.write(line + "\n")
 
+    def use(self, transport: str) -> None:
+        """The inventory (connection: local, or SSH to this machine) the next CLI runs use."""
+        self.transport = transport
+        self.inventory = self.inventories[transport]
+        # the SSH round's captures beside, not over, the local ones (the unit tests replay those)
+        self.fix = self.out / ("fixtures" if transport == "local" else "fixtures-" + transport)
+        self.fix.mkdir(parents=True, exist_ok=True)
+
     def check(self, name: str, ok: bool, detail: Any = None) -> bool:
+        if self.transport != "local":
+            name = "[%s] %s" % (self.transport, name)
         self.results["checks"].append({"phase": self.phase, "name": name, "ok": bool(ok), "detail": detail})
         if not ok:
             self.log("CHECK FAILED %s: %s" % (name, detail))
@@ -775,18 +799,25 @@ class Scenario:
                 self.results["probe_idle_gpu0"] = self.probe(0, "idle")
             except Exception as exc:
                 self.results["errors"].append("probe: %s" % exc)
-            rounds = [(True, None, True)]  # round 1: exactly `clean --gpus 0 --yes --json`
-            rounds += [(True, self.grace, False)] * self.rounds
-            rounds += [(False, self.grace, False)] * self.light_rounds
-            for n, (stubborn, grace, checks) in enumerate(rounds, 1):
-                if n > 1 and time.monotonic() > self.budget_end:
+            # round 1: exactly `clean --gpus 0 --yes --json`, every check; again through SSH
+            rounds = [(True, None, True, t) for t in self.inventories]
+            rounds += [(True, self.grace, False, "local")] * self.rounds
+            rounds += [(False, self.grace, False, "local")] * self.light_rounds
+            for n, (stubborn, grace, checks, transport) in enumerate(rounds, 1):
+                if not checks and time.monotonic() > self.budget_end:
                     self.results["errors"].append("time budget spent: rounds %d.. not run" % n)
                     break
+                self.use(transport)
                 try:
-                    self.results["rounds"].append(self.clean_round(n, stubborn, grace, checks))
+                    rec = self.clean_round(n, stubborn, grace, checks)
+                    rec["transport"], rec["checked"] = transport, checks
+                    self.results["rounds"].append(rec)
                 except Exception as exc:
-                    self.results["errors"].append("round %d: %s\n%s" % (n, exc, traceback.format_exc()[-2000:]))
+                    self.results["errors"].append("round %d (%s): %s\n%s" % (
+                        n, transport, exc, traceback.format_exc()[-2000:]))
                     self.kill_round_leftovers()
+                finally:
+                    self.use("local")
             try:
                 self.results["floor"] = self.floor_experiment()
             except Exception as exc:
@@ -823,7 +854,8 @@ class Scenario:
 
     def summary(self) -> dict[str, Any]:
         def group(stubborn: bool, timed: bool):
-            return [r for r in self.results["rounds"] if r["stubborn"] == stubborn and (r["round"] > 1) == timed]
+            return [r for r in self.results["rounds"] if r["stubborn"] == stubborn
+                    and (not r.get("checked", r["round"] == 1)) == timed]
 
         out: dict[str, Any] = {"failed_checks": [c["name"] for c in self.results["checks"] if not c["ok"]],
                                "checks": len(self.results["checks"])}
@@ -858,13 +890,16 @@ def main(argv=None) -> int:
     p.add_argument("--grace", type=float, default=2.0, help="--grace of the timed rounds")
     p.add_argument("--floor-holders", type=int, default=4)
     p.add_argument("--budget", type=float, default=420.0, help="seconds; no new round starts after")
+    p.add_argument("--ssh-state", type=Path, default=None,
+                   help="tests/gpu/ossh.sh's state dir: round 1 also through SSH to its sshd")
+    p.add_argument("--ssh-port", type=int, default=2222, help="that sshd's port on 127.0.0.1")
     args = p.parse_args(argv)
     why = gpu_unavailable()
     if why:
         print("gpu scenario: skipped: %s" % why)
         return 0
     res = Scenario(Path(args.out), args.rounds, args.light_rounds, args.grace, args.floor_holders,
-                   args.budget).run()
+                   args.budget, args.ssh_state, args.ssh_port).run()
     print(json.dumps(res["summary"], indent=1))
     if res["errors"]:
         print("errors:\n" + "\n".join(res["errors"]))

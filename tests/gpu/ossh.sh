@@ -19,8 +19,7 @@ id sshd >/dev/null 2>&1 || useradd -r -d /run/sshd -s /usr/sbin/nologin sshd
 mkdir -p /run/sshd && chmod 755 /run/sshd
 [ -f "$state/host_ed25519" ] || ssh-keygen -q -t ed25519 -N '' -f "$state/host_ed25519"
 [ -f "$state/id_ed25519" ] || ssh-keygen -q -t ed25519 -N '' -f "$state/id_ed25519"
-mkdir -p /root/.ssh && chmod 700 /root/.ssh
-cat "$state/id_ed25519.pub" >> /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys
+cp "$state/id_ed25519.pub" "$state/authorized_keys"  # root login by this key only
 cat > "$state/sshd_config" <<CFG
 Port $port
 ListenAddress 127.0.0.1
@@ -31,7 +30,7 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
-AuthorizedKeysFile /root/.ssh/authorized_keys
+AuthorizedKeysFile $state/authorized_keys
 Subsystem sftp $root/usr/lib/openssh/sftp-server
 CFG
 "$root/usr/sbin/sshd" -f "$state/sshd_config"

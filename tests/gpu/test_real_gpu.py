@@ -9,6 +9,8 @@ checks of one phase, so a failure names what went wrong on the real driver.
     GPUFLEET_GPU_ROUNDS=N       timed rounds with the SIGTERM-ignoring holder (default 2)
     GPUFLEET_GPU_LIGHT_ROUNDS=N timed rounds of the vLLM-like family alone (default 1)
     GPUFLEET_GPU_GRACE=S        --grace of the timed rounds (default 2)
+    GPUFLEET_GPU_SSH_STATE=DIR  tests/gpu/ossh.sh's state dir: round 1 also through SSH (its sshd
+    GPUFLEET_GPU_SSH_PORT=PORT  on 127.0.0.1:PORT, default 2222), the same checks, "[ssh] ..."
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def scenario(tmp_path_factory):
         light_rounds=int(os.environ.get("GPUFLEET_GPU_LIGHT_ROUNDS", "1")),
         grace=float(os.environ.get("GPUFLEET_GPU_GRACE", "2")),
         time_budget_s=float(os.environ.get("GPUFLEET_GPU_BUDGET", "420")),
+        ssh_state=Path(os.environ["GPUFLEET_GPU_SSH_STATE"]) if os.environ.get("GPUFLEET_GPU_SSH_STATE") else None,
+        ssh_port=int(os.environ.get("GPUFLEET_GPU_SSH_PORT", "2222")),
     ).run()
 
 
@@ -70,10 +74,23 @@ def test_clean_gpu0_frees_it_and_leaves_the_trainer(scenario):
 
 
 def test_timed_cleans_all_verified(scenario):
-    timed = [r for r in scenario["rounds"] if r["round"] > 1]
+    timed = [r for r in scenario["rounds"] if not r.get("checked", r["round"] == 1)]
     assert timed, "no timed round ran"
     assert not _failed(scenario, "clean-timed")
     assert all(r["verdict"] == "clean" for r in timed)
+
+
+def test_round_one_through_ssh_passes_the_same_checks(scenario):
+    """With GPUFLEET_GPU_SSH_STATE, status and clean also ran over real SSH (ossh.sh's sshd),
+    every local check of round 1 repeated there."""
+    if not os.environ.get("GPUFLEET_GPU_SSH_STATE"):
+        pytest.skip("GPUFLEET_GPU_SSH_STATE not set: no sshd on this machine (tests/gpu/ossh.sh)")
+    via = [r for r in scenario["rounds"] if r.get("transport") == "ssh"]
+    assert via and via[0]["verdict"] == "clean", via
+    local = {c["name"] for c in _ran(scenario, "status", "clean") if not c["name"].startswith("[ssh] ")}
+    ssh = {c["name"][len("[ssh] "):] for c in _ran(scenario, "status", "clean") if c["name"].startswith("[ssh] ")}
+    assert local and local <= ssh, sorted(local - ssh)
+    assert not _failed(scenario, "status", "clean")
 
 
 def test_driver_release_floor_measured(scenario):

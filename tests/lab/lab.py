@@ -33,7 +33,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE / "fakenvml") not in sys.path:
     sys.path.insert(0, str(HERE / "fakenvml"))
 import fakenvml_build  # noqa: E402  (tests/lab/fakenvml/fakenvml_build.py)
-SSHD = "/usr/sbin/sshd"
+# The sshd every host runs: the system's, or GFLAB_SSHD (an absolute path, outside /tmp and /root,
+# which a host makes private), e.g. one unpacked from Debian's .debs on a machine without
+# OpenSSH (bench/device/run.sh; its libraries come through LD_LIBRARY_PATH).
+SSHD = os.environ.get("GFLAB_SSHD") or "/usr/sbin/sshd"
 LAB_USER = "gflabuser"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_SMI = "/usr/bin/nvidia-smi"
@@ -753,7 +756,7 @@ class Lab:
             spec = {
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
                 "nvidia_smi": nvidia_smi, "python3": python3, "smi_python": self._smi_python,
-                "nvml": nvml, "kmsg": None if kmsg is None else "".join(kmsg),
+                "nvml": nvml, "kmsg": None if kmsg is None else "".join(kmsg), "sshd": SSHD,
                 "path": (path_prefix + ":" if path_prefix else "") + DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs() + [os.path.realpath(k) for k in keep],
                 "sshd_config": self._sshd_config(port)
                 + ("ListenAddress %s\n" % listen if listen else "") + sshd_extra.strip() + "\n",

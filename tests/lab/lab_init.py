@@ -278,7 +278,7 @@ def main():
         setup(spec, files)
         os.chdir("/")
         sshd = subprocess.Popen(
-            ["/usr/sbin/sshd", "-D", "-e", "-f", "/run/gflab/sshd_config"],
+            [spec.get("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", "/run/gflab/sshd_config"],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
