@@ -233,7 +233,7 @@ def dead_since(dead_path, delay, now):
     try:
         with open(dead_path) as f:
             text = f.read()
-        return float(text) if text.strip() else None
+        return float(text) if text.strip() else now  # being written by the first to see it
     except FileNotFoundError:
         pass
     except (OSError, ValueError):
@@ -249,6 +249,13 @@ def dead_since(dead_path, delay, now):
             os.link(tmp, dead_path)
         except FileExistsError:
             return dead_since(dead_path, 0, now)
+        except OSError:  # no hard links on this filesystem: create it in place
+            try:
+                fd = os.open(dead_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:
+                return dead_since(dead_path, 0, now)
+            with os.fdopen(fd, "w") as f:
+                f.write("%.6f\n" % now)
         finally:
             os.unlink(tmp)
     except OSError:

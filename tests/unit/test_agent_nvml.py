@@ -248,3 +248,24 @@ def test_handles_are_learned_once(fake_nvml_library: Path, state: State) -> None
     doc = via_nvml(fake_nvml_library)
     assert nv.handles == first and sorted(first) == [0, 1]
     assert [g["minor"] for g in doc["gpus"]] == [0, 7]
+
+
+def test_the_fakes_release_delay_holds_on_a_filesystem_without_hard_links(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first sighting of a death is kept where link(2) fails (EPERM): without it the
+    delay never ended (fake nvidia-smi) or never started (fake NVML)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_smi_for_test", FAKE_SMI)
+    assert spec is not None and spec.loader is not None
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+
+    def no_links(src: str, dst: str) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(fake.os, "link", no_links)
+    dead = str(tmp_path / "42.dead")
+    first = fake.dead_since(dead, 2.0, 1000.0)
+    assert first == 1000.0 and Path(dead).read_text().strip() == "1000.000000"
+    assert fake.dead_since(dead, 2.0, 1001.5) == 1000.0  # the first sighting, not "now"

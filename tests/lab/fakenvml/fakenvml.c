@@ -660,7 +660,8 @@ static int dead_since(const char *dead_path, double delay, double now, double *s
             *since = strtod(buf, NULL);
             return 1;
         }
-        return 0;
+        *since = now; /* being written by the first fake to see the death: that is now */
+        return 1;
     }
     if (delay <= 0) return 0;
     char tmp[4300];
@@ -672,8 +673,16 @@ static int dead_since(const char *dead_path, double delay, double now, double *s
     if (write(fd, buf, (size_t)len) != len) { /* best effort, as the smi's */ }
     close(fd);
     if (link(tmp, dead_path) != 0) {
+        int err = errno;
         unlink(tmp);
-        return dead_since(dead_path, 0, now, since); /* another fake was first: its time */
+        if (err == EEXIST) return dead_since(dead_path, 0, now, since); /* another fake was first */
+        /* a filesystem without hard links (EPERM, EOPNOTSUPP): create it in place; a reader
+         * that finds it still empty takes "now" (dead_since's n == 0 case) */
+        fd = open(dead_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        if (fd < 0) return errno == EEXIST ? dead_since(dead_path, 0, now, since) : (*since = now, 1);
+        fchmod(fd, 0666);
+        if (write(fd, buf, (size_t)len) != len) { /* best effort */ }
+        close(fd);
     }
     unlink(tmp);
     *since = now;
