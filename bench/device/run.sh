@@ -44,7 +44,7 @@ wrap() {  # DIR NAME REAL
 }
 ipbin=$W/root/bin/ip; [ -x "$ipbin" ] || ipbin=$W/root/sbin/ip
 wrap "$W/bin" ip "$ipbin"
-for t in ssh ssh-keygen scp; do wrap "$W/bin" "$t" "$W/root/usr/bin/$t"; done
+for t in ssh ssh-keygen scp sftp; do wrap "$W/bin" "$t" "$W/root/usr/bin/$t"; done
 wrap "$W/sbin" sshd "$W/root/usr/sbin/sshd"  # execs sshd by its absolute path (sshd re-exec)
 id sshd >/dev/null 2>&1 || useradd -r -d /run/sshd -s /usr/sbin/nologin sshd
 mkdir -p /run/sshd && chmod 755 /run/sshd
