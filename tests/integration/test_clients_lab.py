@@ -108,7 +108,7 @@ def test_two_agents_and_a_monitor_loop_leave_no_ghost_holders(lab: Any, make_hos
     """Issue 10 part 2: two status runs of the same host at once plus a `watch nvidia-smi`
     loop: each catches the others' nvidia-smi runs mid-scan. None of them is a holder, a `?`
     line or an unreadable refusal; at least one was really caught (the race is exercised)."""
-    host = make_host("shared-box", gpus=2)
+    host = make_host("shared-box", gpus=2, nvml=False)  # agents that run nvidia-smi: the race
     job = host.spawn_holder(gpus=[0], mib=1500, title="train.py")
     loop = host.spawn_smi_loop(0.02)
     inv = lab.inventory_yaml([host])
