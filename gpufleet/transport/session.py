@@ -37,18 +37,10 @@ from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
 from gpufleet.transport.dial import Dialled
 from gpufleet.transport.run import KILL_AFTER_S, RawRun, run_local
-from gpufleet.transport.stream import ChannelStream, ProcessStream, Stream
+from gpufleet.transport.stream import ChannelStream, ProcessStream, Stream, transport_error
 
 if TYPE_CHECKING:
     from gpufleet.transport.connection import HostConnection
-
-
-def transport_error(exc: BaseException) -> TransportError:
-    """gpufleet.transport.connection.transport_error, imported when a failure is classified
-    (it knows paramiko's exceptions; a local run must not import paramiko to start)."""
-    from gpufleet.transport.connection import transport_error as classify
-
-    return classify(exc)
 
 
 @dataclass(frozen=True)

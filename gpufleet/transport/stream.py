@@ -26,10 +26,13 @@ if TYPE_CHECKING:  # a local stream must not import the SSH stack (transport/__i
 
 
 def transport_error(exc: BaseException) -> TransportError:
-    """connection.transport_error, imported when an SSH failure is classified."""
+    """gpufleet.transport.connection.transport_error, imported when a failure is classified
+    (it knows paramiko's exceptions; a local run must not import paramiko to start). The one
+    lazy door to it: session.py uses this one too."""
     from gpufleet.transport.connection import transport_error as classify
 
     return classify(exc)
+
 
 MAX_LINE = 64 << 20  # a snapshot line longer than this is not one: the stream is broken
 
