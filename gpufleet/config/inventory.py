@@ -41,6 +41,7 @@ CONNECTIONS = ("ssh", "local")
 #: Where the agent reads GPUs (docs/inventory.md): NVML with nvidia-smi as the fallback, NVML
 #: only (an error when it is missing), or nvidia-smi only.
 GPU_SOURCES = ("auto", "nvml", "nvidia-smi")
+SSH_CLIENTS = ("auto", "openssh", "paramiko")
 TOP_LEVEL_KEYS = ("defaults", "hosts", "groups")
 
 # Host names, group names and tags: they are typed on command lines and shown in tables.
@@ -74,6 +75,7 @@ class Host:
     python: str = "python3"
     nvidia_smi: Optional[str] = None
     gpu_source: str = "auto"
+    ssh_client: str = "auto"
     unattributed_mib: int = 0
     gpus: Optional[int] = None  # GPUs the host should have (health: a missing GPU); None: any
     protect: tuple[str, ...] = ()
@@ -318,6 +320,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "python": _v_python,
     "nvidia_smi": _v_remote_path,
     "gpu_source": _shared(validators.choice(GPU_SOURCES)),
+    "ssh_client": _shared(validators.choice(SSH_CLIENTS)),
     "unattributed_mib": _shared(validators.mib, one_message=True),
     "gpus": _shared(validators.gpu_count),
     "protect": _list_of(_glob, "glob strings"),

@@ -42,6 +42,8 @@ from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import AuthFailed, TransportError, first_line
 from gpufleet.transport import hostkeys, sshconfig
+from gpufleet.transport.sshconfig import settings_value as _settings_value
+from gpufleet.transport.sshconfig import ssh_alias
 from gpufleet.transport.auth import BatchAuth
 
 # paramiko logs connect failures with tracebacks from its own threads; they are values here.
@@ -356,15 +358,6 @@ def _classify(exc: BaseException) -> tuple[str, str]:
     return errors.INTERNAL, errors.describe(exc)
 
 
-def _settings_value(host: Host, key: str, ssh_value: Any, default: Any) -> Any:
-    if key in getattr(host, "explicit", frozenset()) and getattr(host, key, None) is not None:
-        return getattr(host, key)
-    if ssh_value is not None:
-        return ssh_value
-    value = getattr(host, key, None)
-    return default if value is None else value
-
-
 class _ResolvedConfig(paramiko.SSHConfig):
     """What fabric looks ssh_config up in: the values OpenSSH resolved, for any name asked."""
 
@@ -383,11 +376,6 @@ def _fabric_config(resolved: sshconfig.Resolved, identities: Sequence[str] = ())
     if identities:
         config.authentication.identities = list(identities)
     return config
-
-
-def ssh_alias(host: Host) -> str:
-    """The name ``ssh`` is given for this host: its inventory ``address``, else its name."""
-    return str(getattr(host, "address", None) or host.name)
 
 
 def connection_for(host: Host) -> HostConnection:

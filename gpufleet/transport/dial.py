@@ -85,8 +85,10 @@ class Predial:
         self._lock = threading.Lock()
         self._closed = False
         self._dials: dict[str, _Dial] = {}
+        from gpufleet.transport.openssh import wanted as openssh_wanted
+
         for host in hosts:
-            if getattr(host, "connection", "ssh") != "local":
+            if getattr(host, "connection", "ssh") != "local" and not openssh_wanted(host):
                 self._dials.setdefault(str(host.name), _Dial(host))
         self._queue = collections.deque(self._dials.values())
         n = len(self._queue)

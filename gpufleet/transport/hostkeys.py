@@ -28,6 +28,12 @@ import paramiko
 from paramiko.hostkeys import HostKeys
 
 from gpufleet.errors import GpufleetError, HostKeyError
+from gpufleet.transport.knownfiles import (  # noqa: F401 - re-exported
+    default_files,
+    gpufleet_known_hosts,
+    host_key_name,
+    user_files,
+)
 
 STRICT = "strict"
 ACCEPT_NEW = "accept-new"
@@ -39,17 +45,6 @@ UNKNOWN = "unknown"
 CHANGED = "changed"
 OTHER_TYPE = "other-type"  # only keys of other types are known: refused like a change
 REVOKED = "revoked"
-
-
-def gpufleet_known_hosts() -> Path:
-    """Where accept-new and `gpufleet trust` record keys (resolved now: tests move HOME)."""
-    return Path(os.path.expanduser("~/.config/gpufleet/known_hosts"))
-
-
-def host_key_name(hostname: str, port: int) -> str:
-    """The name OpenSSH files a key under: ``host`` on port 22, else ``[host]:port``."""
-    port = int(port)
-    return hostname if port == 22 else f"[{hostname}]:{port}"
 
 
 def fingerprint_blob(blob: bytes) -> str:
@@ -291,27 +286,3 @@ class HostKeyPolicy(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client, hostname, key):  # paramiko's interface
         self.verify(self.name or hostname, key)
-
-
-def default_files(known_hosts_file: Optional[str] = None, ssh_config: Optional[dict] = None
-                  ) -> list[Path]:
-    """The known_hosts files read for one connection (see the module docstring)."""
-    cfg = ssh_config or {}
-
-    def expand(spec: object) -> list[Path]:
-        words = spec if isinstance(spec, list) else str(spec).split()
-        return [Path(os.path.expanduser(str(w))) for w in words]
-
-    files: list[Path] = []
-    if known_hosts_file:
-        files.append(Path(os.path.expanduser(known_hosts_file)))
-    if cfg.get("userknownhostsfile"):
-        files += expand(cfg["userknownhostsfile"])
-    else:
-        files += expand("~/.ssh/known_hosts ~/.ssh/known_hosts2")
-    files.append(gpufleet_known_hosts())
-    if cfg.get("globalknownhostsfile"):
-        files += expand(cfg["globalknownhostsfile"])
-    else:
-        files += expand("/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2")
-    return [f for f in dict.fromkeys(files) if str(f) != os.devnull]

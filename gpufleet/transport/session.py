@@ -379,8 +379,17 @@ def open_session(host: Host, dial: Optional[Dialled] = None) -> Session:
     """Open the host's session (connects now for ssh); never raises for host failures.
 
     ``dial``: the host's pre-dialled connection (``predial(hosts, forks).take(host)``), so its
-    TCP connect need not wait for a forks slot; None dials here.
+    TCP connect need not wait for a forks slot; None dials here. An SSH host goes through
+    OpenSSH's client (gpufleet.transport.openssh) unless ``ssh_client: paramiko``, no ``ssh``
+    on PATH, or a ProxyJump / ProxyCommand; predial never dials those hosts.
     """
     if getattr(host, "connection", "ssh") == "local":
         return LocalSession(host)
+    if dial is None:
+        from gpufleet.transport import openssh
+
+        if openssh.wanted(host):
+            session = openssh.open_session(host)
+            if session is not None:
+                return session
     return SshSession(host, dial)

@@ -33,8 +33,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import paramiko
-
 from gpufleet.errors import SshConfigError, first_line
 
 SSH_G_TIMEOUT_S = 15.0  # Match exec commands run inside ssh -G; a hung one must not hang us
@@ -230,6 +228,8 @@ def _warn_fallback(paths: list[str]) -> None:
 def _from_paramiko(alias: str, port: Optional[int], user: Optional[str]) -> dict:
     paths = _config_files()
     _warn_fallback(paths)
+    import paramiko  # the fallback only: no ssh client on this machine
+
     parsed = paramiko.SSHConfig()
     try:
         for path in paths:  # user file first: first value wins across both, as in OpenSSH
@@ -315,3 +315,19 @@ def host_key_policy(values: dict, default: str) -> str:
     if value in ("yes", "true", "ask"):
         return "strict"
     return default
+
+
+def ssh_alias(host: Any) -> str:
+    """The name ``ssh`` is given for this host: its inventory ``address``, else its name."""
+    return str(getattr(host, "address", None) or host.name)
+
+
+def settings_value(host: Any, key: str, ssh_value: Any, default: Any) -> Any:
+    """A setting the inventory and ssh_config both give: the inventory's when set explicitly
+    for the host, else ssh_config's, else the inventory default, else ``default``."""
+    if key in getattr(host, "explicit", frozenset()) and getattr(host, key, None) is not None:
+        return getattr(host, key)
+    if ssh_value is not None:
+        return ssh_value
+    value = getattr(host, key, None)
+    return default if value is None else value

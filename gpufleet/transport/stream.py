@@ -214,8 +214,9 @@ class ProcessStream(Stream):
         try:
             self.proc.stdin.write(data)
             self.proc.stdin.flush()
-        except (OSError, ValueError) as exc:
-            raise TransportError(f"agent gone: {transport_error(exc)}", kind=errors.CLOSED) from None
+        except (OSError, ValueError) as exc:  # its stdin closed: the process has ended
+            why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise TransportError(f"agent gone: {why}", kind=errors.CLOSED) from None
 
     def close(self) -> None:
         """stdin closed: the agent ends itself; its process group is ended if it lingers."""

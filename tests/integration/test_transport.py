@@ -3,6 +3,8 @@
 HOME is a temporary directory in every test (nothing touches the real ~/.ssh or
 ~/.config/gpufleet) and SSH_AUTH_SOCK is unset, so only the keys a test names are tried.
 Time bounds here are generous upper bounds (a dead host must not hang), never speed goals.
+Every test runs twice: through OpenSSH's client (the default) and through paramiko (the
+fallback), with the same expectations: both paths must give the same kinds and messages.
 """
 from __future__ import annotations
 
@@ -25,6 +27,17 @@ SLACK = 8.0
 SNAPSHOT = {"mode": "snapshot", "nvidia_smi": None, "smi_timeout_s": 10.0}
 
 
+CLIENT = {"name": "openssh"}
+
+
+@pytest.fixture(autouse=True, params=["openssh", "paramiko"])
+def client(request):
+    """Which SSH client the inventory hosts of this test use (``ssh_client``)."""
+    CLIENT["name"] = request.param
+    yield request.param
+    CLIENT["name"] = "openssh"
+
+
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
     home = tmp_path / "home"
@@ -44,6 +57,7 @@ def shared(lab):
 
 def inv(lab, endpoint, name=None, **overrides) -> Host:
     """An inventory Host for a lab host/endpoint, every key set explicitly (as fleet.yaml would)."""
+    overrides.setdefault("ssh_client", CLIENT["name"])
     entry = lab.host_entry(endpoint, **overrides)
     return Host(name=name or endpoint.name, explicit=frozenset(entry), **entry)
 
@@ -72,7 +86,7 @@ def empty_file(tmp_path) -> Path:
 # --------------------------------------------------------------------------- running
 
 
-def test_agent_runs_under_strict_with_the_lab_known_hosts(lab, shared):
+def test_agent_runs_under_strict_with_the_lab_known_hosts(lab, shared, client):
     before = accepted_logins(shared)
     with open_session(inv(lab, shared)) as session:
         assert session.error is None
@@ -82,16 +96,17 @@ def test_agent_runs_under_strict_with_the_lab_known_hosts(lab, shared):
         assert first.doc["agent_version"] == 1
         assert first.doc["facts"]["hostname"] == shared.name
         assert len(first.doc["gpus"]) == 2
-        transport = session.conn.transport
+        transport = session.conn.transport if client == "paramiko" else None
         echo = session.run_argv(
             ["python3", "-c", "import sys; sys.stdout.write(sys.stdin.read()[::-1])"],
             stdin=b"abc", timeout=20)
         assert echo.exit_code == 0 and echo.stdout == b"cba"
         second = session.run_agent(SNAPSHOT, timeout=30)
         assert second.ok, second.error
-        assert session.conn.transport is transport
-    # three runs, one SSH connection
-    assert accepted_logins(shared) - before == 1
+        if client == "paramiko":
+            assert session.conn.transport is transport
+    # paramiko: three runs, one SSH connection; OpenSSH: one ssh process (a login) per run
+    assert accepted_logins(shared) - before == (1 if client == "paramiko" else 3)
 
 
 def test_argv_travels_quoted_never_as_shell_text(lab, shared):
@@ -501,7 +516,7 @@ def test_local_missing_python():
 # --------------------------------------------------------------------------- failure kinds
 
 
-def test_each_connect_failure_has_its_kind(lab, shared, tmp_path):
+def test_each_connect_failure_has_its_kind(lab, shared, tmp_path, client):
     """The row's message stays as it was; the kind says what happened, for verdicts."""
     dead, hole = lab.dead_host("tr-kind-dead"), lab.blackholed_host("tr-kind-hole")
     kh = tmp_path / "kh"
@@ -521,6 +536,10 @@ def test_each_connect_failure_has_its_kind(lab, shared, tmp_path):
         got[kind] = reply.error_kind
     assert got == {k: k for k in cases}
     with open_session(cases["refused"]) as session:
+        if client == "openssh":  # ssh connects on a run: the first one finds it refused
+            assert session.error is None
+            assert agent(cases["refused"]).error_kind == "refused"
+            session.run_agent(SNAPSHOT, timeout=10)
         assert session.error == f"connection refused by 127.0.0.1:{dead.port}"
         assert session.error_kind == "refused"
         with pytest.raises(TransportError) as err:

@@ -1,0 +1,348 @@
+"""OpenSSH's own client as the transport: each run is one ``ssh`` process, argv only.
+
+Internal to gpufleet.transport (sessions come from ``open_session``). Why: ``ssh -G`` already
+decides where gpufleet connects; running ``ssh`` itself connects exactly there, does the key
+exchange and the channel in C (paramiko's import alone is ~150 ms, its handshake ~20 ms of
+Python per host), and one process per host spreads a fleet over every core instead of one
+GIL. paramiko (gpufleet.transport.session.SshSession) stays the fallback: no ``ssh`` on PATH,
+``ssh_client: paramiko``, and hosts reached through ProxyJump / ProxyCommand (OpenSSH would
+not pass gpufleet's options to the jump's own ``ssh``, so a hop's host key could not be held
+to gpufleet's policy).
+
+What gpufleet asks of ssh, and why (see ``_OPTIONS``): never prompt (BatchMode), public keys
+only, no pty, no escape character, no forwarding, no multiplexed master (a ControlPersist
+master started by gpufleet's run would hold its stderr open and outlive it), host keys checked
+strictly against the same files gpufleet reads (gpufleet's accept-new is done here: a first-seen
+key is fetched, checked by gpufleet.transport.hostkeys, recorded, then the run is retried, so
+a key of another type than the one known is refused as with paramiko), errors only on stderr.
+
+ssh tells its own failures from the command's by exit status 255 and a line on stderr; those
+lines are turned into the same kinds and one-line messages as the paramiko path's, here and
+nowhere else (``ssh_failure``).
+"""
+from __future__ import annotations
+
+import base64
+import math
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from gpufleet import errors
+from gpufleet.config.inventory import Host
+from gpufleet.errors import SshConfigError, TransportError
+from gpufleet.transport import knownfiles, sshconfig
+from gpufleet.transport.run import KILL_AFTER_S, RawRun, run_local
+from gpufleet.transport.session import Session
+from gpufleet.transport.stream import ProcessStream, Stream
+
+#: Options on every run (command-line -o wins over ssh_config: first value wins).
+_OPTIONS = (
+    "BatchMode=yes", "PreferredAuthentications=publickey", "StrictHostKeyChecking=yes",
+    "HashKnownHosts=no", "CheckHostIP=no", "UpdateHostKeys=no", "ControlMaster=no",
+    "ControlPath=none", "ClearAllForwardings=yes", "ForwardAgent=no", "ForwardX11=no",
+    "PermitLocalCommand=no", "RequestTTY=no", "LogLevel=ERROR", "ServerAliveInterval=10",
+    "ServerAliveCountMax=3",
+)
+_DEFAULT_KEYS = ("id_rsa", "id_ecdsa", "id_ed25519")  # what the paramiko path tries unconfigured
+
+
+def wanted(host: Host) -> bool:
+    """This SSH host goes through OpenSSH unless its ssh_config says jump (decided on open)."""
+    choice = getattr(host, "ssh_client", "auto") or "auto"
+    if choice == "paramiko":
+        return False
+    return choice == "openssh" or sshconfig.ssh_client() is not None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One host as ssh is told to reach it, and what its messages name."""
+
+    argv: tuple[str, ...]  # ssh, options, --, alias (the remote command is appended)
+    where: str  # host:port, for connect messages
+    key_name: str  # known_hosts name ([host]:port or HostKeyAlias)
+    user: str
+    connect_timeout: float
+    policy: str  # gpufleet's host key policy: strict | accept-new
+    keys: tuple[tuple[str, bool], ...]  # (identity file, named explicitly): auth messages
+
+
+def _float(value: Any) -> Optional[float]:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _identities(host: Host, values: dict) -> tuple[list[str], list[tuple[str, bool]]]:
+    """(-i arguments, (file, named explicitly) for an auth failure's message), in the
+    paramiko path's order: the inventory identity_file, ssh_config's IdentityFile, else
+    ~/.ssh/id_* of $HOME (ssh itself would expand ~ to the account's home, not $HOME)."""
+    own = getattr(host, "identity_file", None)
+    named = [os.path.expanduser(own)] if own else []
+    configured = [os.path.expanduser(p) for p in values.get("identityfile", []) or []]
+    implicit = [] if configured else [os.path.expanduser(f"~/.ssh/{n}") for n in _DEFAULT_KEYS]
+    given = named + [p for p in implicit if os.path.isfile(p)]
+    keys = [(p, True) for p in named + configured] + [(p, False) for p in implicit]
+    seen: dict[str, bool] = {}
+    for path, explicit in keys:
+        seen.setdefault(path, explicit)
+    return given, list(seen.items())
+
+
+def _key_state(path: str) -> str:
+    """"ok", "missing", "locked" (passphrase-protected) or "unreadable", read from the file
+    itself (OpenSSH's format names its cipher; PEM says ENCRYPTED) without loading it."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(1 << 16)
+    except FileNotFoundError:
+        return "missing"
+    except OSError:
+        return "unreadable"
+    if b"ENCRYPTED" in text:
+        return "locked"
+    body = b"".join(ln.strip() for ln in text.splitlines() if ln and not ln.startswith(b"-"))
+    if text.startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----"):
+        try:
+            blob = base64.b64decode(body[:64] + b"=" * (-len(body[:64]) % 4))
+        except ValueError:
+            return "unreadable"
+        magic = b"openssh-key-v1\0"
+        if blob.startswith(magic):
+            n = int.from_bytes(blob[len(magic):len(magic) + 4], "big")
+            cipher = blob[len(magic) + 4:len(magic) + 4 + n]
+            return "ok" if cipher == b"none" else "locked"
+    return "ok"
+
+
+def _known_hosts_option(host: Host, values: dict) -> str:
+    """UserKnownHostsFile: the per-user files gpufleet.transport.hostkeys reads (ssh reads
+    GlobalKnownHostsFile itself), quoted for ssh's own word splitting."""
+    files = knownfiles.user_files(getattr(host, "known_hosts_file", None), values)
+    return "UserKnownHostsFile=" + " ".join(
+        f'"{f}"' if re.search(r"\s", str(f)) else str(f) for f in files)
+
+
+def target_for(host: Host, ssh: str) -> Optional[Target]:
+    """How ssh reaches ``host``; None: it needs the paramiko path (ProxyJump/ProxyCommand
+    under ``ssh_client: auto``). Raises SshConfigError as ``ssh -G`` does."""
+    port = int(host.port) if host.port else None
+    user = getattr(host, "user", None) or None
+    alias = sshconfig.ssh_alias(host)
+    resolved = sshconfig.resolve(alias, port=port, user=user)
+    values = resolved.values
+    hop = values.get("proxyjump") or values.get("proxycommand")
+    if hop and (getattr(host, "ssh_client", "auto") or "auto") == "auto":
+        return None
+    explicit: frozenset[str] = getattr(host, "explicit", frozenset())
+    policy = host.host_key_policy
+    if "host_key_policy" not in explicit:
+        policy = sshconfig.host_key_policy(values, policy)
+    ct = float(sshconfig.settings_value(host, "connect_timeout", _float(values.get("connecttimeout")), 10.0))
+    argv = [ssh]
+    cfg = sshconfig._config_arg()
+    if cfg is not None:
+        argv += ["-F", cfg]
+    argv += ["-T", "-e", "none", "-x", "-a"]
+    for opt in _OPTIONS + (_known_hosts_option(host, values), f"ConnectTimeout={max(1, math.ceil(ct))}"):
+        argv += ["-o", opt]
+    if port:
+        argv += ["-p", str(port)]
+    if user:
+        argv += ["-l", sshconfig.check_alias(user)]
+    given, keys = _identities(host, values)
+    for path in given:
+        argv += ["-i", path]
+    hostname = str(values.get("hostname", alias))
+    real_port = int(values.get("port", 22) or 22)
+    where = f"{hostname}:{real_port}" if ":" not in hostname else f"[{hostname}]:{real_port}"
+    key_name = str(values.get("hostkeyalias") or knownfiles.host_key_name(hostname, real_port))
+    return Target(tuple(argv + ["--", resolved.alias]), where, key_name,
+                  str(values.get("user") or user or ""), ct, policy, tuple(keys))
+
+
+# --------------------------------------------------------------------------- ssh's failures
+
+_DNS = re.compile(r"Could not resolve hostname (\S+?): (.+?)\.?$")
+_CONNECT = re.compile(r"connect to host \S+ port \d+: (.+?)\.?$")
+_DENIED = re.compile(r"^\S+: Permission denied \((.+)\)\.?$")
+_CLOSED = ("Connection closed by", "Connection reset by", "Broken pipe", "Received disconnect",
+           "Connection to ", "client_loop: send disconnect", "Timeout, server")
+_CONFIG = ("Bad configuration option", "Bad owner or permissions", "Can't open user config",
+           "no argument after keyword", "Unsupported option", "garbage at end of line",
+           "command-line line", "Keyword ")
+
+
+def _auth_message(target: Target) -> str:
+    """The paramiko path's wording: the keys tried, then why others were not."""
+    tried, notes = [], []
+    for path, explicit in target.keys:
+        state = _key_state(path)
+        if state == "ok":
+            tried.append(path)
+        elif state == "missing" and explicit:
+            notes.append(f"{path} not found")
+        elif state == "locked":
+            notes.append(f"{path} is passphrase-protected (load it into ssh-agent)")
+        elif state == "unreadable":
+            notes.append(f"{path} unreadable")
+    if os.environ.get("SSH_AUTH_SOCK"):
+        tried.append("agent keys")
+    if tried:
+        parts = ["tried " + ", ".join(tried)] + notes
+    elif notes:
+        parts = ["no usable key"] + notes
+    else:
+        parts = ["no key to try: no identity_file, ssh-agent key or ~/.ssh/id_*"]
+    return (f"authentication failed for {target.user}@{target.key_name} ({'; '.join(parts)}); "
+            "check user and identity_file")
+
+
+def ssh_failure(raw: RawRun, target: Target) -> Optional[TransportError]:
+    """ssh's own failure in this run (exit 255 and its line on stderr), with the paramiko
+    path's kind and wording; None: the command itself ran (whatever its status)."""
+    if raw.timed_out or raw.exit_code != 255:
+        return None
+    lines = [ln.strip() for ln in raw.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
+    for line in lines:
+        text = line[5:] if line.startswith("ssh: ") else line
+        m = _DNS.search(text)
+        if m:
+            return TransportError(f"cannot resolve {m.group(1)}: {m.group(2)}", kind=errors.DNS)
+        m = _CONNECT.search(text)
+        if m:
+            reason = m.group(1)
+            if reason == "Connection refused":
+                return TransportError(f"connection refused by {target.where}", kind=errors.REFUSED)
+            if "timed out" in reason.lower():
+                return TransportError(f"connect to {target.where} timed out after "
+                                      f"{target.connect_timeout:g}s", kind=errors.TIMEOUT)
+            return TransportError(f"cannot connect to {target.where}: {reason}",
+                                  kind=errors.NETWORK)
+        if "banner exchange" in text or text.startswith("kex_exchange_identification"):
+            return TransportError("no SSH banner (not an SSH server, or overloaded)",
+                                  kind=errors.BANNER)
+        if text == "Host key verification failed.":
+            return TransportError(text, kind=errors.HOSTKEY)
+        if _DENIED.match(text):
+            return TransportError(_auth_message(target), kind=errors.AUTH)
+        if text.startswith(_CONFIG):
+            return SshConfigError(f"ssh refused the config: {text[:200]}")
+    for line in lines:
+        if line.startswith(_CLOSED):
+            return TransportError("the server closed the connection", kind=errors.CLOSED)
+    return None
+
+
+def hostkey_refusal(host: Host, target: Target) -> tuple[Optional[TransportError], bool]:
+    """ssh refused the host's key: (gpufleet's own refusal with the key and FILE:LINE, or
+    None when accept-new recorded a first-seen key now; whether it was recorded). Fetches the
+    key the host presents (paramiko's key exchange: only on this path)."""
+    from gpufleet.transport import hostkeys
+    from gpufleet.transport.connection import connection_for
+    from gpufleet.transport.keyscan import fetch_host_key
+
+    try:
+        keytype, _fp, key = fetch_host_key(host)
+        conn = connection_for(host)
+        files, name = list(conn.known_hosts_files), conn.key_name
+        conn.close()
+    except TransportError as exc:
+        return exc, False
+    blob = key.asbytes()
+    verdict = hostkeys.check(name, keytype, blob, files)
+    if verdict.verdict == hostkeys.UNKNOWN and target.policy == hostkeys.ACCEPT_NEW:
+        verdict = hostkeys.record(name, key, hostkeys.gpufleet_known_hosts(), files)
+        if verdict.verdict == hostkeys.KNOWN:
+            return None, True
+    if verdict.verdict == hostkeys.KNOWN:  # ssh and gpufleet disagree: ssh's word stands
+        return TransportError(f"ssh refused the host key of {name} that gpufleet knows "
+                              f"({keytype})", kind=errors.HOSTKEY), False
+    hint = f"run `gpufleet trust {host.name}` or set host_key_policy: accept-new"
+    return hostkeys.refusal(name, keytype, blob, verdict, hint), False
+
+
+# --------------------------------------------------------------------------- the session
+
+
+class OpensshSession(Session):
+    """One ``ssh`` process per run (no connection kept: each run is a fresh handshake in C).
+
+    ``error`` becomes sticky after a connect-time failure when no run has reached the host
+    yet, so a runbook's later steps fail at once, as with a session that never connected;
+    once a run got through, every run tries afresh (a host that rebooted is reached again).
+    """
+
+    def __init__(self, host: Host, target: Optional[Target], error: Optional[TransportError] = None):
+        super().__init__(host)
+        self.target = target
+        self._reached = False
+        if error is not None:
+            self.error, self.error_kind = str(error), error.kind
+
+    def _wrap_timeout(self, argv: list[str], timeout: float) -> list[str]:
+        return ["timeout", "-k", str(KILL_AFTER_S), str(max(1, math.ceil(timeout)))] + argv
+
+    def _command(self, argv: Sequence[str]) -> list[str]:
+        assert self.target is not None
+        return list(self.target.argv) + [" ".join(shlex.quote(a) for a in argv)]
+
+    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
+        if self.error is not None or self.target is None:
+            raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
+        raw = run_local(self._command(argv), stdin, timeout)
+        failure = ssh_failure(raw, self.target)
+        if failure is not None and failure.kind == errors.HOSTKEY:
+            failure, recorded = hostkey_refusal(self.host, self.target)
+            if recorded:
+                raw = run_local(self._command(argv), stdin, timeout)
+                failure = ssh_failure(raw, self.target)
+        if failure is None:
+            self._reached = True
+            return raw
+        if not self._reached:
+            self.error, self.error_kind = str(failure), failure.kind
+        raise failure
+
+    def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
+        if self.error is not None or self.target is None:
+            raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
+        return OpensshStream(self._command(argv), head, self.target)
+
+
+class OpensshStream(ProcessStream):
+    """A resident run through one ``ssh`` process; ssh's own failure is its end's kind."""
+
+    def __init__(self, argv: Sequence[str], head: bytes, target: Target):
+        self.target = target
+        super().__init__(argv, head)
+
+    def _ended_error(self) -> TransportError:
+        code = self._exit_code()
+        raw = RawRun(code, b"", bytes(self._err))
+        failure = ssh_failure(raw, self.target)
+        if failure is not None:
+            return failure
+        if code == 255:
+            return TransportError("connection lost", kind=errors.CLOSED)
+        return super()._ended_error()
+
+
+def open_session(host: Host) -> Optional[Session]:
+    """The host's OpenSSH session, or None: use the paramiko path (see the module docstring).
+    Never raises for a host: ssh_config errors are the session's ``error``."""
+    ssh = sshconfig.ssh_client()
+    if ssh is None:
+        return OpensshSession(host, None, SshConfigError(
+            "ssh_client: openssh, but no ssh client on PATH"))
+    try:
+        target = target_for(host, ssh)
+    except TransportError as exc:
+        return OpensshSession(host, None, SshConfigError(f"ssh config: {exc}"))
+    if target is None:
+        return None
+    return OpensshSession(host, target)
