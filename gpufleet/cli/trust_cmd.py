@@ -29,7 +29,7 @@ def trust(app: AppContext, names, path: Optional[str], yes: bool) -> int:
     failed = False
     # Every TCP connect starts now (transport.predial): a dead host among many costs one
     # connect_timeout in all, not one more for each host after it.
-    with predial(hosts, app.forks) as dials:
+    with predial(hosts, app.forks, openssh_too=True) as dials:
         for host in hosts:
             if host.is_local:
                 click.echo(f"{host.name}: connection: local, no host key")

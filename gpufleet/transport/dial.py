@@ -81,14 +81,17 @@ class Predial:
     once; the further hosts' dials start as sockets are taken.
     """
 
-    def __init__(self, hosts: Iterable[Host], forks: int = 32, threads: int = PREDIAL_THREADS):
+    def __init__(self, hosts: Iterable[Host], forks: int = 32, threads: int = PREDIAL_THREADS,
+                 openssh_too: bool = False):
         self._lock = threading.Lock()
         self._closed = False
         self._dials: dict[str, _Dial] = {}
         from gpufleet.transport.openssh import wanted as openssh_wanted
 
         for host in hosts:
-            if getattr(host, "connection", "ssh") != "local" and not openssh_wanted(host):
+            if getattr(host, "connection", "ssh") == "local":
+                continue
+            if openssh_too or not openssh_wanted(host):
                 self._dials.setdefault(str(host.name), _Dial(host))
         self._queue = collections.deque(self._dials.values())
         n = len(self._queue)
@@ -223,10 +226,14 @@ def _discard(future: Dialled) -> None:
         conn.close()
 
 
-def predial(hosts: Iterable[Host], forks: int = 32) -> Predial:
+def predial(hosts: Iterable[Host], forks: int = 32, openssh_too: bool = False) -> Predial:
     """Start every direct SSH host's TCP connect now; ``with predial(hosts, forks) as dials:``
-    then each worker calls ``open_session(host, dial=dials.take(host))``."""
-    return Predial(hosts, forks)
+    then each worker calls ``open_session(host, dial=dials.take(host))``.
+
+    Hosts that open_session sends through OpenSSH's client are left out (ssh connects by
+    itself; a probe would be a second connection): ``openssh_too`` for paramiko-only users
+    of the dial (the key exchange of `gpufleet trust`)."""
+    return Predial(hosts, forks, openssh_too=openssh_too)
 
 
 def connection_from_dial(dial: Optional[Dialled]

@@ -127,6 +127,18 @@ def _known_hosts_option(host: Host, values: dict) -> str:
         f'"{f}"' if re.search(r"\s", str(f)) else str(f) for f in files)
 
 
+#: What ssh would not take as plain data in a path it is given: %-tokens, ${ENV}, quotes and
+#: backslashes (its own word splitting of UserKnownHostsFile), control characters.
+_UNSAFE_PATH = re.compile(r"[%$\"'\\\x00-\x1f\x7f]")
+
+
+def _paths_plain(host: Host, values: dict) -> bool:
+    """Every path gpufleet hands ssh is taken literally by it (else: the paramiko path)."""
+    paths = [getattr(host, "identity_file", None), getattr(host, "known_hosts_file", None)]
+    paths += list(values.get("identityfile", []) or []) + list(values.get("userknownhostsfile", []) or [])
+    return not any(p and _UNSAFE_PATH.search(os.path.expanduser(str(p))) for p in paths)
+
+
 def target_for(host: Host, ssh: str) -> Optional[Target]:
     """How ssh reaches ``host``; None: it needs the paramiko path (ProxyJump/ProxyCommand
     under ``ssh_client: auto``). Raises SshConfigError as ``ssh -G`` does."""
@@ -136,8 +148,12 @@ def target_for(host: Host, ssh: str) -> Optional[Target]:
     resolved = sshconfig.resolve(alias, port=port, user=user)
     values = resolved.values
     hop = values.get("proxyjump") or values.get("proxycommand")
-    if hop and (getattr(host, "ssh_client", "auto") or "auto") == "auto":
+    auto = (getattr(host, "ssh_client", "auto") or "auto") == "auto"
+    if auto and (hop or not _paths_plain(host, values)):
         return None
+    if not _paths_plain(host, values):
+        raise SshConfigError("a path in this host's settings holds characters ssh would expand "
+                             "(%, $, quotes, backslash): use ssh_client: auto or paramiko")
     explicit: frozenset[str] = getattr(host, "explicit", frozenset())
     policy = host.host_key_policy
     if "host_key_policy" not in explicit:
@@ -174,7 +190,7 @@ _CLOSED = ("Connection closed by", "Connection reset by", "Broken pipe", "Receiv
            "Connection to ", "client_loop: send disconnect", "Timeout, server")
 _CONFIG = ("Bad configuration option", "Bad owner or permissions", "Can't open user config",
            "no argument after keyword", "Unsupported option", "garbage at end of line",
-           "command-line line", "Keyword ")
+           "command-line")
 
 
 def _auth_message(target: Target) -> str:
@@ -230,7 +246,7 @@ def ssh_failure(raw: RawRun, target: Target) -> Optional[TransportError]:
             return TransportError(text, kind=errors.HOSTKEY)
         if _DENIED.match(text):
             return TransportError(_auth_message(target), kind=errors.AUTH)
-        if text.startswith(_CONFIG):
+        if any(k in text for k in _CONFIG):
             return SshConfigError(f"ssh refused the config: {text[:200]}")
     for line in lines:
         if line.startswith(_CLOSED):
