@@ -310,7 +310,7 @@ def _plan_all(hosts: Sequence[Host], opts: CleanOptions, sessions: Optional[dict
         def plan(h: Host) -> HostClean:
             session: Optional[Session] = None
             try:
-                session = open_session(h, dials.take(h))
+                session = open_session(h, dials.take(h), keep=True)
                 if sessions is not None:
                     sessions[h.name] = session
                 return plan_host(h, session, opts)

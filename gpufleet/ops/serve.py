@@ -81,7 +81,7 @@ class Fleet:
         try:
             if self._needs_session(host):
                 self.drop(host.name)
-                session = open_session(host, dial)
+                session = open_session(host, dial, keep=True)
                 with self._lock:
                     self.sessions[host.name] = session
                     self.opened += 1

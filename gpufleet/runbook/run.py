@@ -164,7 +164,8 @@ def run_host(runbook: Runbook, host: Host, operator: str = "gpufleet", audit_log
     if open_session is None:
         from gpufleet.transport import open_session as default_open
 
-        open_session = default_open
+        def open_session(h: Host) -> Any:  # several steps: a connection kept for them
+            return default_open(h, keep=True)
     started = time.monotonic()
     try:
         with open_session(host) as session:
@@ -205,7 +206,7 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
     from gpufleet.transport import open_session as default_open, predial
 
     with predial(hosts, forks) as dials:
-        return run_hosts(hosts, lambda h: run(h, lambda host: default_open(host, dials.take(host))),
+        return run_hosts(hosts, lambda h: run(h, lambda host: default_open(host, dials.take(host), keep=True)),
                          forks=forks, make_error=make_error, **callbacks)
 
 

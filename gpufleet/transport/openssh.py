@@ -27,8 +27,9 @@ import math
 import os
 import re
 import shlex
+import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
@@ -36,13 +37,13 @@ from gpufleet.errors import SshConfigError, TransportError
 from gpufleet.transport import knownfiles, sshconfig
 from gpufleet.transport.run import KILL_AFTER_S, RawRun, run_local
 from gpufleet.transport.session import Session
+from gpufleet.transport.sshmaster import Master
 from gpufleet.transport.stream import ProcessStream, Stream
 
 #: Options on every run (command-line -o wins over ssh_config: first value wins).
 _OPTIONS = (
     "BatchMode=yes", "PreferredAuthentications=publickey", "StrictHostKeyChecking=yes",
-    "HashKnownHosts=no", "CheckHostIP=no", "UpdateHostKeys=no", "ControlMaster=no",
-    "ControlPath=none", "ClearAllForwardings=yes", "ForwardAgent=no", "ForwardX11=no",
+    "HashKnownHosts=no", "CheckHostIP=no", "UpdateHostKeys=no", "ClearAllForwardings=yes", "ForwardAgent=no", "ForwardX11=no",
     "PermitLocalCommand=no", "RequestTTY=no", "LogLevel=ERROR", "ServerAliveInterval=10",
     "ServerAliveCountMax=3",
 )
@@ -61,7 +62,18 @@ def wanted(host: Host) -> bool:
 class Target:
     """One host as ssh is told to reach it, and what its messages name."""
 
-    argv: tuple[str, ...]  # ssh, options, --, alias (the remote command is appended)
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """A run on its own connection: never starts or joins a multiplexed master."""
+        return self.base + ("-o", "ControlMaster=no", "-o", "ControlPath=none") + self.dest
+
+    def via(self, socket_path: str) -> tuple[str, ...]:
+        """A run through gpufleet's own master at ``socket_path`` (a fresh connection of its
+        own if that master is gone: ssh falls back by itself)."""
+        return self.base + ("-o", "ControlMaster=no", "-o", f"ControlPath={socket_path}") + self.dest
+
+    base: tuple[str, ...]  # ssh and its options, without the multiplexing ones
+    dest: tuple[str, ...]  # ("--", alias)
     where: str  # host:port, for connect messages
     key_name: str  # known_hosts name ([host]:port or HostKeyAlias)
     user: str
@@ -177,7 +189,7 @@ def target_for(host: Host, ssh: str) -> Optional[Target]:
     real_port = int(values.get("port", 22) or 22)
     where = f"{hostname}:{real_port}" if ":" not in hostname else f"[{hostname}]:{real_port}"
     key_name = str(values.get("hostkeyalias") or knownfiles.host_key_name(hostname, real_port))
-    return Target(tuple(argv + ["--", resolved.alias]), where, key_name,
+    return Target(tuple(argv), ("--", resolved.alias), where, key_name,
                   str(values.get("user") or user or ""), ct, policy, tuple(keys))
 
 
@@ -286,17 +298,22 @@ def hostkey_refusal(host: Host, target: Target) -> tuple[Optional[TransportError
 
 
 class OpensshSession(Session):
-    """One ``ssh`` process per run (no connection kept: each run is a fresh handshake in C).
+    """One ``ssh`` process per run; with ``keep``, a master of gpufleet's own
+    (gpufleet.transport.sshmaster) opened by the first run, so the later ones need no
+    handshake (a master that died meanwhile: the run connects on its own).
 
     ``error`` becomes sticky after a connect-time failure when no run has reached the host
     yet, so a runbook's later steps fail at once, as with a session that never connected;
     once a run got through, every run tries afresh (a host that rebooted is reached again).
     """
 
-    def __init__(self, host: Host, target: Optional[Target], error: Optional[TransportError] = None):
+    def __init__(self, host: Host, target: Optional[Target], error: Optional[TransportError] = None,
+                 keep: bool = False):
         super().__init__(host)
         self.target = target
         self._reached = False
+        self._master: Optional[Master] = Master() if keep else None
+        self._master_tried = False
         if error is not None:
             self.error, self.error_kind = str(error), error.kind
 
@@ -305,29 +322,65 @@ class OpensshSession(Session):
 
     def _command(self, argv: Sequence[str]) -> list[str]:
         assert self.target is not None
-        return list(self.target.argv) + [" ".join(shlex.quote(a) for a in argv)]
+        master = self._master
+        ssh = self.target.via(master.path) if master is not None and master.up and master.path \
+            else self.target.argv
+        return list(ssh) + [" ".join(shlex.quote(a) for a in argv)]
 
-    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
-        if self.error is not None or self.target is None:
-            raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        raw = run_local(self._command(argv), stdin, timeout)
+    def _attempt(self, run: Callable[[], RawRun], master: bool = False) -> RawRun:
+        """``run`` once (twice when gpufleet's accept-new recorded a first-seen key); ssh's
+        own failure raised as the transport's. ``master``: ``run`` opens the master; one
+        that timed out is the host's timeout, one that failed otherwise just means no master."""
+        assert self.target is not None
+        raw = run()
         failure = ssh_failure(raw, self.target)
         if failure is not None and failure.kind == errors.HOSTKEY:
             failure, recorded = hostkey_refusal(self.host, self.target)
             if recorded:
-                raw = run_local(self._command(argv), stdin, timeout)
+                raw = run()
                 failure = ssh_failure(raw, self.target)
+        if failure is None and master and raw.timed_out:
+            failure = TransportError(f"connect to {self.target.where} timed out after "
+                                     f"{self.target.connect_timeout:g}s", kind=errors.TIMEOUT)
         if failure is None:
-            self._reached = True
+            if not master or raw.exit_code == 0:
+                self._reached = True
             return raw
         if not self._reached:
             self.error, self.error_kind = str(failure), failure.kind
         raise failure
 
+    def _open_master(self) -> RawRun:
+        assert self.target is not None and self._master is not None
+        bound = self.target.connect_timeout * 2 + 5  # connect, then key exchange and auth
+        return self._master.start(self.target.base, self.target.dest, bound)
+
+    def connect(self) -> None:
+        """Open the master now (``keep``); a failure becomes ``error``, never raised."""
+        if self._master is not None and not self._master_tried and self.error is None:
+            self._master_tried = True
+            started = time.monotonic()
+            try:
+                self._attempt(self._open_master, master=True)
+            except TransportError:
+                pass  # recorded in error / error_kind by _attempt
+            finally:
+                self.connect_seconds = time.monotonic() - started
+
+    def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
+        self.connect()
+        if self.error is not None or self.target is None:
+            raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
+        return self._attempt(lambda: run_local(self._command(argv), stdin, timeout))
+
     def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
         return OpensshStream(self._command(argv), head, self.target)
+
+    def close(self) -> None:
+        if self._master is not None:
+            self._master.close()
 
 
 class OpensshStream(ProcessStream):
@@ -348,9 +401,10 @@ class OpensshStream(ProcessStream):
         return super()._ended_error()
 
 
-def open_session(host: Host) -> Optional[Session]:
+def open_session(host: Host, keep: bool = False) -> Optional[Session]:
     """The host's OpenSSH session, or None: use the paramiko path (see the module docstring).
-    Never raises for a host: ssh_config errors are the session's ``error``."""
+    Never raises for a host: ssh_config errors are the session's ``error``. ``keep``: the
+    caller will run several commands (a master is opened by the first)."""
     ssh = sshconfig.ssh_client()
     if ssh is None:
         return OpensshSession(host, None, SshConfigError(
@@ -361,4 +415,7 @@ def open_session(host: Host) -> Optional[Session]:
         return OpensshSession(host, None, SshConfigError(f"ssh config: {exc}"))
     if target is None:
         return None
-    return OpensshSession(host, target)
+    session = OpensshSession(host, target, keep=keep)
+    if keep:  # connect now, as a kept paramiko session does: its failure is ``error`` now
+        session.connect()
+    return session

@@ -375,13 +375,15 @@ class SshSession(Session):
             self.conn = None
 
 
-def open_session(host: Host, dial: Optional[Dialled] = None) -> Session:
+def open_session(host: Host, dial: Optional[Dialled] = None, keep: bool = False) -> Session:
     """Open the host's session (connects now for ssh); never raises for host failures.
 
     ``dial``: the host's pre-dialled connection (``predial(hosts, forks).take(host)``), so its
     TCP connect need not wait for a forks slot; None dials here. An SSH host goes through
     OpenSSH's client (gpufleet.transport.openssh) unless ``ssh_client: paramiko``, no ``ssh``
-    on PATH, or a ProxyJump / ProxyCommand; predial never dials those hosts.
+    on PATH, or a ProxyJump / ProxyCommand; predial never dials those hosts. ``keep``: the
+    caller runs several commands on it (OpenSSH then keeps a master for them; a paramiko
+    session always keeps its connection).
     """
     if getattr(host, "connection", "ssh") == "local":
         return LocalSession(host)
@@ -389,7 +391,7 @@ def open_session(host: Host, dial: Optional[Dialled] = None) -> Session:
         from gpufleet.transport import openssh
 
         if openssh.wanted(host):
-            session = openssh.open_session(host)
+            session = openssh.open_session(host, keep=keep)
             if session is not None:
                 return session
     return SshSession(host, dial)

@@ -545,3 +545,34 @@ def test_each_connect_failure_has_its_kind(lab, shared, tmp_path, client):
         with pytest.raises(TransportError) as err:
             session.run_argv(["true"])
     assert err.value.kind == "refused"
+
+
+def test_kept_openssh_session_logs_in_once_and_ends_its_master(lab, shared, client):
+    """keep=True (clean, runbooks, serve): OpenSSH gets a master of gpufleet's own, opened
+    on open_session, its runs are channels on it (one login for three runs), and close()
+    ends that master (the PID gpufleet started) and removes its socket directory."""
+    before = accepted_logins(shared)
+    with open_session(inv(lab, shared), keep=True) as session:
+        assert session.error is None
+        for _ in range(3):
+            reply = session.run_agent(SNAPSHOT, timeout=30)
+            assert reply.ok, reply.error
+        if client == "openssh":
+            master = session._master
+            assert master is not None and master.up
+            pid, where = master.proc.pid, master.dir
+            assert os.stat(where).st_mode & 0o077 == 0  # nobody else may join it
+    assert accepted_logins(shared) - before == 1
+    if client == "openssh":
+        assert not os.path.exists(where)
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):  # reaped by close(): the PID is gone
+                os.kill(pid, 0)
+                time.sleep(0.02)
+
+
+def test_kept_session_to_a_dead_host_fails_on_open(lab, client):
+    dead = lab.dead_host("tr-keep-dead")
+    with open_session(inv(lab, dead, connect_timeout=5), keep=True) as session:
+        assert session.error == f"connection refused by 127.0.0.1:{dead.port}"
+        assert session.error_kind == "refused"
