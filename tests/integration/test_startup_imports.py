@@ -81,16 +81,22 @@ def test_local_commands_do_not_import_the_ssh_stack(tmp_path: Path, local_fleet:
         sorted(mods & set(WATCHED)), " ".join(args))
 
 
-def test_an_ssh_host_loads_the_ssh_stack_and_works(tmp_path: Path, lab: Any, lab_host: Any) -> None:
-    """The lazy transport still reaches an SSH host (a real sshd of the lab), and the wrapper
-    does see paramiko when it is imported (so the test above can fail)."""
-    fleet = lab.inventory_yaml([lab_host], path=tmp_path / "ssh.yaml")
+@pytest.mark.parametrize("client", ["openssh", "paramiko"])
+def test_an_ssh_host_is_reached_and_only_paramiko_loads_the_ssh_stack(
+        tmp_path: Path, lab: Any, lab_host: Any, client: str) -> None:
+    """The lazy transport still reaches an SSH host (a real sshd of the lab). Through OpenSSH's
+    client (the default) paramiko/fabric are never imported; through paramiko they are, and
+    the wrapper sees it (so the tests above can fail)."""
+    fleet = lab.inventory_yaml([lab_host], path=tmp_path / "ssh.yaml", ssh_client=client)
     res, mods = loaded(tmp_path, "-i", str(fleet), "status", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert [h["ok"] for h in doc["hosts"]] == [True]
     assert len(doc["hosts"][0]["gpus"]) == lab_host.gpus
-    assert set(WATCHED) <= mods
+    if client == "paramiko":
+        assert set(WATCHED) <= mods
+    else:
+        assert not set(WATCHED) & mods, mods
 
 
 def test_the_transport_names_are_the_same_objects(tmp_path: Path) -> None:

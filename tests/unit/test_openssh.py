@@ -16,7 +16,7 @@ CASES = json.loads(FIXTURES.read_text())["cases"]
 
 
 def target(**kw) -> openssh.Target:
-    base = dict(argv=("ssh", "--", "h"), where="127.0.0.1:2299", key_name="[127.0.0.1]:2299",
+    base = dict(base=("ssh",), dest=("--", "h"), where="127.0.0.1:2299", key_name="[127.0.0.1]:2299",
                 user="root", connect_timeout=2.0, policy="strict", keys=())
     base.update(kw)
     return openssh.Target(**base)

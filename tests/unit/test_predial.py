@@ -31,7 +31,7 @@ def host(name: str, port: int, **extra: Any) -> Any:
     fields = dict(name=name, address="127.0.0.1", port=port, user="root",
                   host_key_policy="strict", connect_timeout=10.0, identity_file=None,
                   known_hosts_file=None, explicit=frozenset({"connect_timeout"}),
-                  connection="ssh")
+                  connection="ssh", ssh_client="paramiko")  # pre-dialling is paramiko's
     fields.update(extra)
     return SimpleNamespace(**fields)
 
@@ -259,3 +259,13 @@ def test_fetch_host_key_reports_the_dial_failure() -> None:
                 keyscan.fetch_host_key(h, dials.take(h))
     finally:
         dead.close()
+
+
+def test_openssh_hosts_are_left_to_ssh_unless_asked(home: Path) -> None:
+    """OpenSSH connects by itself: predial leaves those hosts alone (a probe would be a second
+    connection per host); `trust` (paramiko's key exchange) asks for them too."""
+    hosts = [host("o%d" % i, 9, ssh_client="openssh") for i in range(2)]
+    with predialling.predial(hosts, forks=1) as dials:
+        assert all(dials.take(h) is None for h in hosts)
+    with predialling.predial(hosts, forks=1, openssh_too=True) as dials:
+        assert all(dials.take(h) is not None for h in hosts)
