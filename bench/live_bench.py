@@ -7,8 +7,12 @@
 What it measures, with `gpufleet status --watch INTERVAL --json` (stdout to a pipe read and
 counted here: the same LiveFleet as `top`, plus one JSON document per interval):
 
-* controller CPU, % of one core (utime + stime of the CLI from /proc, after the first 5 s);
-* controller RSS beyond its own baseline, per host: (RSS with N hosts - RSS with 1) / (N - 1);
+* controller CPU, % of one core (utime + stime of the CLI from /proc, after the first 5 s),
+  and the same with its live descendants (`controller_with_ssh_cpu_pct`: the ssh processes of
+  the OpenSSH client are the controller's work too);
+* controller RSS beyond its own baseline, per host: (RSS with N hosts - RSS with 1) / (N - 1),
+  and the same for the PSS of the CLI plus its ssh processes (`pss_kib_with_ssh...`);
+* --ssh-client: the inventory's ssh_client (auto = OpenSSH where there is an ssh client);
 * per-host agent CPU per refresh: every agent's utime + stime (read in its host's /proc)
   over the documents it wrote in that time;
 * first full document vs one `status --all --json` (wall seconds, same hosts);
@@ -56,6 +60,49 @@ def cpu_s(stat_path: Path, children: bool = False) -> float:
     fields = stat_path.read_text().rsplit(")", 1)[1].split()
     own = int(fields[11]) + int(fields[12])
     return (own + (int(fields[13]) + int(fields[14]) if children else 0)) / CLK
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (its ssh clients under OpenSSH), from /proc's ppid links."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU of the controller and of its live descendants (ssh processes are its work too)."""
+    total = 0.0
+    for p in [pid] + descendants(pid):
+        try:
+            total += cpu_s(Path(f"/proc/{p}/stat"))
+        except OSError:
+            pass
+    return total
+
+
+def tree_pss_kib(pid: int) -> int:
+    """Proportional set size of the controller and its live descendants (shared pages of
+    many ssh processes counted once in all, not once each as RSS would)."""
+    total = 0
+    for p in [pid] + descendants(pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
 
 
 def status_of(pid: int, key: str) -> int:
@@ -129,8 +176,9 @@ def agents_gone(hosts: list[Any], timeout: float = 15.0) -> dict:
     return {"agents_left": left, "agents_gone_after_s": round(time.monotonic() - started, 2)}
 
 
-def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: float) -> dict:
-    inv = lab.inventory_yaml(hosts, connect_timeout=5)
+def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: float,
+            client: str = "auto") -> dict:
+    inv = lab.inventory_yaml(hosts, connect_timeout=5, ssh_client=client)
     t0 = time.monotonic()
     subprocess.run(GPUFLEET + ["-i", str(inv), "status", "--all", "--json"], env=env(home),
                    cwd=str(home), stdout=subprocess.DEVNULL, check=False)
@@ -139,15 +187,21 @@ def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: fl
     try:
         watch.pump(5.0)
         cpu0, t1, docs0 = watch.cpu(), time.monotonic(), watch.docs
+        tree0 = tree_cpu_s(watch.proc.pid)
         agents0, with0 = agent_cpu(hosts), agent_cpu(hosts, children=True)
         watch.pump(seconds)
         cpu1, t2, docs1 = watch.cpu(), time.monotonic(), watch.docs
+        tree1 = tree_cpu_s(watch.proc.pid)
+        pss_kib = tree_pss_kib(watch.proc.pid)
+        helpers = len(descendants(watch.proc.pid))
         agents1, with1 = agent_cpu(hosts), agent_cpu(hosts, children=True)
         rss_kib = status_of(watch.proc.pid, "VmRSS")
     finally:
         watch.stop()
     return {"hosts": len(hosts), "interval_s": interval, "controller_cpu_pct":
             round(100 * (cpu1 - cpu0) / (t2 - t1), 1), "documents": docs1 - docs0,
+            "controller_with_ssh_cpu_pct": round(100 * (tree1 - tree0) / (t2 - t1), 1),
+            "ssh_processes": helpers, "pss_kib_with_ssh": pss_kib,
             "rss_kib": rss_kib, "first_document_s": round(watch.first_s or -1, 2),
             "status_all_s": round(status_all_s, 2),
             "agent_cpu_ms_per_refresh": per_refresh_ms(agents0, agents1, docs1 - docs0),
@@ -156,14 +210,15 @@ def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: fl
 
 
 def soak(lab: Lab, hosts: list[Any], home: Path, interval: float, minutes: float,
-         restart_every: float) -> dict:
-    inv = lab.inventory_yaml(hosts, connect_timeout=5)
+         restart_every: float, client: str = "auto") -> dict:
+    inv = lab.inventory_yaml(hosts, connect_timeout=5, ssh_client=client)
     watch = Watch(home, inv, interval)
     pid = watch.proc.pid
 
     def sample() -> dict:
         return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": status_of(pid, "Threads"),
-                "rss_kib": status_of(pid, "VmRSS")}
+                "rss_kib": status_of(pid, "VmRSS"), "pss_kib_with_ssh": tree_pss_kib(pid),
+                "ssh_processes": len(descendants(pid))}
 
     try:
         watch.pump(60.0)
@@ -193,6 +248,8 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--soak-minutes", type=float, default=0.0)
     ap.add_argument("--restart-every", type=float, default=180.0)
+    ap.add_argument("--ssh-client", default="auto", choices=("auto", "openssh", "paramiko"),
+                    help="the inventory's ssh_client for every host")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gf-live-bench-") as tmp, Lab(Path(tmp) / "lab") as lab:
         home = Path(tmp) / "home"
@@ -202,15 +259,18 @@ def main() -> None:
             h = lab.add_host(f"live-{i:03d}", gpus=args.gpus)
             h.spawn_holder(gpus=[0], mib=70000 // 8, title="VLLM::Worker_TP0")
             hosts.append(h)
-        one = measure(lab, hosts[:1], home, args.interval, min(args.seconds, 10.0))
-        many = measure(lab, hosts, home, args.interval, args.seconds)
+        client = args.ssh_client
+        one = measure(lab, hosts[:1], home, args.interval, min(args.seconds, 10.0), client)
+        many = measure(lab, hosts, home, args.interval, args.seconds, client)
         if args.hosts > 1:
             many["rss_kib_per_host_beyond_baseline"] = round(
                 (many["rss_kib"] - one["rss_kib"]) / (args.hosts - 1), 1)
+            many["pss_kib_with_ssh_per_host_beyond_baseline"] = round(
+                (many["pss_kib_with_ssh"] - one["pss_kib_with_ssh"]) / (args.hosts - 1), 1)
         print(json.dumps({"one_host": one, "fleet": many}, indent=2))
         if args.soak_minutes > 0:
             print(json.dumps({"soak": soak(lab, hosts, home, args.interval, args.soak_minutes,
-                                           args.restart_every)}, indent=2))
+                                           args.restart_every, client)}, indent=2))
 
 
 if __name__ == "__main__":
