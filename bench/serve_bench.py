@@ -31,6 +31,9 @@ sys.path.insert(0, str(REPO / "tests" / "lab"))
 
 from lab import Lab  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+from live_bench import descendants, tree_pss_kib  # noqa: E402
+
 GPUFLEET = [sys.executable, "-c", "from gpufleet.cli import main; main()"]
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -48,11 +51,13 @@ def scrape(url: str) -> tuple[float, bytes]:
     return (time.perf_counter() - started) * 1000, body
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int) -> str:
+    """The serve process's RSS, and the PSS of it with its ssh processes (OpenSSH masters)."""
+    own = -1
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return -1
+            own = int(line.split()[1])
+    return f"{own} (with {len(descendants(pid))} ssh: PSS {tree_pss_kib(pid)})"
 
 
 def metric(body: bytes, name: str) -> float:
