@@ -110,3 +110,16 @@ def test_get_command_of_an_unknown_name_is_none() -> None:
     ctx = click.Context(cli)
     assert cli.get_command(ctx, "no-such-command") is None
     assert cli.get_command(ctx, "hosts") is cli.commands["hosts"]
+
+
+def test_prefetch_imports_in_the_background_and_leaves_errors_to_the_real_import() -> None:
+    code = ("import sys\nfrom gpufleet.cli import prefetch\n"
+            "assert 'gpufleet.render.status' not in sys.modules\n"
+            "t = prefetch('gpufleet.render.status', 'gpufleet_no_such_module', 'json.tool')\n"
+            "t.join(30)\n"
+            "print(t.name, t.daemon, 'gpufleet.render.status' in sys.modules, 'json.tool' in sys.modules)\n"
+            "try:\n    import gpufleet_no_such_module\nexcept ImportError as e:\n    print('raised', e.name)\n")
+    res = _python(code)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    # loaded in order, stopped at the first failure, which the real import raises itself
+    assert res.stdout.splitlines() == ["gpufleet-prefetch True True False", "raised gpufleet_no_such_module"]
