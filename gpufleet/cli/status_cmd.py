@@ -8,7 +8,7 @@ import click
 
 from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
-from gpufleet.cli import AppContext, cli, prefetch, selection_options, terminal_safe
+from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
 
 
 def parse_interval(text: Optional[str], option: str) -> Optional[float]:
@@ -37,6 +37,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
 
     Exit 0 when every host answered, 1 when some host failed, 2 on usage errors.
     """
+    prefetch(AGENT_PAYLOAD)  # compressed (GIL released) while the modules and the inventory load
     from gpufleet.ops.collect import snapshot_hosts
     from gpufleet.cli.progress import HostProgress
 

@@ -123,3 +123,17 @@ def test_prefetch_imports_in_the_background_and_leaves_errors_to_the_real_import
     assert res.returncode == 0 and res.stderr == "", res.stderr
     # loaded in order, stopped at the first failure, which the real import raises itself
     assert res.stdout.splitlines() == ["gpufleet-prefetch True True False", "raised gpufleet_no_such_module"]
+
+
+def test_prefetch_calls_a_function_and_the_agent_payload_it_warms_is_the_one_sent() -> None:
+    """``"module:function"`` is called on the thread; AGENT_PAYLOAD names the cached function
+    whose value every run sends (if remote/ renames it, this fails instead of the warm-up
+    silently doing nothing)."""
+    code = ("import sys\nfrom gpufleet.cli import AGENT_PAYLOAD, prefetch\n"
+            "prefetch(AGENT_PAYLOAD).join(60)\n"
+            "import gpufleet.remote as r\n"
+            "print(r.compressed_agent.cache_info().currsize, AGENT_PAYLOAD)\n"
+            "import zlib\nprint(zlib.decompress(r.compressed_agent()) == r.agent_source())\n")
+    res = _python(code)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["1 gpufleet.remote:compressed_agent", "True"]
