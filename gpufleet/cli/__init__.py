@@ -5,8 +5,10 @@ error (nothing was done); 130 interrupted.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -48,7 +50,67 @@ def selection_options(func: Callable) -> Callable:
     return func
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Each command's module, imported only when that command runs or shows its own --help, and the
+# first sentence of its help: what `gpufleet --help` lists without importing anything
+# (tests/unit/test_cli_lazy.py holds the two to the modules' real help).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "clean": ("clean_cmd", "Free the GPUs in scope: TERM, grace, KILL; then wait until the memory is "
+                           "really back."),
+    "export": ("export_cmd", "Print the fleet's metrics in Prometheus's text format, or write them for "
+                             "node_exporter."),
+    "fit": ("fit_cmd", "Will this model fit on the selected GPUs? Exit 0 fits everywhere, 1 not "
+                       "somewhere, 2 usage."),
+    "health": ("health_cmd", "Is every selected GPU sound? ECC, remapped rows, Xid events, lost GPUs, "
+                             "the GPU count against the inventory's `gpus:`, throttling, PCIe link, "
+                             "persistence (one SSH exec per host)."),
+    "hosts": ("hosts_cmd", "List inventory hosts: name, address, port, user, tags, groups."),
+    "run": ("run_cmd", "Run a runbook's steps on the selected hosts (hosts in parallel, steps in order)."),
+    "serve": ("export_cmd", "Serve /metrics and /healthz for Prometheus; refreshed in the background "
+                            "over one persistent SSH session per host, so a scrape never waits for a host."),
+    "slurm": ("slurm_cmd", "Slurm: Prolog/Epilog that free and check a job's GPUs; undrain clean nodes."),
+    "status": ("status_cmd", "GPUs, memory and holders of the selected hosts (one SSH exec per host)."),
+    "top": ("top", "Live screen of the selected hosts: GPUs, memory, holders; mark GPUs and clean them."),
+    "trust": ("trust_cmd", "Fetch the key HOST presents, show its SHA256 fingerprint and record it."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands live in modules imported on first use: `gpufleet status` imports
+    status_cmd, not clean_cmd, fit_cmd, slurm_cmd... (each costs milliseconds at every start).
+    A module registers its commands on import (``@cli.command()``), as before."""
+
+    listing = False  # True while --help lists the commands: stand-ins, nothing imported
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(self.commands) | set(COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> Optional[click.Command]:
+        if cmd_name in self.commands or cmd_name not in COMMANDS:
+            return self.commands.get(cmd_name)
+        module, short_help = COMMANDS[cmd_name]
+        if self.listing:
+            return click.Command(cmd_name, help=short_help)
+        try:
+            importlib.import_module(f"{__name__}.{module}")
+        except ImportError as exc:
+            if exc.name != f"{__name__}.{module}":
+                raise
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self.listing = True
+        try:
+            super().format_commands(ctx, formatter)
+        finally:
+            self.listing = False
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        if args and args[0] not in self.commands and args[0] not in COMMANDS:
+            _load_all()  # click's "No such command" (and "Did you mean") reads self.commands
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False), default=None,
               help="Inventory file (default: $GPUFLEET_INVENTORY, ./fleet.yaml, ~/.config/gpufleet/fleet.yaml).")
 @click.option("--forks", type=click.IntRange(1, 1024), default=32, show_default=True,
@@ -60,22 +122,40 @@ def cli(ctx: click.Context, inventory_path: Optional[str], forks: int) -> None:
     ctx.obj = AppContext(inventory_path=inventory_path, forks=forks)
 
 
-def _register() -> None:
-    from gpufleet.cli import hosts_cmd, status_cmd  # noqa: F401  (importing registers the commands)
-    del hosts_cmd, status_cmd
+def _load_all() -> None:
+    """Import every command module (an unknown command's error lists them all, as before)."""
+    for name in COMMANDS:
+        cli.get_command(click.Context(cli), name)
 
-    for optional in ("clean_cmd", "export_cmd", "fit_cmd", "health_cmd", "run_cmd", "slurm_cmd", "top",
-                     "trust_cmd"):
-        try:
-            __import__(f"{__name__}.{optional}")
-        except ImportError as exc:
-            if exc.name != f"{__name__}.{optional}":
-                raise
+
+# The agent payload every run sends (lru-cached): the first command to need it computes it.
+AGENT_PAYLOAD = "gpufleet.remote:compressed_agent"
+
+
+def prefetch(*targets: str) -> threading.Thread:
+    """Import modules (``"pkg.mod"``) or call a module's function (``"pkg.mod:fn"``) on a
+    background thread, in order, for a command about to wait: what it needs only once the
+    agents answer (the snapshot model, the renderers: ~25 ms of imports) loads while they run
+    instead of after, and the agent's payload is compressed (zlib releases the GIL) while the
+    inventory loads. Import locks keep it safe: whoever needs a module first waits for it. The
+    first failure ends the thread quietly: the real import or call raises it where it counts."""
+    def load() -> None:
+        for target in targets:
+            module, _, function = target.partition(":")
+            try:
+                loaded = importlib.import_module(module)
+                if function:
+                    getattr(loaded, function)()
+            except BaseException:
+                return
+
+    thread = threading.Thread(target=load, name="gpufleet-prefetch", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point: every GpufleetError is one line on stderr and its exit code, never a traceback."""
-    _register()
     try:
         rc = cli.main(args=list(argv) if argv is not None else None, prog_name="gpufleet", standalone_mode=False)
     except click.exceptions.Abort:
@@ -117,4 +197,4 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-__all__ = ["cli", "main", "selection_options", "terminal_safe", "AppContext", "UsageError"]
+__all__ = ["AGENT_PAYLOAD", "cli", "main", "prefetch", "selection_options", "terminal_safe", "AppContext", "UsageError"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
+from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
 from gpufleet.errors import EXIT_FAILED, EXIT_OK
 
 
@@ -19,14 +19,17 @@ def health(app: AppContext, hosts, groups, tags, all_, as_json: bool, strict: bo
     Exit 0 when all are OK (or only WARN), 1 on any CRITICAL finding (on WARN too with
     --strict) or a host that could not be read, 2 on usage errors.
     """
+    prefetch(AGENT_PAYLOAD)  # compressed (GIL released) while the modules and the inventory load
     from gpufleet.cli.progress import HostProgress
-    from gpufleet.core.health import CRITICAL, WARN, assess_result
     from gpufleet.ops.collect import snapshot_hosts
-    from gpufleet.render.health import health_document, health_table, to_json
 
     selected = app.select(hosts, groups, tags, all_)
+    prefetch("gpufleet.core.model", "gpufleet.render.health")  # loaded while the agents run
     with HostProgress(selected, "health") as progress:  # stderr, on a terminal only
         results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
+    from gpufleet.core.health import CRITICAL, WARN, assess_result
+    from gpufleet.render.health import health_document, health_table, to_json
+
     expected = {h.name: h.gpus for h in selected}
     report = [assess_result(r, expected.get(r.host)) for r in results]
     if as_json:

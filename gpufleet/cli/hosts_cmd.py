@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from gpufleet.render.common import to_json
+from gpufleet.render.table import render_table
 from gpufleet.cli import AppContext, cli, selection_options
 
 
@@ -13,7 +14,6 @@ from gpufleet.cli import AppContext, cli, selection_options
 @click.pass_obj
 def hosts(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
     """List inventory hosts: name, address, port, user, tags, groups."""
-    from tabulate import tabulate  # imported when a table is drawn: --json skips ~30 ms
     selected = app.select(hosts, groups, tags, all_)
     if as_json:
         click.echo(to_json({"hosts": [
@@ -26,5 +26,5 @@ def hosts(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
          ",".join(h.tags) or "-", ",".join(h.groups) or "-"]
         for h in selected
     ]
-    click.echo(tabulate(rows, headers=["NAME", "ADDRESS", "PORT", "USER", "TAGS", "GROUPS"]))
+    click.echo(render_table(rows, ["NAME", "ADDRESS", "PORT", "USER", "TAGS", "GROUPS"]))
     return 0

@@ -8,8 +8,7 @@ import click
 
 from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
-from gpufleet.render.status import status_document, status_table, to_json
-from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
+from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
 
 
 def parse_interval(text: Optional[str], option: str) -> Optional[float]:
@@ -38,6 +37,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
 
     Exit 0 when every host answered, 1 when some host failed, 2 on usage errors.
     """
+    prefetch(AGENT_PAYLOAD)  # compressed (GIL released) while the modules and the inventory load
     from gpufleet.ops.collect import snapshot_hosts
     from gpufleet.cli.progress import HostProgress
 
@@ -48,8 +48,11 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
 
         return watch_status(selected, interval, as_json)
     started = time.monotonic()
+    prefetch("gpufleet.core.model", "gpufleet.render.status")  # loaded while the agents run
     with HostProgress(selected, "status") as progress:  # stderr, on a terminal only
         results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
+    from gpufleet.render.status import status_document, status_table, to_json
+
     expected = {h.name: int(h.unattributed_mib or 0) for h in selected}
     expected_gpus = {h.name: h.gpus for h in selected}
     if as_json:

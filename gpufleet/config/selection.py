@@ -5,7 +5,6 @@ must say "did you mean 'train-01'?" instead of quietly cleaning nothing (or ever
 """
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import re
 from typing import Iterable, Optional, Sequence
@@ -83,6 +82,8 @@ def _suggest(word: str, inventory: Inventory, flag: str) -> str:
         if right_flag != flag:
             return f" (did you mean {right_flag} {name}?)"
         return f" (did you mean {name!r}?)"
+    import difflib  # an error's suggestion only: not paid by every start
+
     match = difflib.get_close_matches(lowered, list(names), n=1, cutoff=0.6)
     if not match:
         return ""

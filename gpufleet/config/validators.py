@@ -11,7 +11,6 @@ every kind of mistake; without it a wrong type and a value out of range read dif
 """
 from __future__ import annotations
 
-import difflib
 import math
 import re
 import urllib.parse
@@ -61,6 +60,8 @@ def describe(value: Any) -> str:
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    import difflib  # an error's suggestion only: not paid by every start
+
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""
 

@@ -6,13 +6,16 @@ modules (model, plan, render) never import it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
-from gpufleet.core.model import HostResult, parse_snapshot
 from gpufleet.errors import AGENT, INTERNAL, SnapshotError, first_line, kind_of
 from gpufleet.ops.fanout import run_hosts
 from gpufleet.transport import AgentReply, Dialled, open_session, predial
+
+if TYPE_CHECKING:  # the snapshot model is imported by the first reply (or cli.prefetch), not
+    # before the agents start: a command loads it while it waits for the hosts
+    from gpufleet.core.model import HostResult
 
 DEADLINE_MARGIN_S = 2.0
 
@@ -31,7 +34,9 @@ def snapshot_request(host: Host) -> dict[str, Any]:
 
 def result_from_reply(host: Host, reply: AgentReply, started: float) -> HostResult:
     """The host's row from the agent's reply; the reply's failure kind travels with it."""
-    seconds = time.monotonic() - started
+    seconds = time.monotonic() - started  # the host's time, before this side parses
+    from gpufleet.core.model import HostResult, parse_snapshot
+
     if not reply.ok or reply.doc is None:
         return HostResult(host=host.name, ok=False, error=reply.error or "agent failed",
                           seconds=seconds, error_kind=reply.error_kind or AGENT)
@@ -51,6 +56,8 @@ def snapshot_host(host: Host, dial: Optional[Dialled] = None) -> HostResult:
         with open_session(host, dial) as session:
             reply = session.run_agent(snapshot_request(host), timeout=float(host.command_timeout))
     except Exception as exc:  # a failed host is a value, whatever broke
+        from gpufleet.core.model import HostResult
+
         return HostResult(host=host.name, ok=False, error=first_line(exc)[:300],
                           seconds=time.monotonic() - started, error_kind=kind_of(exc))
     return result_from_reply(host, reply, started)
@@ -69,6 +76,8 @@ def snapshot_hosts(hosts: Sequence[Host], forks: int = 32,
         with predial(hosts, forks) as dials:
             out = run_hosts(hosts, lambda h: snapshot_host(h, dials.take(h)), forks=forks,
                             on_start=on_start, on_result=on_result)
+    from gpufleet.core.model import HostResult
+
     return [
         r if isinstance(r, HostResult) else HostResult(host=h.name, ok=False, error=str(r),
                                                        error_kind=INTERNAL)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import signal
 import threading
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
-from gpufleet.core.model import HostResult
 from gpufleet.core.results import Failure
 from gpufleet.errors import INTERRUPTED, describe, kind_of
+
+if TYPE_CHECKING:
+    from gpufleet.core.model import HostResult
 
 H = TypeVar("H")
 
@@ -29,6 +31,8 @@ def host_name(host: Any) -> str:
 
 def error_result(host: Any, failure: Failure) -> HostResult:
     """The default error value: a failed HostResult for that host."""
+    from gpufleet.core.model import HostResult  # imported when first needed: see cli.prefetch
+
     return HostResult(host=host_name(host), ok=False, error=failure.message,
                       error_kind=failure.kind)
 

@@ -6,6 +6,7 @@ from typing import Any, Optional, Sequence
 
 from gpufleet.core.plan import Plan
 from gpufleet.core.gpus import format_gpu_ranges
+from gpufleet.render.table import render_table
 
 CLEAN_HEADERS = ["HOST", "GPUS", "SIGNALLED", "REFUSED", "FREED (MiB)", "LEFT (MiB)", "VERDICT", "TIME"]
 
@@ -17,7 +18,6 @@ def _short(text: str, width: int = 60) -> str:
 
 def plan_text(plan: Plan) -> str:
     """What would be signalled, what is refused and why: the heart of --dry-run."""
-    from tabulate import tabulate  # imported when a table is drawn: --json skips ~30 ms
     lines = [f"{plan.host}: GPUs {format_gpu_ranges(plan.scope) or '-'}"
              f"{' (every GPU)' if plan.full_scope else ''}"]
     for unit in plan.units_to_stop:
@@ -27,7 +27,7 @@ def plan_text(plan: Plan) -> str:
                  "root" if t.wave == 0 else f"child of {t.family_root}",
                  "-" if t.used_mib is None else t.used_mib, _short(t.cmdline, 50)]
                 for t in sorted(plan.targets, key=lambda t: (t.wave, t.pid))]
-        table = tabulate(rows, headers=["SIGNAL PID", "NAME", "GPUS", "EVIDENCE", "ORDER", "MiB", "CMDLINE"])
+        table = render_table(rows, ["SIGNAL PID", "NAME", "GPUS", "EVIDENCE", "ORDER", "MiB", "CMDLINE"])
         lines.extend("  " + line for line in table.splitlines())
     else:
         lines.append("  nothing to signal")
@@ -68,8 +68,7 @@ def outcome_rows(results: Sequence[Any]) -> list[list[Any]]:
 
 
 def outcome_table(results: Sequence[Any]) -> str:
-    from tabulate import tabulate  # imported when a table is drawn: --json skips ~30 ms
-    text = tabulate(outcome_rows(results), headers=CLEAN_HEADERS, disable_numparse=True)
+    text = render_table(outcome_rows(results), CLEAN_HEADERS, numparse=False)
     reasons = []
     for r in results:
         if r.error:

@@ -5,6 +5,7 @@ from typing import Any, Optional
 
 from gpufleet.core.fit import FitReport
 from gpufleet.render.common import error_cell
+from gpufleet.render.table import render_table
 
 HEADERS = ["HOST", "GPU", "TOTAL", "FREE", "VLLM FREE", "REQUESTED", "START-UP", "KV CACHE",
            "MAX UTIL", "MIN UTIL", "VERDICT"]
@@ -34,9 +35,7 @@ def table_rows(report: FitReport) -> list[list[Any]]:
 
 def render_text(report: FitReport) -> str:
     """The table, then one line per suggestion / note."""
-    from tabulate import tabulate
-
-    text = tabulate(table_rows(report), headers=HEADERS, disable_numparse=True)
+    text = render_table(table_rows(report), HEADERS, numparse=False)
     return text + ("\n\n" + "\n".join(report.details) if report.details else "")
 
 

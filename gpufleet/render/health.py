@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from gpufleet.core.health import ACTION_TEXT, OK, GpuHealth, HostHealth
 from gpufleet.render.common import error_cell, terminal_safe, to_json  # noqa: F401 (re-exported)
+from gpufleet.render.table import render_table
 
 HEALTH_HEADERS = ["HOST", "GPU", "PCI", "HEALTH", "FINDINGS", "ACTION"]
 DETAIL_MAX = 120
@@ -60,9 +61,7 @@ def summary_line(report: Sequence[HostHealth]) -> str:
 
 
 def health_table(report: Sequence[HostHealth]) -> str:
-    from tabulate import tabulate
-
-    table = tabulate(health_rows(report), headers=HEALTH_HEADERS, tablefmt="simple")
+    table = render_table(health_rows(report), HEALTH_HEADERS)
     return table + "\n" + summary_line(report)
 
 

@@ -14,6 +14,7 @@ from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
 from gpufleet.core.results import Failure
 from gpufleet.errors import COMMAND, TIMEOUT
+from gpufleet.render.table import render_table
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
 BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB
@@ -152,9 +153,7 @@ def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str
 
 def status_table(results: Sequence[HostResult], expected: dict[str, int],
                  expected_gpus: Optional[dict[str, Optional[int]]] = None) -> str:
-    from tabulate import tabulate  # imported when a table is drawn: --json skips ~30 ms
-    table = tabulate(status_rows(results, expected, expected_gpus), headers=STATUS_HEADERS,
-                     tablefmt="simple")
+    table = render_table(status_rows(results, expected, expected_gpus), STATUS_HEADERS)
     notes = [f"{name}: {error}" for name, error in _long_errors(results)]
     notes += [f"{r.host}: warning: {w}" for r in results if r.snapshot is not None
               for w in screen_warnings(r.snapshot, expected.get(r.host, 0))]

@@ -227,15 +227,14 @@ def document(runbook: Runbook, runs: Sequence[HostRun], dry_run: bool) -> dict[s
 
 
 def table(runs: Sequence[HostRun], width: int = 120) -> str:
-    from tabulate import tabulate
+    from gpufleet.render.table import render_table
 
     rows = []
     for run in runs:
         for n, s in enumerate(run.steps, 1):
             seconds = "-" if s.outcome in (SKIPPED, PLANNED) else f"{s.seconds:.1f}s"
             rows.append([run.host, n, s.name, s.kind, s.outcome, seconds, _short(s.detail or "-", width)])
-    text = tabulate(rows, headers=["HOST", "#", "STEP", "KIND", "OUTCOME", "TIME", "DETAIL"],
-                    disable_numparse=True)
+    text = render_table(rows, ["HOST", "#", "STEP", "KIND", "OUTCOME", "TIME", "DETAIL"], numparse=False)
     tail = []
     for run in runs:
         if run.error and not any(s.outcome == FAILED for s in run.steps):

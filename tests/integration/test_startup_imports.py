@@ -164,3 +164,45 @@ def test_main_called_in_process_still_raises_systemexit() -> None:
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0
+
+
+# Issue 12, the controller's start: what one command needs, and nothing another one does.
+ALL_MODULES_WRAPPER = (
+    "import atexit, json, os, sys\n"
+    "def _seen():\n"
+    "    with open(os.environ['GF_MODULES_OUT'], 'w') as f:\n"
+    "        json.dump(sorted(sys.modules), f)\n"
+    "atexit.register(_seen)\n"
+    "from gpufleet.cli import main\n"
+    "main(sys.argv[1:])\n"
+)
+NOT_FOR_STATUS = ("tabulate", "wcwidth", "gpufleet.core.metrics", "gpufleet.core.slurm",
+                  "gpufleet.core.plan", "gpufleet.core.fit", "gpufleet.render.clean",
+                  "gpufleet.cli.clean_cmd", "gpufleet.cli.fit_cmd", "gpufleet.cli.slurm_cmd",
+                  "gpufleet.cli.export_cmd", "gpufleet.cli.run_cmd", "gpufleet.cli.top")
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["hosts"], ["--help"]],
+                         ids=lambda a: " ".join(a))
+def test_a_local_status_imports_only_what_status_needs(tmp_path: Path, local_fleet: Path,
+                                                       args: list[str]) -> None:
+    """No other command's modules, no tabulate (render/table.py draws the table), no metrics,
+    Slurm, clean plan or fit arithmetic; the table and the JSON document are still complete."""
+    out = tmp_path / "modules.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUFLEET_INVENTORY", "SSH_AUTH_SOCK")}
+    env.update(GF_MODULES_OUT=str(out), HOME=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p))
+    argv = args if args[0] == "--help" else ["-i", str(local_fleet), *args]
+    res = subprocess.run([sys.executable, "-c", ALL_MODULES_WRAPPER, *argv], cwd=str(tmp_path),
+                         env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in res.stderr, res.stderr
+    mods = set(json.loads(out.read_text()))
+    unwanted = sorted(m for m in mods if any(m == n or m.startswith(n + ".") for n in NOT_FOR_STATUS))
+    assert unwanted == [], "gpufleet %s imported %s" % (" ".join(args), unwanted)
+    if args == ["status"]:
+        assert res.stdout.splitlines()[0].split() == ["HOST", "GPU", "NAME", "MEMORY", "UTIL",
+                                                      "UNATTRIBUTED", "HOLDERS", "HEALTH"]
+        assert res.stdout.splitlines()[2].startswith("here ")
+        assert "gpufleet.render.status" in mods and "gpufleet.core.health" in mods
+    if args == ["status", "--json"]:
+        assert json.loads(res.stdout)["hosts"][0]["host"] == "here"
