@@ -261,7 +261,7 @@ def test_fetch_host_key_reports_the_dial_failure() -> None:
         dead.close()
 
 
-def test_openssh_hosts_are_left_to_ssh_unless_asked(home: Path) -> None:
+def test_openssh_hosts_are_left_to_ssh_unless_asked(home: Any) -> None:
     """OpenSSH connects by itself: predial leaves those hosts alone (a probe would be a second
     connection per host); `trust` (paramiko's key exchange) asks for them too."""
     hosts = [host("o%d" % i, 9, ssh_client="openssh") for i in range(2)]
