@@ -8,10 +8,8 @@ import errno
 import fcntl
 import json
 import os
-import re
 import select
 import signal
-import socket
 import stat as stat_mod
 import time
 
@@ -26,6 +24,7 @@ from .jobs import (  # joined
 )
 from .parse import (  # joined
     CMDLINE_MAX,
+    LazyRe,
     ParseError,
     check_complete,
     first_line,
@@ -43,11 +42,11 @@ SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")
 DEFAULT_LOCK = "/tmp/gpufleet-clean.lock"
 
 
-UNIT_RE = re.compile(
+UNIT_RE = LazyRe(
     r"^[A-Za-z0-9_][A-Za-z0-9:_.@\\-]*\."
     r"(?:service|scope|socket|target|timer|slice|mount|path|swap|automount|device)$"
 )
-SHM_LEFTOVER_RE = re.compile(r"^(?:nccl-|psm_|torch_|vllm)")
+SHM_LEFTOVER_RE = LazyRe(r"^(?:nccl-|psm_|torch_|vllm)")
 
 
 def valid_unit(name):
@@ -143,7 +142,7 @@ class Auditor(object):
     def record(self, pid, starttime, cmdline, sig, outcome):
         line = json.dumps({
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "epoch": round(time.time(), 3),
-            "operator": self.operator, "host": socket.gethostname(), "pid": pid,
+            "operator": self.operator, "host": os.uname()[1], "pid": pid,
             "starttime": starttime, "cmdline": cmdline, "signal": sig, "outcome": outcome,
         }) + "\n"
         try:
