@@ -74,6 +74,7 @@ class Host:
     python: str = "python3"
     nvidia_smi: Optional[str] = None
     gpu_source: str = "auto"
+    agent_cache: bool = True  # false: the agent's compiled code is neither cached nor read
     unattributed_mib: int = 0
     gpus: Optional[int] = None  # GPUs the host should have (health: a missing GPU); None: any
     protect: tuple[str, ...] = ()
@@ -318,6 +319,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "python": _v_python,
     "nvidia_smi": _v_remote_path,
     "gpu_source": _shared(validators.choice(GPU_SOURCES)),
+    "agent_cache": _shared(validators.boolean),
     "unattributed_mib": _shared(validators.mib, one_message=True),
     "gpus": _shared(validators.gpu_count),
     "protect": _list_of(_glob, "glob strings"),

@@ -102,10 +102,8 @@ def open_dir(path):
             fd = os.open(path, flags)
             break
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                return None, "dir-symlink"
-            if exc.errno == errno.ENOTDIR:
-                return None, "dir-not-dir"
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # Linux: ENOTDIR for a link
+                return None, "dir-symlink" if os.path.islink(path) else "dir-not-dir"
             if exc.errno != errno.ENOENT or attempt:
                 return None, "dir-" + errno.errorcode.get(exc.errno, "error")
         try:
