@@ -40,7 +40,7 @@ PYTHON_FLAGS = ("-S", "-E", "-s")
 #: and the loader (n bytes), run the loader; it reads the rest by length (remote/loader.py).
 BOOTSTRAP = (
     'import sys;b=sys.stdin.buffer;h=b.readline().split();'
-    'exec(compile(b.read(int(h[0])),"gpufleet-loader","exec"),'
+    'exec(compile(b.read(int(h[0])),"gpufleet-agent-loader","exec"),'
     '{"__name__":"gpufleet_loader","B":b,"H":h})'
 )
 #: The first stage sent before the agent (not one of AGENT_PIECES: it is not joined).
