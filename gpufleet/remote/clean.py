@@ -5,10 +5,8 @@ A piece of the remote agent. The controller decides what may be signalled
 session, never a PID whose start time changed) and the evidence of what happened.
 """
 import errno
-import fcntl
 import json
 import os
-import select
 import signal
 import stat as stat_mod
 import time
@@ -115,6 +113,8 @@ def acquire_lock(path, wait_s, poll=0.1):
                 continue
     if fd is None:
         raise OSError(errno.EIO, "cannot open lock file %s" % path)
+    import fcntl  # a clean's only: not loaded by a snapshot's start
+
     end = time.monotonic() + max(0.0, wait_s)
     while True:
         try:
@@ -318,6 +318,8 @@ def wait_exit(targets, seconds, poll, deadline, proc=PROC, stats=None, allow_pid
     end = min(time.monotonic() + seconds, deadline.end)
     stats = stats if stats is not None else {}
     watched, polled = {}, []
+    import select  # a clean's only: not loaded by a snapshot's start
+
     poller = select.poll()
     try:
         for t in targets:
