@@ -172,8 +172,21 @@ def main(raw_request):
     emit(doc)
 
 
+def exit_now():
+    """The document is out: end without the interpreter's teardown (finalising every module
+    and object, ~5 ms of a ~40 ms exec), as watch mode does. Nothing is lost: what the agent
+    writes besides stdout (the audit line) goes through os.write, locks go with the process."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, IOError, ValueError):
+            pass
+    os._exit(0)
+
+
 if __name__ == "gpufleet_agent":
     AGENT_CACHE_FACTS.update(globals().get("AGENT_CACHE") or {})  # what the loader did
     main(globals()["REQUEST"])  # injected by the loader
+    exit_now()
 elif __name__ == "__main__":
     main(sys.stdin.buffer.read())
