@@ -154,8 +154,10 @@ def child_rows(runs: int, code: Path) -> dict[str, list]:
 
 
 def controller_rows(runs: int) -> list[tuple[int, int, list]]:
+    """zlib.compress of this checkout's agent per level (time, size)."""
     import zlib
 
+    sys.path.insert(0, str(ROOT))  # this checkout, not an installed gpufleet
     from gpufleet.remote import agent_source
 
     src = agent_source()
