@@ -76,6 +76,7 @@ class Host:
     nvidia_smi: Optional[str] = None
     gpu_source: str = "auto"
     ssh_client: str = "auto"
+    agent_cache: bool = True  # false: the agent's compiled code is neither cached nor read
     unattributed_mib: int = 0
     gpus: Optional[int] = None  # GPUs the host should have (health: a missing GPU); None: any
     protect: tuple[str, ...] = ()
@@ -321,6 +322,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "nvidia_smi": _v_remote_path,
     "gpu_source": _shared(validators.choice(GPU_SOURCES)),
     "ssh_client": _shared(validators.choice(SSH_CLIENTS)),
+    "agent_cache": _shared(validators.boolean),
     "unattributed_mib": _shared(validators.mib, one_message=True),
     "gpus": _shared(validators.gpu_count),
     "protect": _list_of(_glob, "glob strings"),

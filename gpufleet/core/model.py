@@ -40,6 +40,8 @@ could not be read, with the reason ("permission denied as root", ...).
 NVML (added later): ``facts.gpu_source`` is "nvml" or "nvidia-smi" (what read the GPUs) and
 ``facts.gpu_source_reason`` why it is not the default (NVML unavailable, forced by the
 inventory); the ``nvidia_smi`` object is then the GPU readings' status whatever their source.
+``facts.agent_cache`` (hit | miss | off | unusable; added later) and ``agent_cache_reason``:
+what the host's loader did with its cache of the compiled agent (remote/loader.py).
 ``nvml``: {"library", "error", "seconds"}; ``graphics_apps`` (NVML: graphics processes, not
 counted as attributed, like nvidia-smi's --query-compute-apps); ``gpu_errors``: [{"index",
 "error", "code"}] GPUs NVML counts but cannot read (lost: code 15); the document then has
@@ -228,6 +230,8 @@ class HostFacts:
     hidepid: bool = False
     gpu_source: Optional[str] = None  # "nvml" | "nvidia-smi" (None: an agent before NVML)
     gpu_source_reason: Optional[str] = None  # why not the default choice
+    agent_cache: Optional[str] = None  # "hit" | "miss" | "off" | "unusable" (None: not said)
+    agent_cache_reason: Optional[str] = None  # why not a hit ("absent", "dir-owner", ...)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -118,6 +118,7 @@ def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[S
                          reset=opts.reset, operator=opts.operator, lock_path=opts.lock_path,
                          nvidia_smi=host.nvidia_smi, smi_timeout_s=opts.smi_timeout_s)
     request["gpu_source"] = host.gpu_source
+    request["agent_cache"] = host.agent_cache
     # The verdict reads the after-snapshot's memory, processes and holders, never the CUDA
     # version: without it that snapshot skips a bare `nvidia-smi` run (110 ms on an H200)
     # between "the memory is back" and the document coming home.

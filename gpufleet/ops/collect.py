@@ -28,6 +28,7 @@ def snapshot_request(host: Host) -> dict[str, Any]:
         "deadline_s": max(1.0, timeout - DEADLINE_MARGIN_S),
         "nvidia_smi": host.nvidia_smi,
         "gpu_source": host.gpu_source,
+        "agent_cache": host.agent_cache,
         "smi_timeout_s": max(1.0, min(10.0, timeout / 2)),
     }
 

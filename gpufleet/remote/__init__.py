@@ -2,16 +2,18 @@
 
 Nothing from the inventory or from process names becomes shell text: the command below is a
 constant (only the interpreter path varies, and the transport shlex-quotes it), and the
-agent plus its request travel on stdin as ``<k> <m>\\n<zlib(agent source): k bytes><request
-JSON: m bytes>``, read by length: stdin stays open after them, so a resident agent (watch
-mode) hears the controller's keep-alives on it and sees it close.
+loader, the agent and its request travel on stdin as ``<n> <k> <m> <key>\\n<loader source: n
+bytes><zlib(agent source): k bytes><request JSON: m bytes>``, read by length: stdin stays open
+after them, so a resident agent (watch mode) hears the controller's keep-alives on it and sees
+it close. ``key`` is the agent source's hash: the loader (remote/loader.py) runs the host's
+cached code object of that source when it has a trusted one, instead of compiling it (~40 ms).
 
 The agent is several small standard-library modules here (``AGENT_PIECES``), joined at send
 time into ONE source with ONE global namespace: each piece's imports of earlier pieces are
 marked ``# joined`` and dropped, the rest is concatenated in dependency order. So a piece is a
 real module that imports and tests on its own, and a host still gets one exec. The joined
-source is sent compressed (about 65 KB -> 19 KB): on a 100 ms link that is a quarter of a
-second less per host (bench/README.md).
+source is sent compressed (about 118 KB -> 37 KB at zlib level 4, ~2 ms once per process;
+level 9 saved 1.7 KB more for ~12 ms: bench/README.md).
 """
 from __future__ import annotations
 
@@ -34,13 +36,17 @@ JOINED_MARK = "# joined"
 #: standard library only, so nothing they need comes from site. All three exist since 2.x.
 PYTHON_FLAGS = ("-S", "-E", "-s")
 
-#: The -c program of docs/DESIGN.md ("Running the agent"): read the agent and the request by
-#: length (a header line ``k m``), exec the agent; the rest of stdin is left to the agent.
+#: The -c program of docs/DESIGN.md ("Running the agent"): read the header line ``n k m key``
+#: and the loader (n bytes), run the loader; it reads the rest by length (remote/loader.py).
 BOOTSTRAP = (
-    'import sys,zlib;b=sys.stdin.buffer;k,m=map(int,b.readline().split());'
-    'exec(compile(zlib.decompress(b.read(k)),"gpufleet-agent","exec"),'
-    '{"__name__":"gpufleet_agent","REQUEST":b.read(m)})'
+    'import sys;b=sys.stdin.buffer;h=b.readline().split();'
+    'exec(compile(b.read(int(h[0])),"gpufleet-agent-loader","exec"),'
+    '{"__name__":"gpufleet_loader","B":b,"H":h})'
 )
+#: The first stage sent before the agent (not one of AGENT_PIECES: it is not joined).
+LOADER = "loader"
+#: zlib level of the agent sent: 4 costs ~2 ms for 37 KB; 9 cost ~12 ms for 35 KB.
+ZLIB_LEVEL = 4
 
 
 def piece_source(name: str) -> str:
@@ -99,13 +105,32 @@ def bootstrap_command(python: str = "python3", sudo: bool = False) -> List[str]:
 
 @functools.lru_cache(maxsize=1)
 def compressed_agent() -> bytes:
-    return zlib.compress(agent_source(), 9)
+    return zlib.compress(agent_source(), ZLIB_LEVEL)
+
+
+@functools.lru_cache(maxsize=1)
+def loader_source() -> bytes:
+    return piece_source(LOADER).encode("utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def agent_key() -> str:
+    """The agent source's hash, the host's cache key: BLAKE2b-128, hex (~0.2 ms once per
+    process; ``_blake2`` directly, as ``import hashlib`` loads OpenSSL first, ~4 ms)."""
+    try:
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - a Python built without it
+        from hashlib import blake2b
+    return blake2b(agent_source(), digest_size=16).hexdigest()
 
 
 def encode_request(request: Mapping[str, Any]) -> bytes:
-    """The stdin payload: ``<k> <m>\\n<zlib(agent source)><request JSON>``, k and m their
-    lengths in bytes; the request is data only. One-shot runs close stdin after it; watch
-    mode keeps writing keep-alive lines after it (remote/watch.py)."""
+    """The stdin payload: ``<n> <k> <m> <key>\\n<loader><zlib(agent source)><request JSON>``,
+    n, k and m their lengths in bytes, key agent_key(); the request is data only. One-shot
+    runs close stdin after it; watch mode keeps writing keep-alive lines after it
+    (remote/watch.py)."""
+    loader = loader_source()
     source = compressed_agent()
     payload = json.dumps(dict(request), separators=(",", ":")).encode("utf-8")
-    return b"%d %d\n" % (len(source), len(payload)) + source + payload
+    head = b"%d %d %d %s\n" % (len(loader), len(source), len(payload), agent_key().encode())
+    return head + loader + source + payload

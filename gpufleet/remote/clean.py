@@ -5,13 +5,9 @@ A piece of the remote agent. The controller decides what may be signalled
 session, never a PID whose start time changed) and the evidence of what happened.
 """
 import errno
-import fcntl
 import json
 import os
-import re
-import select
 import signal
-import socket
 import stat as stat_mod
 import time
 
@@ -26,6 +22,7 @@ from .jobs import (  # joined
 )
 from .parse import (  # joined
     CMDLINE_MAX,
+    LazyRe,
     ParseError,
     check_complete,
     first_line,
@@ -43,11 +40,11 @@ SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")
 DEFAULT_LOCK = "/tmp/gpufleet-clean.lock"
 
 
-UNIT_RE = re.compile(
+UNIT_RE = LazyRe(
     r"^[A-Za-z0-9_][A-Za-z0-9:_.@\\-]*\."
     r"(?:service|scope|socket|target|timer|slice|mount|path|swap|automount|device)$"
 )
-SHM_LEFTOVER_RE = re.compile(r"^(?:nccl-|psm_|torch_|vllm)")
+SHM_LEFTOVER_RE = LazyRe(r"^(?:nccl-|psm_|torch_|vllm)")
 
 
 def valid_unit(name):
@@ -116,6 +113,8 @@ def acquire_lock(path, wait_s, poll=0.1):
                 continue
     if fd is None:
         raise OSError(errno.EIO, "cannot open lock file %s" % path)
+    import fcntl  # a clean's only: not loaded by a snapshot's start
+
     end = time.monotonic() + max(0.0, wait_s)
     while True:
         try:
@@ -143,7 +142,7 @@ class Auditor(object):
     def record(self, pid, starttime, cmdline, sig, outcome):
         line = json.dumps({
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "epoch": round(time.time(), 3),
-            "operator": self.operator, "host": socket.gethostname(), "pid": pid,
+            "operator": self.operator, "host": os.uname()[1], "pid": pid,
             "starttime": starttime, "cmdline": cmdline, "signal": sig, "outcome": outcome,
         }) + "\n"
         try:
@@ -319,6 +318,8 @@ def wait_exit(targets, seconds, poll, deadline, proc=PROC, stats=None, allow_pid
     end = min(time.monotonic() + seconds, deadline.end)
     stats = stats if stats is not None else {}
     watched, polled = {}, []
+    import select  # a clean's only: not loaded by a snapshot's start
+
     poller = select.poll()
     try:
         for t in targets:

@@ -10,6 +10,22 @@ AGENT_VERSION = 1
 CMDLINE_MAX = 4096
 PF_KTHREAD = 0x00200000
 
+
+class LazyRe(object):
+    """A regular expression compiled on first use: most of the agent's patterns serve one path
+    (nvidia-smi output, a clean, the kernel log fallbacks), and compiling them all cost every
+    start ~3 ms. After the first use a method is a plain instance attribute (no indirection)."""
+
+    def __init__(self, pattern, flags=0):
+        self.pattern = pattern
+        self._flags = flags
+
+    def __getattr__(self, name):
+        value = getattr(re.compile(self.pattern, self._flags), name)
+        self.__dict__[name] = value
+        return value
+
+
 GPU_FIELDS = (
     "index", "uuid", "name", "pci.bus_id", "memory.used", "memory.total", "memory.free",
     "utilization.gpu", "driver_version",
@@ -72,13 +88,13 @@ DEVICE_RE = re.compile(
     r"^/dev/(?:nvidia[0-9]+|nvidiactl|nvidia-uvm|nvidia-uvm-tools|nvidia-caps/[^/]+|dxg)$"
 )
 GPU_DEVICE_RE = re.compile(r"^/dev/nvidia([0-9]+)$")
-INVALID_FIELD_RE = re.compile(r'Field "([^"]+)" is not a valid field to query')
-INT_RE = re.compile(r"^(-?[0-9]+)(?:\s*(?:MiB|%))?$")
-BUS_RE = re.compile(r"^\s*([0-9A-Fa-f]+):([0-9A-Fa-f]+):([0-9A-Fa-f]+)\.([0-9A-Fa-f]+)\s*$")
-Q_HEADER_RE = re.compile(r"^GPU\s+([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*$")
-Q_KV_RE = re.compile(r"^\s*([^:]+?)\s*:\s*(.*?)\s*$")
-CUDA_RE = re.compile(r"CUDA Version\s*:\s*([0-9][0-9.]*)")
-DRIVER_RE = re.compile(r"Driver Version\s*:\s*([0-9][0-9.]*)")
+INVALID_FIELD_RE = LazyRe(r'Field "([^"]+)" is not a valid field to query')
+INT_RE = LazyRe(r"^(-?[0-9]+)(?:\s*(?:MiB|%))?$")
+BUS_RE = LazyRe(r"^\s*([0-9A-Fa-f]+):([0-9A-Fa-f]+):([0-9A-Fa-f]+)\.([0-9A-Fa-f]+)\s*$")
+Q_HEADER_RE = LazyRe(r"^GPU\s+([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*$")
+Q_KV_RE = LazyRe(r"^\s*([^:]+?)\s*:\s*(.*?)\s*$")
+CUDA_RE = LazyRe(r"CUDA Version\s*:\s*([0-9][0-9.]*)")
+DRIVER_RE = LazyRe(r"Driver Version\s*:\s*([0-9][0-9.]*)")
 
 
 class ParseError(ValueError):
@@ -411,16 +427,16 @@ def unit_of(path):
 
 
 _CONTAINER_PATTERNS = (
-    (re.compile(r"docker-([0-9a-f]{12,})\.scope"), "docker"),
-    (re.compile(r"/docker/([0-9a-f]{12,})"), "docker"),
-    (re.compile(r"libpod-(?:conmon-)?([0-9a-f]{12,})"), "podman"),
-    (re.compile(r"cri-containerd-([0-9a-f]{12,})\.scope"), "containerd"),
-    (re.compile(r"/containerd/([^/]+)"), "containerd"),
-    (re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,})\.scope"), "crio"),
-    (re.compile(r"/lxc\.payload[./]([^/]+)"), "lxc"),
-    (re.compile(r"/lxc/([^/]+)"), "lxc"),
+    (LazyRe(r"docker-([0-9a-f]{12,})\.scope"), "docker"),
+    (LazyRe(r"/docker/([0-9a-f]{12,})"), "docker"),
+    (LazyRe(r"libpod-(?:conmon-)?([0-9a-f]{12,})"), "podman"),
+    (LazyRe(r"cri-containerd-([0-9a-f]{12,})\.scope"), "containerd"),
+    (LazyRe(r"/containerd/([^/]+)"), "containerd"),
+    (LazyRe(r"crio-(?:conmon-)?([0-9a-f]{12,})\.scope"), "crio"),
+    (LazyRe(r"/lxc\.payload[./]([^/]+)"), "lxc"),
+    (LazyRe(r"/lxc/([^/]+)"), "lxc"),
 )
-_HEX64_RE = re.compile(r"([0-9a-f]{64})")
+_HEX64_RE = LazyRe(r"([0-9a-f]{64})")
 
 
 def container_of(path):

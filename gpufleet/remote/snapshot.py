@@ -4,7 +4,6 @@ A piece of the remote agent: the document of gpufleet/core/model.py; every failu
 in it.
 """
 import os
-import socket
 import sys
 import time
 
@@ -46,6 +45,12 @@ from .procfs import (  # joined
     self_context,
     user_name,  # joined
 )
+
+
+#: What the loader (remote/loader.py) did with the compiled agent: {"state": hit | miss | off
+#: | unusable, "reason": ...}; main() fills it from the loader's AGENT_CACHE global (empty:
+#: the agent was not started by the loader, e.g. ``python3 -m gpufleet.remote.agent``).
+AGENT_CACHE_FACTS = {}  # type: dict
 
 
 def query_gpus(smi, req, deadline, first_job=None):
@@ -333,7 +338,7 @@ def _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc):
     in_container, container = container_facts(proc)
     euid = os.geteuid()
     return {
-        "hostname": socket.gethostname(),
+        "hostname": os.uname()[1],  # gethostname(2) on Linux; no socket import (~4 ms)
         "kernel": os.uname()[2],
         "driver_version": driver,
         "cuda_version": cuda,
@@ -349,6 +354,8 @@ def _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc):
         "agent_pid": ctx["self_pid"],
         "agent_starttime": ctx["starttime"],
         "hidepid": hidden,
+        "agent_cache": AGENT_CACHE_FACTS.get("state"),
+        "agent_cache_reason": AGENT_CACHE_FACTS.get("reason"),
     }
 
 

@@ -19,7 +19,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 
 from .jobs import Deadline  # joined
 from .parse import AGENT_VERSION  # joined
@@ -134,6 +133,8 @@ def watch(req, stdin=None, out=None):
         try:
             doc = watch_snapshot(req, Deadline(req["deadline_s"]), cache)
         except Exception as exc:  # any error ends the watch: the controller reconnects
+            import traceback  # only here: ~4 ms of every start otherwise
+
             reason = "agent error: %s: %s" % (type(exc).__name__, exc)
             _write_line(out, {"agent_version": AGENT_VERSION, "mode": "watch_end",
                               "reason": reason, "traceback": traceback.format_exc()[-2000:]})

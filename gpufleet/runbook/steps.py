@@ -207,7 +207,7 @@ def _step_clear_shm(ctx: _HostRun, step: Step, end: float) -> str:
     bound = max(2.0, _remaining(end) - MARGIN_S)
     request = {
         "mode": "clean", "deadline_s": bound, "nvidia_smi": ctx.host.nvidia_smi,
-        "gpu_source": ctx.host.gpu_source,
+        "gpu_source": ctx.host.gpu_source, "agent_cache": ctx.host.agent_cache,
         "smi_timeout_s": max(1.0, min(10.0, bound / 3)), "scope": [], "targets": [], "units": [],
         "grace_s": 0.0, "timeout_s": max(1.0, bound / 2), "poll_s": 0.1, "threshold_mib": {},
         "shm": True, "reset": False, "lock_path": None, "operator": ctx.operator,

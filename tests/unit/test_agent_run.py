@@ -802,13 +802,14 @@ for path in sys.argv[1:]:
 
 def test_pieces_and_payload_compile_under_a_real_python36(tmp_path):
     """What ast.parse(feature_version=(3, 6)) cannot promise (it misses some newer syntax on
-    newer Pythons), a real 3.6 compiler can: every piece, wait_http and the joined payload."""
+    newer Pythons), a real 3.6 compiler can: every piece, the loader, wait_http and the joined
+    payload."""
     if PY36 is None:
         pytest.skip("no Python 3.6 here: only the ast checks of test_layers.py guard 3.6")
     remote = REPO / "gpufleet" / "remote"
     payload = tmp_path / "agent.py"
     payload.write_bytes(agent_source())
-    files = [str(remote / (name + ".py")) for name in AGENT_PIECES + ("wait_http",)]
+    files = [str(remote / (name + ".py")) for name in AGENT_PIECES + ("loader", "wait_http")]
     r = subprocess.run([PY36, "-c", COMPILE_ALL] + files + [str(payload)],
                        stderr=subprocess.PIPE, timeout=60)
     assert r.returncode == 0, r.stderr.decode()

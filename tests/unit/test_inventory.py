@@ -761,3 +761,24 @@ def test_fuzz_valid_inventories_load_exactly(doc):
         assert host.explicit == frozenset(body)
         expected_groups = tuple(g for g, m in doc.get("groups", {}).items() if host.name in m)
         assert host.groups == expected_groups
+
+
+def test_agent_cache_is_on_by_default_and_off_per_host_or_in_defaults() -> None:
+    inv = parse("""\
+        defaults: {agent_cache: false}
+        hosts:
+          a: {connection: local}
+          b: {connection: local, agent_cache: true}
+        """)
+    assert [h.agent_cache for h in inv.hosts] == [False, True]
+    assert parse("hosts:\n  a: {connection: local}\n").hosts[0].agent_cache is True
+    message = error_of("hosts:\n  a: {connection: local, agent_cache: maybe}\n")
+    assert "agent_cache" in message and "true or false" in message
+
+
+def test_the_requests_carry_agent_cache_as_data() -> None:
+    from gpufleet.ops.collect import snapshot_request
+
+    inv = parse("hosts:\n  a: {connection: local, agent_cache: false}\n"
+                "  b: {connection: local}\n")
+    assert [snapshot_request(h)["agent_cache"] for h in inv.hosts] == [False, True]

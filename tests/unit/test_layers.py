@@ -35,11 +35,11 @@ def _agent_pieces() -> tuple[str, ...]:
     raise AssertionError("AGENT_PIECES not found in gpufleet/remote/__init__.py")
 
 
-# Programs sent to a host: the agent's pieces (joined into one payload at send time) and the
-# wait_http probe. remote/__init__.py is the controller's side (it joins and frames them);
+# Programs sent to a host: the agent's pieces (joined into one payload at send time), the
+# loader sent before them (remote/loader.py) and the wait_http probe. remote/__init__.py is the controller's side (it joins and frames them);
 # remote/agent.py is the joined payload executed as a module, for tests and debugging.
 AGENT_PIECES = _agent_pieces()
-REMOTE_PROGRAMS = tuple(name + ".py" for name in AGENT_PIECES + ("wait_http",))
+REMOTE_PROGRAMS = tuple(name + ".py" for name in AGENT_PIECES + ("loader", "wait_http"))
 CONTROLLER_SIDE = ("__init__.py", "agent.py")
 JOINED_MARK = "# joined"
 

@@ -3,6 +3,7 @@ agent's pieces joined into the one payload a host execs."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import shlex
 import subprocess
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.remote import (AGENT_PIECES, JOINED_MARK, agent_source, bootstrap_command,
-                             encode_request, join_pieces, piece_source)
+from gpufleet.remote import (AGENT_PIECES, JOINED_MARK, agent_key, agent_source,
+                             bootstrap_command, encode_request, join_pieces, loader_source,
+                             piece_source)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,11 +125,17 @@ def test_encode_request_framing_keeps_metacharacters_as_data():
     request = {"mode": "clean", "operator": NASTY, "units": [{"unit": NASTY}]}
     data = encode_request(request)
     n = data.index(b"\n")
-    k, m = (int(x) for x in data[:n].split())
-    assert zlib.decompress(data[n + 1 : n + 1 + k]) == agent_source()
+    head = data[:n].split()
+    loader, k, m = (int(x) for x in head[:3])
+    assert head[3].decode() == agent_key() == hashlib.blake2b(agent_source(),
+                                                              digest_size=16).hexdigest()
+    at = n + 1
+    assert data[at : at + loader] == loader_source() == piece_source("loader").encode()
+    at += loader
+    assert zlib.decompress(data[at : at + k]) == agent_source()
     assert k < len(agent_source()) // 2  # sent compressed
-    assert len(data) == n + 1 + k + m  # both parts by length: nothing after them
-    assert json.loads(data[n + 1 + k :]) == request
+    assert len(data) == at + k + m  # every part by length: nothing after them
+    assert json.loads(data[at + k :]) == request
 
 
 def test_bootstrap_reads_by_length_and_leaves_stdin_open():
