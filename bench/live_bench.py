@@ -122,6 +122,7 @@ class Watch:
         self.docs = 0
         self.first_s: Optional[float] = None
         self.last: Optional[dict] = None
+        self.broken: list[bytes] = []
 
     def pump(self, seconds: float) -> None:
         """Read (and count) documents for ``seconds``."""
@@ -137,10 +138,15 @@ class Watch:
             self.buf += chunk
             *lines, self.buf = self.buf.split(b"\n")
             for line in lines:
+                try:
+                    doc = json.loads(line)
+                except ValueError:  # a broken line is a finding of the bench, kept whole
+                    self.broken.append(line)
+                    continue
                 self.docs += 1
                 if self.first_s is None:
                     self.first_s = time.monotonic() - self.started
-                self.last = json.loads(line)
+                self.last = doc
 
     def cpu(self) -> float:
         return cpu_s(Path(f"/proc/{self.proc.pid}/stat"))
@@ -237,7 +243,10 @@ def soak(lab: Lab, hosts: list[Any], home: Path, interval: float, minutes: float
         last = sample()
     finally:
         watch.stop()
-    return {"after_1_min": first, "at_end": last, "restarts": turn, **agents_gone(hosts)}
+    for n, line in enumerate(watch.broken):
+        Path(f"broken-line-{n}.txt").write_bytes(line)
+    return {"after_1_min": first, "at_end": last, "restarts": turn, "documents": watch.docs,
+            "broken_lines": len(watch.broken), **agents_gone(hosts)}
 
 
 def main() -> None:
