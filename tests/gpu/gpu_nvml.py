@@ -7,8 +7,9 @@
    is retried: memory can move between two reads; every round is recorded).
 2. Timings (medians, printed and written): the agent as a host runs it (the constant bootstrap on
    stdin) through NVML and through nvidia-smi; `gpufleet status` with `connection: local`; and,
-   when an sshd runs (tests/gpu/ossh.sh, --ssh-state), `gpufleet status` over real SSH against a
-   bare `ssh host nvidia-smi --query-gpu=index,memory.used --format=csv` in the same run.
+   when an sshd runs (tests/gpu/ossh.sh, --ssh-state), `gpufleet status` over real SSH (the
+   default OpenSSH client, and `ssh_client: paramiko` beside it) against a bare
+   `ssh host nvidia-smi --query-gpu=index,memory.used --format=csv` in the same run.
 3. Clean latency: a 20 GiB torch holder, a thread polling NVML every millisecond for the moment
    the GPU's memory is back, and `gpufleet clean --gpus 0 --yes`: how long after that moment the
    CLI returns (local, and over SSH when there).
@@ -217,10 +218,17 @@ class Run:
             assert r.returncode == 0, r.stderr
             return time.monotonic() - t0
 
-        ssh_status: tuple[list[float], list[float]] = ([], [])
-        for _ in range(10):  # interleaved: the same minute for both
+        paramiko_inv = self.tmp / "ssh-paramiko.yaml"
+        paramiko_inv.write_text(self.ssh_inv.read_text() + "    ssh_client: paramiko\n")
+        self.cli(paramiko_inv, "status")
+        ssh_status: tuple[list[float], list[float], list[float]] = ([], [], [])
+        for _ in range(10):  # interleaved: the same minute for each
             ssh_status[0].append(self.cli(self.ssh_inv, "status")[0])
             ssh_status[1].append(bare_ssh())
+            ssh_status[2].append(self.cli(paramiko_inv, "status")[0])
+        self.results["status_ssh_paramiko"] = {
+            "median_s": round(statistics.median(ssh_status[2]), 4),
+            "all": [round(x, 4) for x in ssh_status[2]]}
         st, b = statistics.median(ssh_status[0]), statistics.median(ssh_status[1])
         self.results["status_ssh"] = {"median_s": round(st, 4), "all": [round(x, 4) for x in ssh_status[0]]}
         self.results["bare_ssh_nvidia_smi"] = {"median_s": round(b, 4), "all": [round(x, 4) for x in ssh_status[1]]}
