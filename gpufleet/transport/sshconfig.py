@@ -183,6 +183,11 @@ def _from_ssh(ssh: str, alias: str, port: Optional[int], user: Optional[str]) ->
     for key in _LISTS:
         if found.get(key) and found[key] != defaults.get(key):
             values[key] = " ".join(found[key]).split()
+    kex = found.get("kexalgorithms")
+    if kex and kex != defaults.get("kexalgorithms"):
+        values["kexalgorithms"] = kex[0]  # configured: the OpenSSH transport leaves it alone
+    elif kex:
+        values["kexalgorithms_default"] = kex[0]
     return values
 
 

@@ -117,3 +117,24 @@ def test_wanted_follows_the_setting_and_the_client(monkeypatch):
     monkeypatch.setattr(sshconfig, "ssh_client", lambda: None)
     assert not openssh.wanted(Host(name="h"))
     assert openssh.wanted(Host(name="h", ssh_client="openssh"))
+
+
+def test_curve25519_first_unless_ssh_config_chooses(tmp_path, monkeypatch):
+    """ssh's own default list with curve25519 first; a KexAlgorithms from ssh_config wins."""
+    from gpufleet.transport import sshconfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    sshconfig.clear_cache()
+    t = openssh.target_for(Host(name="127.0.0.1"), "ssh")
+    assert t is not None
+    kex = [t.base[i + 1] for i, a in enumerate(t.base) if a == "-o" and
+           t.base[i + 1].startswith("KexAlgorithms=")]
+    defaults = sshconfig._ssh_defaults("ssh")["kexalgorithms"][0].split(",")
+    assert kex and kex[0].split("=", 1)[1].split(",")[0] == "curve25519-sha256"
+    assert sorted(kex[0].split("=", 1)[1].split(",")) == sorted(defaults)
+    (tmp_path / ".ssh" / "config").write_text("Host chosen\n  KexAlgorithms sntrup761x25519-sha512@openssh.com\n")
+    sshconfig.clear_cache()
+    chosen = openssh.target_for(Host(name="chosen"), "ssh")
+    assert chosen is not None and not any(a.startswith("KexAlgorithms=") for a in chosen.base)
+    sshconfig.clear_cache()
