@@ -35,8 +35,8 @@ from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import SshConfigError, TransportError
 from gpufleet.transport import knownfiles, sshconfig
-from gpufleet.transport.run import KILL_AFTER_S, RawRun, run_local
-from gpufleet.transport.session import Session
+from gpufleet.transport.run import RawRun, run_local
+from gpufleet.transport.session import Session, remote_timeout
 from gpufleet.transport.sshmaster import Master
 from gpufleet.transport.stream import ProcessStream, Stream
 
@@ -179,9 +179,10 @@ def target_for(host: Host, ssh: str) -> Optional[Target]:
     values = resolved.values
     hop = values.get("proxyjump") or values.get("proxycommand")
     auto = (getattr(host, "ssh_client", "auto") or "auto") == "auto"
-    if auto and (hop or not _paths_plain(host, values)):
+    plain = _paths_plain(host, values)
+    if auto and (hop or not plain):
         return None
-    if not _paths_plain(host, values):
+    if not plain:
         raise SshConfigError("a path in this host's settings holds characters ssh would expand "
                              "(%, $, quotes, backslash): use ssh_client: auto or paramiko")
     explicit: frozenset[str] = getattr(host, "explicit", frozenset())
@@ -252,6 +253,11 @@ def _auth_message(target: Target) -> str:
             "check user and identity_file")
 
 
+def _connect_timed_out(target: Target) -> TransportError:
+    return TransportError(f"connect to {target.where} timed out after "
+                          f"{target.connect_timeout:g}s", kind=errors.TIMEOUT)
+
+
 def ssh_failure(raw: RawRun, target: Target) -> Optional[TransportError]:
     """ssh's own failure in this run (exit 255 and its line on stderr), with the paramiko
     path's kind and wording; None: the command itself ran (whatever its status)."""
@@ -269,8 +275,7 @@ def ssh_failure(raw: RawRun, target: Target) -> Optional[TransportError]:
             if reason == "Connection refused":
                 return TransportError(f"connection refused by {target.where}", kind=errors.REFUSED)
             if "timed out" in reason.lower():
-                return TransportError(f"connect to {target.where} timed out after "
-                                      f"{target.connect_timeout:g}s", kind=errors.TIMEOUT)
+                return _connect_timed_out(target)
             return TransportError(f"cannot connect to {target.where}: {reason}",
                                   kind=errors.NETWORK)
         if "banner exchange" in text or text.startswith("kex_exchange_identification"):
@@ -340,7 +345,7 @@ class OpensshSession(Session):
             self.error, self.error_kind = str(error), error.kind
 
     def _wrap_timeout(self, argv: list[str], timeout: float) -> list[str]:
-        return ["timeout", "-k", str(KILL_AFTER_S), str(max(1, math.ceil(timeout)))] + argv
+        return remote_timeout(argv, timeout)
 
     def _command(self, argv: Sequence[str]) -> list[str]:
         assert self.target is not None
@@ -362,8 +367,7 @@ class OpensshSession(Session):
                 raw = run()
                 failure = ssh_failure(raw, self.target)
         if failure is None and master and raw.timed_out:
-            failure = TransportError(f"connect to {self.target.where} timed out after "
-                                     f"{self.target.connect_timeout:g}s", kind=errors.TIMEOUT)
+            failure = _connect_timed_out(self.target)
         if failure is None:
             if not master or raw.exit_code == 0:
                 self._reached = True

@@ -156,6 +156,12 @@ def _agent_command(host: Host) -> list[str]:
     return bootstrap_command(getattr(host, "python", None) or "python3", bool(getattr(host, "sudo", False)))
 
 
+def remote_timeout(argv: list[str], timeout: float) -> list[str]:
+    """``argv`` bounded on the host itself (coreutils/busybox ``timeout``): over SSH closing
+    the channel does not end the remote process (see the module docstring)."""
+    return ["timeout", "-k", str(KILL_AFTER_S), str(max(1, math.ceil(timeout)))] + argv
+
+
 class Session:
     """A host's open connection, reused by several runs; a context manager.
 
@@ -337,7 +343,7 @@ class SshSession(Session):
         return self.conn is not None and self.conn.is_connected
 
     def _wrap_timeout(self, argv: list[str], timeout: float) -> list[str]:
-        return ["timeout", "-k", str(KILL_AFTER_S), str(max(1, math.ceil(timeout)))] + argv
+        return remote_timeout(argv, timeout)
 
     def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
         if not self.connected and self._was_open:  # dropped since (host rebooted): once more
