@@ -102,8 +102,16 @@ class Bench:
             wall, r = self.cli(inv, "clean", "--all", "--gpus", "all", "--yes", "--json",
                                "--grace", "5", "--timeout", "30")
             doc = json.loads(r.stdout)
+            sent = [sum(1 for s in h.get("signals") or () if s.get("outcome") == "sent")
+                    for h in doc["hosts"]]
+            waits = [float(h["memory_wait"]["seconds"]) for h in doc["hosts"]
+                     if isinstance(h.get("memory_wait"), dict) and "seconds" in h["memory_wait"]]
             rows.append({"wall_s": round(wall, 3), "beyond_delay_s": round(wall - delay, 3),
-                         "clean": sum(1 for h in doc["hosts"] if h.get("verdict") == "clean")})
+                         "clean": sum(1 for h in doc["hosts"] if h.get("verdict") == "clean"),
+                         # a row is only valid when every host signalled its holder and then
+                         # waited about the release delay for the memory
+                         "hosts_signalled": sum(1 for x in sent if x),
+                         "memory_wait_s": [round(min(waits), 3), round(max(waits), 3)] if waits else None})
         return {"n": n, "source": source or "default", "release_delay_s": delay,
                 "beyond_delay_median_s": median([x["beyond_delay_s"] for x in rows]), "runs": rows}
 
@@ -128,7 +136,7 @@ def main() -> int:
             out["status"].append(b.status(a.status_n, source))
             print(json.dumps(out["status"][-1]), flush=True)
             out["clean"].append(b.clean(a.clean_n, source, a.release_delay))
-            print(json.dumps({k: v for k, v in out["clean"][-1].items() if k != "runs"}), flush=True)
+            print(json.dumps(out["clean"][-1]), flush=True)
     finally:
         b.lab.close()
     a.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -31,6 +31,9 @@ wheels "$out/whl" parallel-ssh ssh2-python ssh-python ansible-core prometheus_cl
 # where the GPU machine's compiler cannot build it (no libc6-dev headers, say).
 mkdir -p "$out/fakenvml"
 cp "$(python3 tests/lab/fakenvml/fakenvml_build.py)" "$out/fakenvml/libnvidia-ml.so.1"
+# run.sh refuses a prebuilt library older than the source (a stale fake once let the device's
+# clean rows run without the release delay the current fake simulates)
+sha256sum < tests/lab/fakenvml/fakenvml.c | cut -d' ' -f1 > "$out/fakenvml/fakenvml.c.sha256"
 if [ "${GF_ALL:-0}" = 1 ]; then
   mkdir -p .device/ossh .device/gpu-whl
   ( cd .device/ossh && apt-get download -q openssh-server openssh-client openssh-sftp-server \

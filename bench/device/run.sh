@@ -14,7 +14,9 @@
 # GF_DEVICE_WORK (default /var/tmp/gfdevice: outside /tmp and /root, which lab hosts make private,
 # so their sshd can run from there), GF_PYTHON (default /opt/torch/.venv/bin/python3, else
 # python3), GF_REAL=0 (no real host), GF_QUICK=1 (a small run: N=1,4, one RTT; for a dry run),
-# GF_SCENARIO=0 (no step 5), GF_SCENARIO_S (its time limit, default 150 s).
+# GF_SCENARIO=0 (no step 5), GF_SCENARIO_S (its time limit, default 150 s), GF_BENCH (a bash
+# command run instead of steps 4 and 5, with the set-up above: e.g. another bench of bench/, as
+# GF_BENCH='python3 bench/serve_bench.py --hosts 128 --soak 120'; OUTDIR is "$GF_OUT" there).
 set -euo pipefail
 main() {  # the whole script is parsed before it runs (an edit meanwhile cannot break it)
 [ $# -ge 1 ] || { echo "usage: bash bench/device/run.sh OUTDIR [bench/run.py options]" >&2; exit 2; }
@@ -78,6 +80,12 @@ fi
 if ! printf '#include <dirent.h>\n#include <stdio.h>\nint f(void){return 0;}\n' \
     | "${CC:-cc}" -x c -shared -fPIC -o "$W/cc-probe.so" - 2>/dev/null; then
   echo "run.sh: the C compiler cannot build the fake NVML here: using the prebuilt one"
+  built_from=$(cat "$dev/bench/fakenvml/fakenvml.c.sha256" 2>/dev/null || echo none)
+  if [ "$built_from" != "$(sha256sum < tests/lab/fakenvml/fakenvml.c | cut -d' ' -f1)" ]; then
+    echo "run.sh: the prebuilt fake NVML is not built from this tests/lab/fakenvml/fakenvml.c" \
+      "(run bench/device/prepare.sh again here)" >&2
+    exit 2
+  fi
   "$PY" - "$dev/bench/fakenvml/libnvidia-ml.so.1" <<'PYEOF'
 import hashlib, os, shutil, sys, tempfile
 sys.path.insert(0, "tests/lab/fakenvml")
@@ -120,6 +128,13 @@ if [ "${GF_REAL:-1}" = 1 ]; then
   [ -n "$smi" ] && "$smi" -L || echo "run.sh: no nvidia-smi here"
   real_args=(--real-host "127.0.0.1:$port:$W/ossh/id_ed25519:$W/ossh/known_hosts")
   [ -z "$cg" ] || real_args+=(--real-host-cgroup "$cg")
+fi
+
+if [ -n "${GF_BENCH:-}" ]; then  # another bench on the same set-up, instead of 4 and 5
+  rc=0
+  GF_OUT=$out PATH=$(dirname "$PY"):$PATH bash -c "$GF_BENCH" || rc=$?
+  echo "run.sh: GF_BENCH exit $rc; $(date -u '+%T UTC')"
+  exit $rc
 fi
 
 # 4. The bench. Sized for ~7 min on 16 cores (bench/README.md, "On the GPU machine").

@@ -154,6 +154,67 @@ def place_nvml(path, data, driver, wsl2):
     os.symlink(os.path.basename(real), path)
 
 
+# Where a machine's real driver keeps what the agent looks for (remote/nvml.py
+# LIBRARY_FALLBACKS, remote/jobs.py SMI_FALLBACKS): a lab host on a machine with a real GPU
+# (the GPU machine's bench) must see only its fake driver, never the real one.
+REAL_NVML_PLACES = (
+    "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+    "/usr/local/nvidia/lib64", "/usr/lib/wsl/lib",
+)
+REAL_SMI_PLACES = ("/usr/bin/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi",
+                   "/usr/lib/wsl/lib/nvidia-smi")
+
+
+def _ldconfig_nvml():
+    """The libnvidia-ml paths ld.so's cache names (dlopen by name looks there first)."""
+    for tool in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
+        try:
+            out = subprocess.run([tool, "-p"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 timeout=10).stdout.decode("utf-8", "replace")
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return [line.rsplit("=>", 1)[1].strip() for line in out.splitlines()
+                if "libnvidia-ml.so" in line and "=>" in line]
+    return []
+
+
+def real_driver_files(spec):
+    """The machine's own libnvidia-ml and nvidia-smi files that are not this host's fakes."""
+    mine = set()
+    for placed in (spec.get("nvml"), spec.get("nvidia_smi")):
+        if isinstance(placed, str) and os.path.lexists(placed):
+            mine.add(os.path.realpath(placed))
+            mine.add(placed)
+    found = set(_ldconfig_nvml()) | set(REAL_SMI_PLACES)
+    for d in REAL_NVML_PLACES:
+        try:
+            found.update(os.path.join(d, n) for n in os.listdir(d) if n.startswith("libnvidia-ml.so"))
+        except OSError:
+            pass
+    return sorted(p for p in found
+                  if os.path.lexists(p) and p not in mine and os.path.realpath(p) not in mine)
+
+
+def hide_real_driver(spec, nvml_data, smi_data):
+    """Bind-mount this host's fakes (or, where it has none, an empty file that neither loads nor
+    runs) over the machine's real driver files, so the agent on a lab host finds the fakes or
+    nothing, as on a host with only the fake driver installed. File over file: no directory's
+    other mounts are hidden. A no-op on machines without a GPU driver."""
+    stand_in = {}
+    for kind, data in (("nvml", nvml_data), ("smi", smi_data)):
+        path = "/run/gflab/hide-" + kind
+        write(path, data if data is not None else b"", 0o755 if data is not None else 0)
+        stand_in[kind] = path
+    done = set()
+    for path in real_driver_files(spec):
+        real = os.path.realpath(path)
+        if real in done or not os.path.isfile(real):
+            continue
+        done.add(real)
+        kind = "smi" if os.path.basename(path) == "nvidia-smi" else "nvml"
+        mount(stand_in[kind], real, None, MS_BIND)
+
+
 def nopython_path():
     """PATH dir with every /usr/bin and /usr/sbin command except python*: python3 'not found'."""
     farm = "/run/gflab/nopy-bin"
@@ -250,6 +311,8 @@ def setup(spec, files):
         place_smi(spec["nvidia_smi"], wrapper)
     if spec.get("nvml"):
         place_nvml(spec["nvml"], files["libnvidia-ml.so.1"], spec["config"]["driver"], spec["wsl2"])
+    hide_real_driver(spec, files["libnvidia-ml.so.1"] if spec.get("nvml") else None,
+                     wrapper if spec["nvidia_smi"] else None)
     path = spec["path"]
     if not spec["python3"]:
         path = nopython_path()
