@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import click
 
-from gpufleet.errors import EXIT_INTERRUPTED, EXIT_USAGE, GpufleetError, UsageError
+from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, GpufleetError, UsageError
 from gpufleet.errors import lines as error_lines
 from gpufleet.render.common import terminal_safe  # the one definition; commands import it from here
 
@@ -173,9 +173,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         sys.exit(1)
+    except OSError as exc:  # the output could not be written (a full disk, a dead terminal)
+        _say_output_failed(exc)
+        sys.exit(EXIT_FAILED)
     if rc == EXIT_INTERRUPTED or argv is None:
         _exit_now(rc or 0)
     sys.exit(rc or 0)
+
+
+def _say_output_failed(exc: OSError) -> None:
+    """One line on stderr, if stderr can still take it (it may be the same full disk)."""
+    try:
+        click.echo(f"gpufleet: error: output not written: {exc.strerror or exc}", err=True)
+    except Exception:
+        pass
 
 
 def _exit_now(code: int) -> None:

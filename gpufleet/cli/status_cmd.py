@@ -1,8 +1,9 @@
 """`gpufleet status`: one table across hosts; GPUs, memory, who holds it, what no one holds."""
 from __future__ import annotations
 
+import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import click
 
@@ -49,16 +50,24 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
         return watch_status(selected, interval, as_json)
     started = time.monotonic()
     prefetch("gpufleet.core.model", "gpufleet.render.status")  # loaded while the agents run
-    with HostProgress(selected, "status") as progress:  # stderr, on a terminal only
-        results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
-    from gpufleet.render.status import status_document, status_table, to_json
-
     expected = {h.name: int(h.unattributed_mib or 0) for h in selected}
     expected_gpus = {h.name: h.gpus for h in selected}
-    if as_json:
-        doc = status_document(results, expected, expected_gpus)
-        doc["seconds"] = round(time.monotonic() - started, 3)
-        click.echo(to_json(doc))
+    entries: dict[str, str] = {}
+
+    def encode(host: Any, result: Any) -> None:  # in the host's worker (ops.collect)
+        from gpufleet.render.status import host_json
+
+        entries[host.name] = host_json(result, expected[host.name], expected_gpus[host.name])
+
+    with HostProgress(selected, "status") as progress:  # stderr, on a terminal only
+        results = snapshot_hosts(selected, forks=app.forks, then=encode if as_json else None,
+                                 **progress.callbacks())
+    from gpufleet.render.status import host_json, status_json, status_table
+
+    if as_json:  # hosts that never ran (Ctrl-C) are encoded here
+        text = status_json([entries.get(r.host) or host_json(r, expected[r.host], expected_gpus[r.host])
+                            for r in results], round(time.monotonic() - started, 3))
+        sys.stdout.write(text + "\n")  # JSON escapes control characters: nothing to strip
     else:
         click.echo(terminal_safe(status_table(results, expected, expected_gpus)))
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):

@@ -67,16 +67,25 @@ def snapshot_host(host: Host, dial: Optional[Dialled] = None) -> HostResult:
 def snapshot_hosts(hosts: Sequence[Host], forks: int = 32,
                    fn: Optional[Callable[[Host], HostResult]] = None,
                    on_start: Optional[Callable[[Host], None]] = None,
-                   on_result: Optional[Callable[[Host, Any], None]] = None) -> list[HostResult]:
+                   on_result: Optional[Callable[[Host, Any], None]] = None,
+                   then: Optional[Callable[[Host, HostResult], None]] = None) -> list[HostResult]:
     """Every host's snapshot, at most ``forks`` SSH sessions at a time; every TCP connect
     starts at once (transport.predial), so unreachable hosts cost one connect_timeout in all.
-    ``on_start`` / ``on_result``: run_hosts's (progress.HostProgress.callbacks)."""
+    ``on_start`` / ``on_result``: run_hosts's (progress.HostProgress.callbacks). ``then(host,
+    result)`` runs in the host's worker before the host counts as done (the CLI renders the
+    host's output there, while other hosts are still answering); its errors are the caller's."""
+    def one(h: Host) -> HostResult:
+        result = fn(h) if fn is not None else snapshot_host(h, dials.take(h) if dials else None)
+        if then is not None:
+            then(h, result)
+        return result
+
+    dials = None
     if fn is not None:
-        out = run_hosts(hosts, fn, forks=forks, on_start=on_start, on_result=on_result)
+        out = run_hosts(hosts, one, forks=forks, on_start=on_start, on_result=on_result)
     else:
         with predial(hosts, forks) as dials:
-            out = run_hosts(hosts, lambda h: snapshot_host(h, dials.take(h)), forks=forks,
-                            on_start=on_start, on_result=on_result)
+            out = run_hosts(hosts, one, forks=forks, on_start=on_start, on_result=on_result)
     from gpufleet.core.model import HostResult
 
     return [

@@ -4,6 +4,7 @@ The JSON keys are a contract (README "status --json"); more keys may be added, n
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, Optional, Sequence
 
 
@@ -297,6 +298,21 @@ def status_document(results: Iterable[HostResult], expected: dict[str, int],
     return {"hosts": [host_doc(r, expected.get(r.host, 0), (expected_gpus or {}).get(r.host))
                       for r in results]}
 
+
+
+def host_json(res: HostResult, expected_mib: int, expected_gpus: Optional[int] = None) -> str:
+    """One host's entry of ``status --json``, encoded as it stands in the document (indent 2,
+    two levels deep). Made in the host's worker as its result arrives, so a large fleet's
+    pure-Python indenting overlaps the hosts still answering instead of following the last."""
+    text = json.dumps(host_doc(res, expected_mib, expected_gpus), indent=2)
+    return "    " + text.replace("\n", "\n    ")
+
+
+def status_json(entries: Sequence[str], seconds: float) -> str:
+    """``to_json({"hosts": [...], "seconds": seconds})`` from the hosts' host_json entries:
+    the same text, character for character (tests/unit/test_render_status_json.py)."""
+    hosts = "[\n" + ",\n".join(entries) + "\n  ]" if entries else "[]"
+    return '{\n  "hosts": ' + hosts + ',\n  "seconds": ' + json.dumps(seconds) + "\n}"
 
 
 def watch_document(views: Sequence[LiveHost], expected: dict[str, int], now: float,

@@ -143,3 +143,21 @@ def test_a_newline_in_a_process_title_cannot_fake_a_holder_line() -> None:
     text = status_table([HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))], {})
     assert "trainer\\x0aVLLM::Worker 1 999MiB 426 5638MiB" in text
     assert not any(line.strip().startswith("VLLM::Worker 1 999MiB") for line in text.splitlines())
+
+
+def test_status_json_from_host_entries_is_the_same_text_as_the_whole_document() -> None:
+    """`status --json` encodes each host in its worker (render.status.host_json) and joins the
+    entries: the text must be exactly what encoding the whole document gives."""
+    from gpufleet.render.status import host_json, status_json, to_json
+
+    results = [result(n) for n in SCENARIOS]
+    results.append(HostResult(host="down", ok=False, error="connection refused", seconds=0.5,
+                              error_kind="refused"))
+    expected = {"na_fields": 1680}
+    gpus = {"basic": 8}
+    doc = status_document(results, expected, gpus)
+    doc["seconds"] = 1.25
+    entries = [host_json(r, expected.get(r.host, 0), gpus.get(r.host)) for r in results]
+    assert status_json(entries, 1.25) == to_json(doc)
+    assert json.loads(status_json(entries, 1.25)) == doc
+    assert status_json([], 0.0) == to_json({"hosts": [], "seconds": 0.0})
