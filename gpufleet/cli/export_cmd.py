@@ -29,8 +29,8 @@ def metric_options(func: Callable) -> Callable:
     func = click.option("--per-process", is_flag=True,
                         help="Also export each process's GPU memory (opt-in: more series).")(func)
     func = click.option("--model-label", default=MODEL_LABELS[0], metavar="NAME", show_default=True,
-                        help="Label name of the GPU model: modelName (dcgm-exporter's) or "
-                             "model_name (promtool's lint).")(func)
+                        help="Label name of the GPU model: model_name (lint-clean for promtool) or "
+                             "modelName (dcgm-exporter's own, camelCase).")(func)
     return func
 
 

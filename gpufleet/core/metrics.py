@@ -4,7 +4,8 @@
 knows about HTTP, files or prometheus_client, so every number is unit-tested without a server.
 Names follow Prometheus's conventions (``gpufleet_`` prefix, base units in the name: ``_bytes``,
 ``_seconds``, ``_ratio``, ``_total``) and the GPU labels are dcgm-exporter's (``Hostname``,
-``gpu`` = index, ``UUID`` with its ``GPU-`` prefix, ``modelName``, ``pci_bus_id``) plus
+``gpu`` = index, ``UUID`` with its ``GPU-`` prefix, ``pci_bus_id``; the model as ``model_name``
+or, with --model-label, dcgm-exporter's camelCase ``modelName``) plus
 ``host``, the inventory name, so the series join the dashboards operators already have.
 docs/prometheus.md lists every family; FAMILIES below is that list, one definition.
 
@@ -23,9 +24,9 @@ from gpufleet.errors import COMMAND, INTERNAL
 MIB = 1 << 20
 GAUGE, COUNTER = "gauge", "counter"
 
-# dcgm-exporter's label for the GPU's name is camelCase; promtool's lint warns about any
-# camelCase label, so `--model-label model_name` gives a lint-clean exposition instead.
-MODEL_LABELS = ("modelName", "model_name")
+# dcgm-exporter's label for the GPU's name is camelCase (modelName); promtool's lint warns
+# about any camelCase label, so the default is model_name: a lint-clean exposition.
+MODEL_LABELS = ("model_name", "modelName")  # the default first: promtool lints camelCase
 PROCESS_LABELS = ("pid", "name", "user")
 DEFAULT_MAX_PROCESSES = 20  # per host: the bound on per-process series (docs/prometheus.md)
 NAME_MAX = 64  # a process name label is cut to this many characters
@@ -33,7 +34,7 @@ NAME_MAX = 64  # a process name label is cut to this many characters
 HOST_LABELS = ("host", "Hostname")
 
 
-def gpu_labels(model_label: str = "modelName") -> tuple[str, ...]:
+def gpu_labels(model_label: str = "model_name") -> tuple[str, ...]:
     return ("host", "Hostname", "gpu", "UUID", model_label, "pci_bus_id")
 
 
@@ -106,7 +107,7 @@ class LastClean:
 class ExportOptions:
     """What the operator chose: the model label's name and the opt-in per-process series."""
 
-    model_label: str = "modelName"
+    model_label: str = "model_name"
     per_process: bool = False
     process_labels: tuple[str, ...] = PROCESS_LABELS
     max_processes: int = DEFAULT_MAX_PROCESSES

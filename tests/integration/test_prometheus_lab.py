@@ -262,16 +262,16 @@ def test_prometheus_scrapes_serve_and_promql_returns_the_labs_numbers(fleet: dic
 
 def test_promtool_accepts_the_exposition_and_the_rules(fleet: dict) -> None:
     promtool = need(PROMTOOL, "prometheus")
-    run = run_gpufleet(fleet["home"], fleet["inv"], "export", "--model-label", "model_name",
-                       "--per-process")
+    run = run_gpufleet(fleet["home"], fleet["inv"], "export", "--per-process")  # the defaults
     assert run.rc == 0, str(run)
     assert 'gpufleet_up{Hostname="",host="old-node",reason="refused"} 0.0' in run.stdout
     lint = subprocess.run([promtool, "check", "metrics"], input=run.stdout, capture_output=True,
                           text=True, timeout=60)
     assert (lint.returncode, lint.stdout, lint.stderr) == (0, "", ""), lint
-    # dcgm-exporter's modelName (the default) is camelCase: promtool says so, and nothing else
-    default = run_gpufleet(fleet["home"], fleet["inv"], "export")
-    lint = subprocess.run([promtool, "check", "metrics"], input=default.stdout,
+    # dcgm-exporter's own modelName (--model-label) is camelCase: promtool says so, and nothing else
+    dcgm = run_gpufleet(fleet["home"], fleet["inv"], "export", "--model-label", "modelName")
+    assert 'modelName="' in dcgm.stdout and 'model_name="' not in dcgm.stdout
+    lint = subprocess.run([promtool, "check", "metrics"], input=dcgm.stdout,
                           capture_output=True, text=True, timeout=60)
     complaints = {line.split(" ", 1)[1] for line in (lint.stdout + lint.stderr).splitlines() if line}
     assert complaints == {"label names should be written in 'snake_case' not 'camelCase'"}, lint

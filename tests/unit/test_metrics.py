@@ -58,7 +58,7 @@ def test_gpu_series_carry_dcgm_exporter_labels_and_base_units() -> None:
     for g in raw["gpus"]:
         labels = dict(next(k for k in used if dict(k)["gpu"] == str(g["index"])))
         assert labels == {"host": "train", "Hostname": raw["facts"]["hostname"],
-                          "gpu": str(g["index"]), "UUID": g["uuid"], "modelName": g["name"],
+                          "gpu": str(g["index"]), "UUID": g["uuid"], "model_name": g["name"],
                           "pci_bus_id": g["pci_bus_id"]}
         assert labels["UUID"].startswith("GPU-")
         assert one(used, gpu=str(g["index"])) == g["memory_used_mib"] * MIB
@@ -188,9 +188,9 @@ def test_per_process_memory_is_opt_in_bounded_and_summed_over_chosen_labels() ->
 
 
 def test_model_label_choice_renames_only_that_label() -> None:
-    fams = fleet_families([ok("vm", "basic")], {}, opts=ExportOptions(model_label="model_name"))
+    fams = fleet_families([ok("vm", "basic")], {}, opts=ExportOptions(model_label="modelName"))
     labels = dict(next(iter(series(fams, "gpufleet_gpu_memory_used_bytes"))))
-    assert labels["model_name"] == doc("basic")["gpus"][0]["name"] and "modelName" not in labels
+    assert labels["modelName"] == doc("basic")["gpus"][0]["name"] and "model_name" not in labels
 
 
 def test_last_clean_per_host_and_counts() -> None:
