@@ -74,6 +74,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--fail-timeout", type=float, default=3.0, help="connect_timeout there")
     ap.add_argument("--clean-ns", type=ints, default=[1, 32])
     ap.add_argument("--clean-runs", type=int, default=3)
+    ap.add_argument("--clean-rtts", type=floats, default=None,
+                    help="round-trip times of the clean runs, ms (default: the first of --rtts; "
+                    "0: loopback speed through the same link)")
     ap.add_argument("--release-delay", type=float, default=2.0,
                     help="simulated driver release delay (s) in the clean runs")
     ap.add_argument("--real-host", default=None, metavar="ADDR:PORT:KEY:KNOWN_HOSTS",
@@ -356,10 +359,14 @@ class Bench:
 
     def clean(self) -> None:
         """Time from `gpufleet clean` start to verified free, minus the simulated release delay."""
-        self.set_rtt(self.a.rtts[0])
+        for rtt in self.a.clean_rtts if self.a.clean_rtts is not None else self.a.rtts[:1]:
+            self.set_rtt(rtt)
+            self.clean_at(rtt)
+
+    def clean_at(self, rtt: float) -> None:
         delay = self.a.release_delay
         for n in self.a.clean_ns:
-            if self.late("clean N=%d" % n):
+            if self.late("clean N=%d RTT=%g" % (n, rtt)):
                 continue
             hosts = self.lab.hosts[:n]
             for h in hosts:
@@ -389,15 +396,15 @@ class Bench:
                 signalled = sum(1 for h in doc["hosts"]
                                 if any(s.get("outcome") == "sent" for s in h.get("signals") or ()))
                 waits = [h["memory_wait"]["seconds"] for h in doc["hosts"] if h.get("memory_wait")]
-                row = dict(n=n, run=r, wall_s=round(m.wall_s, 3), latency_s=round(m.wall_s - delay, 3),
+                row = dict(n=n, run=r, rtt_ms=rtt, wall_s=round(m.wall_s, 3), latency_s=round(m.wall_s - delay, 3),
                            release_delay_s=delay, clean=clean, signalled=signalled, rc=m.rc,
                            cpu_s=_r(m.cpu_s),
                            memory_wait_s=[round(min(waits), 3), round(max(waits), 3)] if waits else None,
                            conns_per_host=[min(c for c, _ in per.values()), max(c for c, _ in per.values())],
                            execs_per_host=[min(e for _, e in per.values()), max(e for _, e in per.values())])
                 self.clean_rows.append(row)
-                self.say("clean N=%d run %d: wall %.2fs latency %.2fs clean %d/%d execs/host %s conns/host %s" % (
-                    n, r, m.wall_s, m.wall_s - delay, clean, n, row["execs_per_host"], row["conns_per_host"]))
+                self.say("clean RTT=%g N=%d run %d: wall %.2fs latency %.2fs clean %d/%d execs/host %s conns/host %s" % (
+                    rtt, n, r, m.wall_s, m.wall_s - delay, clean, n, row["execs_per_host"], row["conns_per_host"]))
                 time.sleep(0.3)
 
 
@@ -583,15 +590,15 @@ def write_report(bench: Any, args: argparse.Namespace, command: str, started: st
         L.append("")
         L.append("## clean: start to verified free, minus the simulated release delay")
         L.append("")
-        L.append("| N | release delay s | wall s | latency s (wall − delay) | agent memory wait s | clean | hosts that signalled | execs/host | connections/host |")
-        L.append("|---|---|---|---|---|---|---|---|---|")
-        for n in sorted({r["n"] for r in bench.clean_rows}):
-            rows = [r for r in bench.clean_rows if r["n"] == n]
+        L.append("| RTT | N | release delay s | wall s | latency s (wall − delay) | agent memory wait s | clean | hosts that signalled | execs/host | connections/host |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|")
+        for rtt, n in sorted({(r.get("rtt_ms", args.rtts[0]), r["n"]) for r in bench.clean_rows}):
+            rows = [r for r in bench.clean_rows if r["n"] == n and r.get("rtt_ms", args.rtts[0]) == rtt]
             walls = [r["wall_s"] for r in rows]
             lat = [r["latency_s"] for r in rows]
             mw = [x for r in rows if r["memory_wait_s"] for x in r["memory_wait_s"]]
-            L.append("| %d | %g | %s | %s | %s | %s | %s | %s | %s |" % (
-                n, rows[0]["release_delay_s"], fmt_stat(_st(walls)), fmt_stat(_st(lat)),
+            L.append("| %g ms | %d | %g | %s | %s | %s | %s | %s | %s | %s |" % (
+                rtt, n, rows[0]["release_delay_s"], fmt_stat(_st(walls)), fmt_stat(_st(lat)),
                 ("%.2f–%.2f" % (min(mw), max(mw))) if mw else "-",
                 ", ".join("%d/%d" % (r["clean"], n) for r in rows),
                 ", ".join("%s/%d" % (r.get("signalled", "?"), n) for r in rows),
@@ -714,15 +721,16 @@ def targets(bench: Bench, summ: dict, args: argparse.Namespace) -> list[str]:
         mx = max(r["execs_per_host"][1] for r in st.values())
         mn = min(r["execs_per_host"][0] for r in st.values())
         out.append("- status SSH execs per host = %s (target 1): %s" % (mn if mn == mx else "%d–%d" % (mn, mx), verdict(mx == 1 and mn == 1)))
-    c32 = [r["latency_s"] for r in bench.clean_rows if r["n"] == 32]
-    invalid = [r for r in bench.clean_rows if r["n"] == 32 and r.get("signalled", 32) < 32]
-    if c32 and invalid:
-        out.append("- clean N=32: **not valid**: in %d of %d runs not every host signalled a "
-                   "holder (the fake driver's holders were not seen)" % (len(invalid), len(c32)))
-    elif c32:
-        med = statistics.median(c32)
-        out.append("- clean N=32: latency beyond the release delay = %.2f s median (target ≤ 0.3 s): %s" % (
-            med, verdict(med <= 0.3)))
+    for rtt in sorted({r.get("rtt_ms", args.rtts[0]) for r in bench.clean_rows}):
+        at = [r for r in bench.clean_rows if r["n"] == 32 and r.get("rtt_ms", args.rtts[0]) == rtt]
+        invalid = [r for r in at if r.get("signalled", 32) < 32]
+        if at and invalid:
+            out.append("- clean N=32, %g ms: **not valid**: in %d of %d runs not every host signalled "
+                       "a holder (the fake driver's holders were not seen)" % (rtt, len(invalid), len(at)))
+        elif at:
+            med = statistics.median(r["latency_s"] for r in at)
+            out.append("- clean N=32, %g ms RTT: latency beyond the release delay = %.2f s median "
+                       "(target ≤ 0.3 s): %s" % (rtt, med, verdict(med <= 0.3)))
     if bench.clean_rows:
         mx = max(r["execs_per_host"][1] for r in bench.clean_rows)
         out.append("- clean SSH execs per host ≤ %d (target ≤ 2): %s" % (mx, verdict(mx <= 2)))
