@@ -276,6 +276,9 @@ class Far:
 
 
 @dataclass
+REAL_NAME_PREFIX = "real-gpu"  # the real host's inventory name (its GPUs are real ones)
+
+
 class RealHost:
     """A real machine's own sshd (bench/run.py --real-host), with its own key and known_hosts;
     its CPU is read from the cgroup its sshd was started in (sessions inherit it)."""
@@ -288,7 +291,7 @@ class RealHost:
     host_key_line: Optional[str] = None
 
     @classmethod
-    def parse(cls, spec: str, name: str = "real-gpu") -> "RealHost":
+    def parse(cls, spec: str, name: str = REAL_NAME_PREFIX) -> "RealHost":
         """ADDR:PORT:KEY:KNOWN_HOSTS -> RealHost; ValueError (one line) when malformed."""
         parts = spec.split(":")
         if len(parts) != 4 or not parts[1].isdigit():

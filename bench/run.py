@@ -233,6 +233,13 @@ class Bench:
         if tool == "gpufleet":
             doc = json.loads(out)
             ok = sum(1 for h in doc["hosts"] if h["ok"] and h["gpus"])
+            # a lab host reads its fake GPUs: on a machine with a real driver, the real one
+            # showing through (one real GPU instead of --gpus fakes) would make the run invalid
+            wrong = [h["host"] for h in doc["hosts"] if h["ok"] and len(h["gpus"]) != self.a.gpus
+                     and not h["host"].startswith(B.REAL_NAME_PREFIX)]
+            if wrong:
+                return False, "%d hosts do not show their %d fake GPUs (%s...)" % (
+                    len(wrong), self.a.gpus, wrong[0])
             return ok == n, "%d/%d hosts ok" % (ok, n)
         if tool == "pssh":
             doc = json.loads(out.strip().splitlines()[-1])
