@@ -275,10 +275,10 @@ class Far:
     host_key_line: Optional[str] = None
 
 
-@dataclass
 REAL_NAME_PREFIX = "real-gpu"  # the real host's inventory name (its GPUs are real ones)
 
 
+@dataclass
 class RealHost:
     """A real machine's own sshd (bench/run.py --real-host), with its own key and known_hosts;
     its CPU is read from the cgroup its sshd was started in (sessions inherit it)."""
