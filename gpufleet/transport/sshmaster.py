@@ -6,7 +6,8 @@ are one conversation over one ``ssh``). One ``ssh -M -N`` process per host, star
 gpufleet with its PID kept, its control socket in a private directory (mkdtemp: mode 0700) so
 no other user can join it, ``ControlPersist=no`` so it ends with its connection, and ended
 by :meth:`Master.close` (TERM to that PID, then KILL). The runs then are ``ssh -o
-ControlPath=SOCKET`` clients: a channel on the open connection, no handshake. A user's own masters (ssh_config ControlMaster/ControlPath) are never joined.
+ControlPath=SOCKET`` clients: a channel on the open connection, no handshake. A user's own
+masters (ssh_config ControlMaster/ControlPath) are never joined.
 """
 from __future__ import annotations
 
