@@ -64,7 +64,7 @@ class Conversation:
         started = time.monotonic()
         req = dict(with_deadline(request, timeout), stay=True)
         try:
-            stream, raw = session._converse_start(encode_request(req), timeout)
+            stream, raw = session.start_conversation(encode_request(req), timeout)
         except Exception as exc:  # a failed host is a value, whatever broke
             failed = transport_error(exc) if not isinstance(exc, TransportError) else exc
             return cls(session, None, AgentReply(False, None, str(failed), None,
@@ -108,7 +108,7 @@ class Conversation:
         assert self.stream is not None
         if self.stream.ended:
             raw = self.stream.ended_run()
-            failure = self.session._ended_failure(raw)
+            failure = self.session.ended_failure(raw)
             exc = failure or exc
         self.close()
         return AgentReply(False, None, f"the agent's conversation ended: {exc}", None,
@@ -149,7 +149,7 @@ def _reply(session: Session, raw: RawRun, timeout: float, seconds: float, asked:
     """An answer as ``run_agent`` reads a run (the transport's own failure first), plus what
     only a conversation has: ``stay_end`` and (``asked``: a next request) a refused request
     (``mode`` null) did nothing. The first request's refusal reads as run_agent's does."""
-    failure = session._ended_failure(raw)
+    failure = session.ended_failure(raw)
     if failure is not None:
         return AgentReply(False, None, str(failure), raw.exit_code, seconds, raw.stderr,
                           failure.kind)

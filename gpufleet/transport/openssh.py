@@ -413,7 +413,7 @@ class OpensshSession(Session):
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
         return self._attempt(start)
 
-    def _ended_failure(self, raw: RawRun) -> Optional[TransportError]:
+    def ended_failure(self, raw: RawRun) -> Optional[TransportError]:
         return ssh_failure(raw, self.target) if self.target is not None else None
 
     def close(self) -> None:

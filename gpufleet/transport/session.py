@@ -261,7 +261,7 @@ class Session:
 
         return Conversation.start(self, request, self._timeout(timeout))
 
-    def _converse_start(self, head: bytes, timeout: float) -> tuple[Optional[Stream], RawRun]:
+    def start_conversation(self, head: bytes, timeout: float) -> tuple[Optional[Stream], RawRun]:
         """Start the resident agent with ``head`` and read its first line: (the stream, or
         None when it never started; the first answer as a RawRun, see ``first_answer``)."""
         from gpufleet.transport.conversation import first_answer
@@ -286,7 +286,7 @@ class Session:
         """A conversation's start as a run (OpenSSH: its own failures and accept-new)."""
         return start()
 
-    def _ended_failure(self, raw: RawRun) -> Optional[TransportError]:
+    def ended_failure(self, raw: RawRun) -> Optional[TransportError]:
         """The transport's own failure in an ended conversation (OpenSSH: exit 255), or None."""
         return None
 
