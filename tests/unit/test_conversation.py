@@ -3,7 +3,7 @@ child processes): one agent process answers the snapshot and then the clean; it 
 ``run_agent`` fails (missing or too-old python); and what the clean's rows rest on, exactly:
 a conversation gone BEFORE its next request was written gives ``unsent`` (nothing was done),
 one that dies AFTER it was written does not (the outcome is unknown). The same paths over
-real SSH: tests/integration/test_clean_conversation_lab.py, tests/faults/test_conversation.py.
+real SSH: tests/integration/test_clean_conversation_lab.py, tests/faults/test_clean_conversation_faults.py.
 """
 from __future__ import annotations
 
