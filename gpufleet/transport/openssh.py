@@ -430,6 +430,7 @@ class OpensshStream(ProcessStream):
 
     def _ended_error(self) -> TransportError:
         code = self._exit_code()
+        self._drain_err()  # ssh's line may still be unread when its stdout's end was seen
         raw = RawRun(code, b"", bytes(self._err))
         failure = ssh_failure(raw, self.target)
         if failure is not None:

@@ -118,6 +118,7 @@ class Stream:
 
     def _ended_error(self) -> TransportError:
         code = self._exit_code()
+        self._drain_err()
         tail = [ln.strip() for ln in self._err.decode("utf-8", "replace").splitlines()
                 if ln.strip()]
         text = "agent ended" + (f" (exit {code})" if code is not None else "") + (
@@ -231,8 +232,9 @@ class ProcessStream(Stream):
         try:
             self.send(head)
         except TransportError:
-            if not as_run:
-                raise
+            if not as_run:  # it ended before taking its input: say why it ended (ssh's line)
+                self.ended = True
+                raise self._ended_error() from None
 
     def _wait(self, timeout: float) -> bool:
         assert self.proc.stdout and self.proc.stderr
