@@ -1,14 +1,19 @@
 """`gpufleet clean` over many hosts: snapshot -> plan -> (confirm) -> agent clean -> verdict.
 
-Two execs per host over one SSH connection: the snapshot the plan is made from, and the clean
-sequence itself (identity re-check, TERM, grace, KILL, wait for memory, final snapshot), which
-runs on the host in one go so a slow link adds nothing between signal and verification.
+ONE exec and one agent process per host (a conversation, ``Session.converse``): the agent
+answers the snapshot the plan is made from and stays (its stay mode), then, once every host is
+planned and the operator agreed, answers the clean request: the sequence (identity re-check,
+TERM, grace, KILL, wait for memory, final snapshot) runs on the host in one go, so a slow link
+adds nothing between signal and verification. Over OpenSSH that is one ``ssh`` process per
+host and no master. If the conversation is gone before the clean request was written (the
+agent's idle bound while the operator was slow, the network, an EOF), the row says nothing was
+signalled; if it dies after, the outcome is unknown (the host keeps an audit record).
 
 :func:`run_clean` is the whole command: every host's TCP connect starts at once (pre-dial),
-every host is planned (its session held open), and only when every plan is valid and the
-operator agreed (the CLI's ``confirm`` callback) is anything signalled, on the same sessions.
-A dry run is the same path stopped after planning. Runbooks call ``plan_host`` /
-``execute_plan`` on a session they already hold.
+every host is planned (its conversation held open), and only when every plan is valid and the
+operator agreed (the CLI's ``confirm`` callback) is anything signalled, through the same
+conversations. A dry run plans with one-shot runs (nothing stays). Runbooks call ``plan_host``
+/ ``execute_plan`` on a session they already hold (two execs over their kept connection).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from gpufleet.ops import audit
 from gpufleet.ops.collect import result_from_reply, snapshot_request
 from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
 from gpufleet.ops.fanout import NOT_STARTED, run_hosts
-from gpufleet.transport import Session, open_session, predial
+from gpufleet.transport import AgentReply, Conversation, Session, open_session, predial
 
 AGENT_MARGIN_S = 5.0  # the controller waits this much longer than the agent's own deadline
 
@@ -50,6 +55,7 @@ class CleanOptions:
     lock_path: Optional[str] = None
     job_uid: Optional[int] = None  # a Slurm job's user: nobody else's process is signalled
     smi_timeout_s: float = 10.0  # the after-snapshot's nvidia-smi bound
+    idle_s: float = 3600.0  # the agent waits this long for the clean request after its plan
     audit_extra: tuple[tuple[str, Any], ...] = ()  # more audit keys (a Slurm job id, its user)
 
 
@@ -85,11 +91,33 @@ class HostClean(HostOutcome):
         return self
 
 
+def plan_request(host: Host) -> dict[str, Any]:
+    return dict(snapshot_request(host), cuda_version=False)  # the plan does not use it
+
+
 def plan_host(host: Host, session: Session, opts: CleanOptions) -> HostClean:
-    """Exec 1: the snapshot, and the pure plan made from it."""
+    """Exec 1 (runbooks, dry runs): the snapshot, and the pure plan made from it."""
     started = time.monotonic()
-    request = dict(snapshot_request(host), cuda_version=False)  # the plan does not use it
-    reply = session.run_agent(request, timeout=float(host.command_timeout))
+    reply = session.run_agent(plan_request(host), timeout=float(host.command_timeout))
+    return plan_from_reply(host, reply, opts, started)
+
+
+def plan_conversation(host: Host, session: Session, opts: CleanOptions
+                      ) -> tuple[HostClean, Conversation]:
+    """The plan from the first answer of the host's conversation, which stays open for the
+    clean request (closed here when the plan failed: nothing will be asked)."""
+    started = time.monotonic()
+    conv = session.converse(dict(plan_request(host), idle_s=opts.idle_s),
+                            timeout=float(host.command_timeout))
+    planned = plan_from_reply(host, conv.reply, opts, started)
+    if not planned.ok:
+        conv.close()
+    return planned, conv
+
+
+def plan_from_reply(host: Host, reply: AgentReply, opts: CleanOptions, started: float
+                    ) -> HostClean:
+    """The pure plan made from a snapshot reply (or the row's failure)."""
     before = result_from_reply(host, reply, started)
     out = HostClean(host=host.name, before=before)
     if not before.ok or before.snapshot is None:
@@ -145,16 +173,43 @@ def wait_floors(plan: Plan, before: Snapshot) -> dict[str, int]:
 
 
 def execute_plan(host: Host, session: Session, planned: HostClean, opts: CleanOptions) -> HostClean:
-    """Exec 2: the agent runs the whole sequence; the verdict is computed here from its report."""
-    from gpufleet.core.verdict import make_verdict
-
+    """Exec 2 (runbooks): the agent runs the whole sequence; the verdict is computed here."""
     if planned.plan is None or not planned.ok:
         return planned
     started = time.monotonic()
     request = clean_request(host, planned.plan, opts,
                             planned.before.snapshot if planned.before else None)
     reply = session.run_agent(request, timeout=float(request["deadline_s"]) + AGENT_MARGIN_S)
+    return finish_clean(host, planned, reply, opts, started)
+
+
+def execute_conversation(host: Host, conv: Conversation, planned: HostClean, opts: CleanOptions
+                         ) -> HostClean:
+    """The clean request as the conversation's next (its plan's agent answers it)."""
+    if planned.plan is None or not planned.ok:
+        return planned
+    started = time.monotonic()
+    request = clean_request(host, planned.plan, opts,
+                            planned.before.snapshot if planned.before else None)
+    try:
+        reply = conv.ask(request, timeout=float(request["deadline_s"]) + AGENT_MARGIN_S)
+    finally:
+        conv.close()
+    return finish_clean(host, planned, reply, opts, started)
+
+
+def finish_clean(host: Host, planned: HostClean, reply: AgentReply, opts: CleanOptions,
+                 started: float) -> HostClean:
+    """The row from the clean's reply: its verdict, or what is known of a failure."""
+    from gpufleet.core.verdict import make_verdict
+
+    assert planned.plan is not None
     planned.seconds += time.monotonic() - started
+    if not reply.ok and reply.unsent:  # the request never reached the agent: nothing happened
+        return planned.fail(Failure(
+            reply.error_kind or errors.AGENT,
+            f"{reply.error or 'agent failed'}; nothing was signalled: run the clean again "
+            f"(`gpufleet clean --host {host.name}`)"), verdict="error")
     if not reply.ok or reply.doc is None:
         planned.outcome_unknown = True
         # the host was reached and may have signalled: never "unreachable"
@@ -271,7 +326,7 @@ def run_clean(hosts: Sequence[Host], opts: CleanOptions, *, forks: int = 32, dry
             on_interrupt(in_flight)
 
     fan: dict[str, Any] = dict(forks=forks, on_interrupt=interrupted, make_error=not_run)
-    sessions: dict[str, Session] = {}
+    sessions: dict[str, tuple[Session, Conversation]] = {}
     try:
         results = _plan_all(hosts, opts, sessions if not dry_run else None, fan, progress)
         if dry_run or state["interrupted"]:
@@ -287,38 +342,43 @@ def run_clean(hosts: Sequence[Host], opts: CleanOptions, *, forks: int = 32, dry
         def act(r: HostClean) -> HostClean:
             if r.host not in sessions:
                 return r
-            return execute_plan(by_host[r.host], sessions[r.host], r, opts)
+            return execute_conversation(by_host[r.host], sessions[r.host][1], r, opts)
 
         with _progress(progress, results, "clean") as line:
             acted = run_hosts(results, act, **fan, **_callbacks(line))
         return CleanRun([as_row(h, r) for h, r in zip(hosts, acted)], dry_run,
                         state["interrupted"])
     finally:
-        for session in sessions.values():
-            try:
-                session.close()
-            except Exception:
-                pass
+        for session, conv in sessions.values():  # a conversation not asked: the agent ends at EOF
+            for held in (conv, session):
+                try:
+                    held.close()
+                except Exception:
+                    pass
 
 
-def _plan_all(hosts: Sequence[Host], opts: CleanOptions, sessions: Optional[dict[str, Session]],
+def _plan_all(hosts: Sequence[Host], opts: CleanOptions,
+              sessions: Optional[dict[str, tuple[Session, Conversation]]],
               fan: dict[str, Any], progress: Optional[ProgressFactory]) -> list[HostClean]:
-    """Every host's plan, its session kept in ``sessions`` for acting (None: a dry run, each
-    session closed once planned). Every TCP connect starts now, outside the forks bound
-    (unreachable hosts cost one connect_timeout in all); handshakes and plans stay inside it."""
+    """Every host's plan, its session and conversation kept in ``sessions`` for acting (None:
+    a dry run, one-shot plans, each session closed once planned). Every TCP connect starts
+    now, outside the forks bound (unreachable hosts cost one connect_timeout in all);
+    handshakes and plans stay inside it."""
     with predial(hosts, fan["forks"]) as dials:
 
         def plan(h: Host) -> HostClean:
             session: Optional[Session] = None
             try:
-                session = open_session(h, dials.take(h), keep=True)
-                if sessions is not None:
-                    sessions[h.name] = session
-                return plan_host(h, session, opts)
+                session = open_session(h, dials.take(h))
+                if sessions is None:
+                    return plan_host(h, session, opts)
+                planned, conv = plan_conversation(h, session, opts)
+                sessions[h.name] = (session, conv)
+                return planned
             except Exception as exc:  # a failed host is a value
                 return HostClean(host=h.name).fail(Failure(kind_of(exc), first_line(exc)))
             finally:
-                if sessions is None and session is not None:
+                if session is not None and (sessions is None or h.name not in sessions):
                     session.close()
 
         with _progress(progress, hosts, "clean: planning") as line:

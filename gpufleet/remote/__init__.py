@@ -134,3 +134,10 @@ def encode_request(request: Mapping[str, Any]) -> bytes:
     payload = json.dumps(dict(request), separators=(",", ":")).encode("utf-8")
     head = b"%d %d %d %s\n" % (len(loader), len(source), len(payload), agent_key().encode())
     return head + loader + source + payload
+
+
+def encode_next(request: Mapping[str, Any]) -> bytes:
+    """A conversation's next request (the agent's stay mode, remote/main.py): ``<m>\\n`` and
+    the request JSON (m bytes), written on the stdin the first request left open."""
+    payload = json.dumps(dict(request), separators=(",", ":")).encode("utf-8")
+    return b"%d\n" % len(payload) + payload

@@ -10,6 +10,14 @@ In watch mode (remote/watch.py) it prints one snapshot line per interval until t
 controller goes. Otherwise the agent prints exactly one JSON document on stdout and exits 0: its own failures are
 values in that document. Everything it starts is bounded by the request's deadline.
 
+Stay mode (a conversation: `clean` plans and acts through ONE agent process per host): a
+snapshot request with ``"stay": true`` keeps the process after its document; it then reads the
+next request from stdin, framed ``<m>\\n<request JSON: m bytes>``, answers it the normal way
+(one document), and ends after a clean, on EOF, on a bad frame (a ``stay_end`` document says
+why), or when no request came within ``idle_s`` seconds (default 3600; a ``stay_end``
+document), so an orphan never lingers. A request is either answered or certainly never acted
+on: the idle bound and the frame's arrival are decided under one lock (``NextRequest``).
+
 Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path),
 ``shm_dir`` (default /dev/shm), ``shm_min_age_s`` (default 10), ``lock_wait_s`` (default
 timeout_s), ``default_threshold_mib`` (default 64), ``cuda_version`` (default true),
@@ -25,6 +33,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 from .clean import clean  # joined
@@ -32,6 +41,13 @@ from .jobs import Deadline  # joined
 from .parse import AGENT_VERSION  # joined
 from .snapshot import AGENT_CACHE_FACTS, GPU_SOURCES, snapshot  # joined
 from .watch import watch  # joined
+
+
+#: A conversation's default idle bound (request key ``idle_s``): the agent ends when no next
+#: request came within it (an operator who never answered, a controller gone without an EOF).
+IDLE_S = 3600.0
+#: A next request larger than this is a bad frame (a clean request is a few KB).
+MAX_FRAME = 16 * 1024 * 1024
 
 
 class AgentDeadline(BaseException):
@@ -65,6 +81,9 @@ def parse_request(raw):
         raise ValueError("gpu_source must be one of %s" % ", ".join(GPU_SOURCES))
     if req.get("nvml_library") is not None and not isinstance(req["nvml_library"], str):
         raise ValueError("nvml_library must be a path or null")
+    if req.get("stay") not in (None, True, False):
+        raise ValueError("stay must be true or false")
+    req["idle_s"] = _number(req, "idle_s", IDLE_S, 0.01)
     if req["mode"] == "watch":
         req["interval_s"] = _number(req, "interval_s", 2.0, 0.05)
         req["keepalive_s"] = _number(req, "keepalive_s", 10.0, 0.5)
@@ -90,10 +109,10 @@ _EMITTED = []  # type: list
 
 
 def emit(doc):
-    """Print the one JSON document, at most once (the alarm path may race the normal one)."""
-    if _EMITTED:
+    """Print a request's JSON document, at most once (the alarm path may race the normal one)."""
+    if _EMITTED and _EMITTED[-1] is doc:
         return
-    _EMITTED.append(True)
+    _EMITTED.append(doc)
     try:
         sys.stdout.write(json.dumps(doc) + "\n")
         sys.stdout.flush()
@@ -126,12 +145,21 @@ def main(raw_request):
     if req["mode"] == "watch":  # resident: ends itself (remote/watch.py), no alarm
         watch(req)
         os._exit(0)  # not interpreter shutdown: the keep-alive reader may hold stdin's lock
+    emit(answer(req, t0))
+    if req["mode"] == "snapshot" and req.get("stay"):
+        converse(req["idle_s"], sys.stdin.buffer)
+
+
+def answer(req, t0):
+    """One snapshot or clean request's document, bounded by its deadline (SIGALRM: the last
+    resort, which emits what it has and ends the process)."""
     deadline = Deadline(req["deadline_s"])
     if req["mode"] == "clean":
         doc = empty_clean_doc()
     else:  # what the controller gets if the snapshot cannot finish
         doc = {"agent_version": AGENT_VERSION, "mode": "snapshot",
                "nvidia_smi": {"ok": False, "error": None, "exit_code": None, "seconds": 0.0}}
+    box = [doc]
     alarmed = []
 
     def on_alarm(signum, frame):
@@ -139,8 +167,8 @@ def main(raw_request):
             alarmed.append(True)
             signal.alarm(2)
             raise AgentDeadline()
-        doc["error"] = "agent deadline exceeded (stuck in a system call)"
-        emit(doc)
+        box[0]["error"] = "agent deadline exceeded (stuck in a system call)"
+        emit(box[0])
         os._exit(0)
 
     try:
@@ -150,7 +178,7 @@ def main(raw_request):
         pass  # not the main thread: the per-call bounds still hold
     try:
         if req["mode"] == "snapshot":
-            doc = snapshot(req, deadline)
+            doc = box[0] = snapshot(req, deadline)
         else:
             clean(req, deadline, doc)
     except AgentDeadline:
@@ -169,7 +197,88 @@ def main(raw_request):
             pass
     if req["mode"] == "clean":
         doc["seconds"] = round(time.monotonic() - t0, 3)
-    emit(doc)
+    return doc
+
+
+def read_frame(stream):
+    """The next request of a conversation: ``<m>\\n`` then m bytes of JSON. (bytes, None);
+    (None, None) at EOF before a frame; (None, why) for a bad frame."""
+    head = stream.readline(32)
+    if not head:
+        return None, None
+    text = head.strip()
+    if not head.endswith(b"\n") or not text.isdigit():
+        return None, "bad frame: header %r" % (head[:32],)
+    size = int(text)
+    if size > MAX_FRAME:
+        return None, "bad frame: %d bytes is more than %d" % (size, MAX_FRAME)
+    body = stream.read(size)
+    if len(body) != size:
+        return None, "bad frame: stdin ended after %d of %d bytes" % (len(body), size)
+    return body, None
+
+
+class NextRequest(object):
+    """Reads one frame on a thread (stdin is buffered: select on its descriptor could miss
+    bytes already read ahead); ``take`` waits for it at most ``idle_s``. Whether the frame or
+    the idle bound wins is decided under one lock: a frame that comes later is never acted on."""
+
+    def __init__(self, stream):
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.result = None
+        self.abandoned = False
+        reader = threading.Thread(target=self._read, args=(stream,), name="gpufleet-next")
+        reader.daemon = True
+        reader.start()
+
+    def _read(self, stream):
+        try:
+            result = read_frame(stream)
+        except (OSError, IOError, ValueError) as exc:
+            result = (None, "bad frame: %s" % (exc,))
+        with self.lock:
+            if not self.abandoned:
+                self.result = result
+        self.done.set()
+
+    def take(self, idle_s):
+        """read_frame's (body, why), or (None, "idle: ...") when nothing came within idle_s."""
+        self.done.wait(idle_s)
+        with self.lock:
+            if self.result is None:
+                self.abandoned = True
+                return None, "idle: no request within %gs" % idle_s
+            return self.result
+
+
+def stay_end(reason):
+    """A conversation's last document when a request will not be answered: nothing was done."""
+    return {"agent_version": AGENT_VERSION, "mode": "stay_end", "reason": reason}
+
+
+def converse(idle_s, stdin):
+    """Stay mode: answer the requests that follow on stdin, one document each; end after a
+    clean, on EOF, on a bad frame or request, or after ``idle_s`` without a request."""
+    while True:
+        body, why = NextRequest(stdin).take(idle_s)
+        if body is None:
+            if why is not None:
+                emit(stay_end(why))
+            return
+        t0 = time.monotonic()
+        try:
+            req = parse_request(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            emit({"agent_version": AGENT_VERSION, "mode": None, "error": "bad request: %s" % exc})
+            return
+        if req["mode"] == "watch":
+            emit(stay_end("bad request: watch mode cannot follow in a conversation"))
+            return
+        emit(answer(req, t0))
+        if req["mode"] == "clean" or not req.get("stay"):
+            return
+        idle_s = req["idle_s"]
 
 
 def exit_now():

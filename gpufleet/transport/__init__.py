@@ -4,7 +4,8 @@ session: one connection per host reused by several runs; connection: ssh_config,
 host keys, dialling; dial: pre-dialling (every TCP connect at once); keyscan: the key
 exchange alone (`gpufleet trust`); auth: public-key auth only; hostkeys: strict / accept-new;
 run: one bounded raw run on an exec channel or a local subprocess; stream: a resident run
-read line by line (the agent's watch mode). Other packages import
+read line by line (the agent's watch mode); conversation: one agent process answering several
+requests over one exec (`clean`'s plan and act). Other packages import
 from here only, and no module imports another's private names.
 
 Lazy: a name is imported from its module when first asked for (PEP 562), and session, run and
@@ -21,6 +22,7 @@ from gpufleet.errors import TransportError
 
 if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports on demand
     from gpufleet.transport.connection import MAX_HOPS, connection_for, transport_error
+    from gpufleet.transport.conversation import Conversation
     from gpufleet.transport.dial import Dialled, Predial, predial
     from gpufleet.transport.keyscan import TrustResult, fetch_host_key, trust
     from gpufleet.transport.run import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP
@@ -38,6 +40,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
 #: public name -> the module that defines it
 _HOME = {
     "MAX_HOPS": "connection", "connection_for": "connection", "transport_error": "connection",
+    "Conversation": "conversation",
     "Dialled": "dial", "Predial": "dial", "predial": "dial",
     "TrustResult": "keyscan", "fetch_host_key": "keyscan", "trust": "keyscan",
     "INLINE_STDIN": "run", "KILL_AFTER_S": "run", "STDERR_KEEP": "run",
@@ -48,7 +51,7 @@ _HOME = {
 
 __all__ = [  # _HOME's names and TransportError (tests/integration/test_startup_imports.py)
     "INLINE_STDIN", "KILL_AFTER_S", "MAX_HOPS", "STDERR_KEEP", "AgentReply", "ArgvResult",
-    "Dialled", "LocalSession", "Predial", "Session", "SshSession", "Stream", "TransportError",
+    "Conversation", "Dialled", "LocalSession", "Predial", "Session", "SshSession", "Stream", "TransportError",
     "TrustResult", "connection_for", "deadline_for", "fetch_host_key", "open_session",
     "predial", "transport_error", "trust",
 ]

@@ -399,10 +399,22 @@ class OpensshSession(Session):
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
         return self._attempt(lambda: run_local(self._command(argv), stdin, timeout))
 
-    def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
+    def _stream(self, argv: Sequence[str], head: bytes, timeout: float,
+                as_run: bool = False) -> Stream:
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        return OpensshStream(self._command(argv), head, self.target)
+        return OpensshStream(self._command(argv), head, self.target, as_run=as_run)
+
+    def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
+        """A conversation's start is this host's run: ssh's own failures raised with their
+        kinds, accept-new's first-seen key recorded and the start retried, as ``_run``."""
+        self.connect()
+        if self.error is not None or self.target is None:
+            raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
+        return self._attempt(start)
+
+    def ended_failure(self, raw: RawRun) -> Optional[TransportError]:
+        return ssh_failure(raw, self.target) if self.target is not None else None
 
     def close(self) -> None:
         if self._master is not None:
@@ -412,12 +424,13 @@ class OpensshSession(Session):
 class OpensshStream(ProcessStream):
     """A resident run through one ``ssh`` process; ssh's own failure is its end's kind."""
 
-    def __init__(self, argv: Sequence[str], head: bytes, target: Target):
+    def __init__(self, argv: Sequence[str], head: bytes, target: Target, as_run: bool = False):
         self.target = target
-        super().__init__(argv, head)
+        super().__init__(argv, head, as_run=as_run)
 
     def _ended_error(self) -> TransportError:
         code = self._exit_code()
+        self._drain_err()  # ssh's line may still be unread when its stdout's end was seen
         raw = RawRun(code, b"", bytes(self._err))
         failure = ssh_failure(raw, self.target)
         if failure is not None:

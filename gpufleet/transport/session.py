@@ -30,7 +30,7 @@ import re
 import shlex
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
@@ -41,6 +41,7 @@ from gpufleet.transport.stream import ChannelStream, ProcessStream, Stream, tran
 
 if TYPE_CHECKING:
     from gpufleet.transport.connection import HostConnection
+    from gpufleet.transport.conversation import Conversation
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class AgentReply:
     seconds: float = 0.0
     stderr: bytes = b""
     error_kind: Optional[str] = None
+    #: a conversation's request that certainly never reached the agent, or that it said it
+    #: did not act on (it had ended, the connection was gone, it ended idle): nothing was done
+    unsent: bool = False
 
 
 class ArgvResult(NamedTuple):
@@ -150,6 +154,16 @@ def deadline_for(timeout: float) -> float:
     return max(0.1, timeout - margin)
 
 
+def with_deadline(request: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+    """The request with the agent's own deadline: the caller's, if any, within
+    ``deadline_for(timeout)``."""
+    req = dict(request)
+    own = deadline_for(timeout)
+    given = req.get("deadline_s")
+    req["deadline_s"] = own if given is None else min(float(given), own)
+    return req
+
+
 def _agent_command(host: Host) -> list[str]:
     from gpufleet.remote import bootstrap_command
 
@@ -160,6 +174,32 @@ def remote_timeout(argv: list[str], timeout: float) -> list[str]:
     """``argv`` bounded on the host itself (coreutils/busybox ``timeout``): over SSH closing
     the channel does not end the remote process (see the module docstring)."""
     return ["timeout", "-k", str(KILL_AFTER_S), str(max(1, math.ceil(timeout)))] + argv
+
+
+def agent_reply(raw: RawRun, host: Host, timeout: float, seconds: float) -> AgentReply:
+    """One agent run's outcome as a reply: the wrappers' and the interpreter's failures
+    (sudo, missing or too-old python, timeout), output that is not one JSON object, or the
+    document (run_agent, and each answer of a conversation)."""
+
+    def failed_run(message: str, kind: str, doc: Optional[dict] = None) -> AgentReply:
+        return AgentReply(False, doc, message, raw.exit_code, seconds, raw.stderr, kind)
+
+    error = _command_error(raw, host, "agent", timeout)
+    if error is not None:
+        return failed_run(error, errors.COMMAND)
+    text = raw.stdout.decode("utf-8", "replace").strip()
+    if not text:
+        return failed_run("agent printed nothing", errors.AGENT)
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        head = text.splitlines()[0][:80]
+        return failed_run(f"agent output is not JSON: {head!r}", errors.AGENT)
+    if not isinstance(doc, dict):
+        return failed_run("agent output is not a JSON object", errors.AGENT)
+    if doc.get("python_too_old"):  # the agent's own version check (3.0 - 3.5)
+        return failed_run(_too_old(host, f"Python {doc.get('python')}"), errors.COMMAND, doc)
+    return AgentReply(True, doc, None, raw.exit_code, seconds, raw.stderr)
 
 
 class Session:
@@ -201,38 +241,54 @@ class Session:
 
         started = time.monotonic()
         timeout = self._timeout(timeout)
-        req = dict(request)
-        own = deadline_for(timeout)
-        given = req.get("deadline_s")
-        req["deadline_s"] = own if given is None else min(float(given), own)
+        req = with_deadline(request, timeout)
         try:
             raw = self._run(_agent_command(self.host), encode_request(req), timeout)
         except Exception as exc:  # a failed host is a value, whatever broke
             failed = transport_error(exc)
             return AgentReply(False, None, str(failed), None, time.monotonic() - started,
                               error_kind=failed.kind)
-        seconds = time.monotonic() - started
+        return agent_reply(raw, self.host, timeout, time.monotonic() - started)
 
-        def failed_run(message: str, kind: str, doc: Optional[dict] = None) -> AgentReply:
-            return AgentReply(False, doc, message, raw.exit_code, seconds, raw.stderr, kind)
+    def converse(self, request: Mapping[str, Any], timeout: Optional[float] = None
+                 ) -> "Conversation":
+        """Start ONE agent process that answers ``request`` (a snapshot; its reply is the
+        conversation's ``reply``) and stays for the next (``Conversation.ask``) over the same
+        exec: `clean` plans and acts through one agent start per host. Never raises: a host
+        that fails gives a conversation whose reply says why (the same failures as
+        ``run_agent``: wrappers, missing or too-old python, ssh's own)."""
+        from gpufleet.transport.conversation import Conversation
 
-        error = _command_error(raw, self.host, "agent", timeout)
-        if error is not None:
-            return failed_run(error, errors.COMMAND)
-        text = raw.stdout.decode("utf-8", "replace").strip()
-        if not text:
-            return failed_run("agent printed nothing", errors.AGENT)
+        return Conversation.start(self, request, self._timeout(timeout))
+
+    def start_conversation(self, head: bytes, timeout: float) -> tuple[Optional[Stream], RawRun]:
+        """Start the resident agent with ``head`` and read its first line: (the stream, or
+        None when it never started; the first answer as a RawRun, see ``first_answer``)."""
+        from gpufleet.transport.conversation import first_answer
+
+        streams: list[Stream] = []
+
+        def start() -> RawRun:
+            for old in streams:  # a retry (accept-new recorded the key): the first is over
+                old.close()
+            streams[:] = [self._stream(_agent_command(self.host), head, timeout, as_run=True)]
+            return first_answer(streams[0], timeout)
+
         try:
-            doc = json.loads(text)
-        except ValueError:
-            head = text.splitlines()[0][:80]
-            return failed_run(f"agent output is not JSON: {head!r}", errors.AGENT)
-        if not isinstance(doc, dict):
-            return failed_run("agent output is not a JSON object", errors.AGENT)
-        if doc.get("python_too_old"):  # the agent's own version check (3.0 - 3.5)
-            return failed_run(_too_old(self.host, f"Python {doc.get('python')}"), errors.COMMAND,
-                              doc)
-        return AgentReply(True, doc, None, raw.exit_code, seconds, raw.stderr)
+            raw = self._first_run(start)
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return (streams[0] if streams else None), raw
+
+    def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
+        """A conversation's start as a run (OpenSSH: its own failures and accept-new)."""
+        return start()
+
+    def ended_failure(self, raw: RawRun) -> Optional[TransportError]:
+        """The transport's own failure in an ended conversation (OpenSSH: exit 255), or None."""
+        return None
 
     def stream_agent(self, request: Mapping[str, Any], timeout: Optional[float] = None) -> Stream:
         """Start the agent resident (watch mode) on this session: its snapshot lines come
@@ -243,7 +299,8 @@ class Session:
         return self._stream(_agent_command(self.host), encode_request(dict(request)),
                             self._timeout(timeout))
 
-    def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
+    def _stream(self, argv: Sequence[str], head: bytes, timeout: float,
+                as_run: bool = False) -> Stream:
         raise NotImplementedError
 
     def run_argv(self, argv: Sequence[str], stdin: bytes = b"", timeout: Optional[float] = None,
@@ -282,8 +339,17 @@ class LocalSession(Session):
     def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
         return run_local(argv, stdin, timeout)
 
-    def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
-        return ProcessStream(argv, head)
+    def _stream(self, argv: Sequence[str], head: bytes, timeout: float,
+                as_run: bool = False) -> Stream:
+        return ProcessStream(argv, head, as_run=as_run)
+
+    def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
+        try:
+            return start()
+        except FileNotFoundError:  # as run_local reports it
+            return RawRun(127, b"", f"{_agent_command(self.host)[0]}: not found".encode())
+        except PermissionError:
+            return RawRun(126, b"", f"{_agent_command(self.host)[0]}: Permission denied".encode())
 
 
 class SshSession(Session):
@@ -366,11 +432,13 @@ class SshSession(Session):
             raise TransportError(f"connection lost: {transport_error(exc)}",
                                  kind=errors.CLOSED) from None
 
-    def _stream(self, argv: Sequence[str], head: bytes, timeout: float) -> Stream:
+    def _stream(self, argv: Sequence[str], head: bytes, timeout: float,
+                as_run: bool = False) -> Stream:
         transport = self.conn.transport if self.conn is not None else None
         if self.error is not None or transport is None or not self.connected:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        return ChannelStream(transport, " ".join(shlex.quote(a) for a in argv), head, timeout)
+        return ChannelStream(transport, " ".join(shlex.quote(a) for a in argv), head, timeout,
+                             as_run=as_run)
 
     def close(self) -> None:
         if self.conn is not None:

@@ -1,12 +1,13 @@
 """gpufleet's own OpenSSH master for a session that runs several commands on one host.
 
 Internal to gpufleet.transport (gpufleet.transport.openssh uses it for ``open_session(...,
-keep=True)``: a clean's two runs, a runbook's steps, `serve`'s refreshes). One ``ssh -M -N``
-process per host, started by gpufleet with its PID kept, its control socket in a private
-directory (mkdtemp: mode 0700) so no other user can join it, ``ControlPersist=no`` so it ends
-with its connection, and ended by :meth:`Master.close` (TERM to that PID, then KILL). The
-runs then are ``ssh -o ControlPath=SOCKET`` clients: a channel on the open connection, no
-handshake. A user's own masters (ssh_config ControlMaster/ControlPath) are never joined.
+keep=True)``: a runbook's steps, `serve`'s refreshes; `clean` needs none, its plan and act
+are one conversation over one ``ssh``). One ``ssh -M -N`` process per host, started by
+gpufleet with its PID kept, its control socket in a private directory (mkdtemp: mode 0700) so
+no other user can join it, ``ControlPersist=no`` so it ends with its connection, and ended
+by :meth:`Master.close` (TERM to that PID, then KILL). The runs then are ``ssh -o
+ControlPath=SOCKET`` clients: a channel on the open connection, no handshake. A user's own
+masters (ssh_config ControlMaster/ControlPath) are never joined.
 """
 from __future__ import annotations
 

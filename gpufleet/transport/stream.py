@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.errors import TransportError
-from gpufleet.transport.run import KILL_AFTER_S, STDERR_KEEP
+from gpufleet.transport.run import KILL_AFTER_S, STDERR_KEEP, RawRun
 
 if TYPE_CHECKING:  # a local stream must not import the SSH stack (transport/__init__.py)
     import paramiko
@@ -90,8 +90,35 @@ class Stream:
             elif chunk:
                 self._buf += chunk
 
+    def poll(self) -> None:
+        """Take in whatever the command wrote, without waiting (a conversation looks before it
+        writes its next request: the agent may have ended, or said why it will)."""
+        while not self.ended and self._wait(0):
+            try:
+                chunk = self._read()
+            except Exception as exc:
+                raise TransportError(f"connection lost: {transport_error(exc)}",
+                                     kind=errors.CLOSED) from None
+            if chunk is None:
+                self.ended = True
+            elif not chunk:
+                return
+            else:
+                self._buf += chunk
+
+    def ended_run(self) -> RawRun:
+        """The ended command as a one-shot run gives it (exit status, -1 when none came; the
+        stdout not taken as lines; stderr), for the same failure lines as a one-shot run."""
+        code = self._exit_code()
+        self._drain_err()
+        return RawRun(-1 if code is None else code, bytes(self._buf), bytes(self._err))
+
+    def _drain_err(self) -> None:
+        """Read the rest of stderr once the command ended (its last line names the failure)."""
+
     def _ended_error(self) -> TransportError:
         code = self._exit_code()
+        self._drain_err()
         tail = [ln.strip() for ln in self._err.decode("utf-8", "replace").splitlines()
                 if ln.strip()]
         text = "agent ended" + (f" (exit {code})" if code is not None else "") + (
@@ -108,16 +135,23 @@ class ChannelStream(Stream):
     """An exec channel on the host's open SSH connection."""
 
     def __init__(self, transport: paramiko.Transport, command: str, head: bytes,
-                 timeout: float):
+                 timeout: float, as_run: bool = False):
+        """``as_run``: a head the command did not take in (it ended at once) is left to its
+        exit status and stderr, as a one-shot run reports it (a conversation's start)."""
         super().__init__()
         self.chan: Optional[paramiko.Channel] = None
+        sending = False
         try:
             self.chan = transport.open_session(timeout=max(0.1, timeout))
             self.chan.settimeout(max(0.1, timeout))
             self.chan.exec_command(command)
+            sending = True
             self.chan.sendall(head)
             self.chan.settimeout(None)
         except Exception as exc:
+            if as_run and sending and self.chan is not None:
+                self.chan.settimeout(None)
+                return
             if self.chan is not None:
                 self.chan.close()
             self.chan = None
@@ -147,6 +181,11 @@ class ChannelStream(Stream):
             return None if code == -1 else code
         return None
 
+    def _drain_err(self) -> None:
+        if self.chan is not None:
+            while self.chan.recv_stderr_ready():
+                self._keep_err(self.chan.recv_stderr(65536))
+
     def send(self, data: bytes) -> None:
         assert self.chan is not None
         try:
@@ -173,19 +212,29 @@ class ChannelStream(Stream):
 class ProcessStream(Stream):
     """``connection: local``: the same argv as a subprocess (no shell), its own session."""
 
-    def __init__(self, argv: Sequence[str], head: bytes):
+    def __init__(self, argv: Sequence[str], head: bytes, as_run: bool = False):
+        """``as_run`` (a conversation's start): failures reported as a one-shot run reports
+        them: a command that cannot start raises its OSError (127, 126), a head it did not
+        take in (it ended at once) is left to its exit status and stderr."""
         super().__init__()
         try:
             self.proc = subprocess.Popen(
                 list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
         except OSError as exc:
+            if as_run:
+                raise
             raise TransportError(f"{argv[0]}: {exc.strerror or exc}", kind=errors.COMMAND) from None
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         os.set_blocking(self.proc.stdout.fileno(), False)
         os.set_blocking(self.proc.stderr.fileno(), False)
         self._err_open = True
-        self.send(head)
+        try:
+            self.send(head)
+        except TransportError:
+            if not as_run:  # it ended before taking its input: say why it ended (ssh's line)
+                self.ended = True
+                raise self._ended_error() from None
 
     def _wait(self, timeout: float) -> bool:
         assert self.proc.stdout and self.proc.stderr
@@ -208,6 +257,20 @@ class ProcessStream(Stream):
             return self.proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             return None
+
+    def _drain_err(self) -> None:
+        assert self.proc.stderr
+        while self._err_open:
+            ready, _, _ = select.select([self.proc.stderr], [], [], 0.2)
+            if not ready:
+                return  # held open by something the command left behind: enough is here
+            err = _read_some(self.proc.stderr.fileno())
+            if err is None:
+                self._err_open = False
+            elif not err:
+                return
+            else:
+                self._keep_err(err)
 
     def send(self, data: bytes) -> None:
         assert self.proc.stdin

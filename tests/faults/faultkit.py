@@ -319,6 +319,22 @@ def agents_left(host: Any) -> list:
     return [p for p in sessions(host) if AGENT_MARK.encode() in _cmdline(host, p)]
 
 
+def agents_waiting(host: Any) -> list:
+    """Agents that answered and wait for their conversation's next request (the stay mode of
+    `clean`): a thread other than the main one is blocked in read(2) on stdin, as
+    /proc/PID/task/TID/syscall shows it ("0 0x0 ...": x86_64's read, fd 0)."""
+    waiting = []
+    for pid in agents_left(host):
+        try:
+            tasks = [t for t in host.path("/proc/%d/task" % pid).iterdir() if t.name != str(pid)]
+            calls = [(t / "syscall").read_text().split()[:2] for t in tasks]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if ["0", "0x0"] in calls:
+            waiting.append(pid)
+    return waiting
+
+
 def session_processes(host: Any) -> list:
     """The host's sshd processes serving connections (not the listener), found by parentage."""
     listener = listener_pid(host)

@@ -14,6 +14,7 @@ from typing import Any
 from faultkit import (
     agent_audit,
     agents_left,
+    agents_waiting,
     assert_gone_exactly,
     assert_no_traceback,
     audit_log,
@@ -82,7 +83,8 @@ def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any
     before_logins = logins()
     proc = start_cli(home, inv, "clean", "--yes")
     wait_for(lambda: agents_left(slow), 30, "the slow host's planning agent")
-    wait_for(lambda: logins() > before_logins and not agents_left(ready), 30,
+    # the ready host's plan is made: its agent answered and waits for the clean request
+    wait_for(lambda: logins() > before_logins and agents_waiting(ready), 30,
              "the ready host's plan")
     os.kill(proc.pid, signal.SIGINT)
     run = finish_cli(proc, timeout=60)
@@ -92,6 +94,7 @@ def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any
     rows = {ln.split()[0]: ln.split() for ln in run.stdout.splitlines() if ln.startswith("plan-")}
     assert rows["plan-ready"][2:3] + rows["plan-ready"][6:7] == ["(1)", "planned"], str(run)
     assert audit_log(home) == [] and agent_audit(ready) == []
+    wait_for(lambda: not agents_left(ready), 30, "the ready host's agent to end at its EOF")
     assert_gone_exactly(ready, befores["plan-ready"], set())
     assert_gone_exactly(slow, befores["plan-slow"], set())
 

@@ -156,8 +156,9 @@ def test_hanging_driver_clean_is_bounded_and_leaves_nothing_running(lab: Any, ma
 def test_driver_hangs_mid_clean_the_sequence_still_ends_in_its_bound(lab: Any, make_host: Any,
                                                                      home: Path) -> None:
     """The driver wedges after TERM: the agent still KILLs after the grace; its memory wait and
-    final snapshot hit nvidia-smi's bound; it reports within its deadline and ends every
-    nvidia-smi it started."""
+    final snapshot hit their bounds (the memory wait NVML's: the agent that planned, the same
+    process, opened the library before the driver wedged); it reports within its deadline and
+    ends every nvidia-smi it started."""
     host = make_host("drv-wedge", gpus=2)
     job, before = holder_and_census(host, gpus=[0], mib=800, title="stubborn", ignore_term=True)
     inv = lab.inventory_yaml([host])
@@ -171,7 +172,8 @@ def test_driver_hangs_mid_clean_the_sequence_still_ends_in_its_bound(lab: Any, m
     doc = run.host("drv-wedge")
     assert signals(doc["signals"]) == [(job, "TERM", "sent"), (job, "KILL", "sent")]
     assert doc["verdict"] != "clean", doc
-    assert "timed out" in (doc["memory_wait"] or {}).get("error", ""), doc["memory_wait"]
+    assert (doc["memory_wait"] or {}).get("error", "").startswith(
+        "NVML: NVML did not answer within 10s"), doc["memory_wait"]
     assert signals(audit_log(home)) == [(job, "TERM", "sent"), (job, "KILL", "sent")]
     wait_for(lambda: not agents_left(host), 15, "the agent to end")
     assert smi_processes(host) == {}

@@ -548,7 +548,7 @@ def test_each_connect_failure_has_its_kind(lab, shared, tmp_path, client):
 
 
 def test_kept_openssh_session_logs_in_once_and_ends_its_master(lab, shared, client):
-    """keep=True (clean, runbooks, serve): OpenSSH gets a master of gpufleet's own, opened
+    """keep=True (runbooks, serve): OpenSSH gets a master of gpufleet's own, opened
     on open_session, its runs are channels on it (one login for three runs), and close()
     ends that master (the PID gpufleet started) and removes its socket directory."""
     before = accepted_logins(shared)
