@@ -62,6 +62,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--pipelining-ns", type=ints, default=[1, 32],
                     help="also run ansible with ANSIBLE_PIPELINING=True at these N (first RTT)")
     ap.add_argument("--forks", type=int, default=32, help="parallelism of every tool (gpufleet's default)")
+    ap.add_argument("--scale-forks", type=int, default=0, metavar="F",
+                    help="also run gpufleet and parallel-ssh at N=1 and the largest N with this "
+                    "parallelism (first RTT, same run): how the wall scales when N <= F")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per host")
     ap.add_argument("--connect-timeout", type=float, default=5.0)
     ap.add_argument("--fail-n", type=int, default=32,
@@ -136,6 +139,8 @@ class Bench:
         self.fail_rows: list[dict] = []
         self.clean_rows: list[dict] = []
         self.real_rows: list[dict] = []  # --real-host: the real host and a loopback lab host, N=1
+        self.scale_rows: list[dict] = []  # --scale-forks: runs at that parallelism
+        self.forks = 0  # when set: the parallelism of the next runs instead of --forks
         self.skipped: list[str] = []  # what --deadline-s left out
         self.measured_rtt: dict[float, float] = {}
         self.seq = 0
@@ -186,7 +191,7 @@ class Bench:
         key = real.key if real else self.lab.lab.client_key
         known = real.known_hosts if real else self.lab.lab.known_hosts_path
         n = len(hosts)
-        forks = str(max(1, min(self.a.forks, n)))
+        forks = str(max(1, min(self.forks or self.a.forks, n)))
         self.seq += 1
         d = self.work / ("run%04d" % self.seq)
         d.mkdir()
@@ -304,6 +309,28 @@ class Bench:
                         "ok" if ok else "FAILED " + note))
                     time.sleep(0.2)
         self.lab.lab.remove_host(local)
+
+    def scale(self) -> None:
+        """gpufleet and parallel-ssh at N=1 and the largest N with --scale-forks F, alternated
+        with the same tools at --forks: wall(N)/wall(1) when every host runs at once."""
+        self.set_rtt(self.a.rtts[0])
+        top = max(self.a.ns)
+        tools = [t for t in ("gpufleet", "pssh") if t in self.a.tools]
+        for tool in tools:  # a warm-up run each (not kept): the first after a pause is slower
+            self.runs.remove(self.run_tool(tool, 1, False))
+        for r in range(self.a.runs):
+            for n in (1, top):
+                for forks in (self.a.scale_forks, self.a.forks):
+                    for tool in tools:
+                        if self.late("scale %s N=%d forks %d run %d" % (tool, n, forks, r)):
+                            return
+                        self.forks = forks
+                        try:
+                            row = self.run_tool(tool, n, False)
+                        finally:
+                            self.forks = 0
+                        self.runs.remove(row)  # not a sweep cell: its own table
+                        self.scale_rows.append(dict(row, forks=forks, run=r))
 
     # the sweep --------------------------------------------------------------------------------
 
@@ -611,6 +638,7 @@ def write_report(bench: Any, args: argparse.Namespace, command: str, started: st
                 ", ".join("%s/%d" % (r.get("signalled", "?"), n) for r in rows),
                 _rng({tuple(r["execs_per_host"]) for r in rows}),
                 _rng({tuple(r["conns_per_host"]) for r in rows})))
+    L += scale_table(getattr(bench, "scale_rows", []))
     L.append("")
     L.append("## Targets")
     L.append("")
@@ -719,6 +747,14 @@ def targets(bench: Bench, summ: dict, args: argparse.Namespace) -> list[str]:
                      % (g128["cpu"][0], g128["remote"][0], os.cpu_count(), floor)) if floor else ""
             out.append("- status wall(N=128)/wall(N=1) at %g ms = %.1f (target ≤ 2): %s%s" % (
                 rtt, r, verdict(r <= 2), extra))
+            scaled = [x for x in getattr(bench, "scale_rows", []) if x["tool"] == "gpufleet" and x["ok"]
+                      and x["forks"] != args.forks and rtt == args.rtts[0]]
+            one = [x["wall_s"] for x in scaled if x["n"] == 1]
+            big = [x["wall_s"] for x in scaled if x["n"] == 128]
+            if one and big:
+                r = statistics.median(big) / statistics.median(one)
+                out.append("- the same with --forks %d (every host at once, same run): %.2f (target ≤ 2): %s"
+                           % (scaled[0]["forks"], r, verdict(r <= 2)))
             if g128["cpu"]:
                 ms = g128["cpu"][0] * 1000.0 / 128
                 out.append("- status controller CPU per host at N=128, %g ms = %.1f ms (target ≤ 5): %s" % (
@@ -807,6 +843,7 @@ class Recorded:
         self.runs = raw["runs"]
         self.fail_rows = raw["failures"]
         self.clean_rows = raw["clean"]
+        self.scale_rows = raw.get("scale", [])
         self.real_rows = raw.get("real", [])
         self.skipped = raw.get("skipped", [])
         self.measured_rtt = {float(k): v for k, v in raw["measured_rtt_ms"].items()}
@@ -858,6 +895,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.real:
             bench.real_host()
         bench.sweep()
+        if args.scale_forks:
+            bench.scale()
         if args.fail_k:
             bench.failures()
         if args.clean_ns:
@@ -875,6 +914,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def scale_table(rows: list[dict]) -> list[str]:
+    """--scale-forks: wall at N=1 and the largest N per parallelism, runs alternated."""
+    if not rows:
+        return []
+    top = max(r["n"] for r in rows)
+    L = ["", "## status: how the wall scales with every host at once (`--scale-forks`, same run)", "",
+         "| tool | --forks | wall N=1 s | wall N=%d s | wall(%d)/wall(1) | controller CPU per host at N=%d, ms |" % (top, top, top),
+         "|---|---|---|---|---|---|"]
+    for tool in sorted({r["tool"] for r in rows}):
+        for forks in sorted({r["forks"] for r in rows}, reverse=True):
+            one = [r["wall_s"] for r in rows if r["tool"] == tool and r["forks"] == forks and r["n"] == 1 and r["ok"]]
+            big = [r for r in rows if r["tool"] == tool and r["forks"] == forks and r["n"] == top and r["ok"]]
+            if not one or not big:
+                continue
+            w1, wn = statistics.median(one), statistics.median(r["wall_s"] for r in big)
+            cpu = [r["cpu_s"] for r in big if r.get("cpu_s") is not None]
+            L.append("| %s | %d | %s | %s | %.2f | %s |" % (
+                tool, forks, fmt_stat(_st(one)), fmt_stat(_st([r["wall_s"] for r in big])), wn / w1,
+                "%.1f" % (statistics.median(cpu) * 1000 / top) if cpu else "-"))
+    return L
+
+
 def write_outputs(bench: "Bench", args: argparse.Namespace, command: str, started: str) -> None:
     """results.json, RESULTS.md and the plot, from what the bench measured."""
     seconds = time.monotonic() - T0
@@ -883,7 +944,7 @@ def write_outputs(bench: "Bench", args: argparse.Namespace, command: str, starte
            "machine": machine(), "versions": versions(),
            "measured_rtt_ms": {str(k): v for k, v in bench.measured_rtt.items()}, "runs": bench.runs,
            "failures": bench.fail_rows, "clean": bench.clean_rows, "real": bench.real_rows,
-           "skipped": bench.skipped}
+           "scale": bench.scale_rows, "skipped": bench.skipped}
     for p in (args.raw, args.out, args.plot):
         p.parent.mkdir(parents=True, exist_ok=True)
     args.raw.write_text(json.dumps(raw, indent=1) + "\n")
