@@ -65,6 +65,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--scale-forks", type=int, default=0, metavar="F",
                     help="also run gpufleet and parallel-ssh at N=1 and the largest N with this "
                     "parallelism (first RTT, same run): how the wall scales when N <= F")
+    ap.add_argument("--scale-runs", type=int, default=2, help="runs of each --scale-forks cell")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per host")
     ap.add_argument("--connect-timeout", type=float, default=5.0)
     ap.add_argument("--fail-n", type=int, default=32,
@@ -318,7 +319,7 @@ class Bench:
         tools = [t for t in ("gpufleet", "pssh") if t in self.a.tools]
         for tool in tools:  # a warm-up run each (not kept): the first after a pause is slower
             self.runs.remove(self.run_tool(tool, 1, False))
-        for r in range(self.a.runs):
+        for r in range(self.a.scale_runs):
             for n in (1, top):
                 for forks in (self.a.scale_forks, self.a.forks):
                     for tool in tools:
