@@ -896,12 +896,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.real:
             bench.real_host()
         bench.sweep()
+        if args.clean_ns:
+            bench.clean()
         if args.scale_forks:
             bench.scale()
         if args.fail_k:
             bench.failures()
-        if args.clean_ns:
-            bench.clean()
         done = True
     finally:
         bench.close()

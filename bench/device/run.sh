@@ -145,7 +145,7 @@ else
   sizing=(--ns 1,8,32,128 --rtts 20,100 --ns-far 1,32 --runs 3 --slow-s 5 --seq-max-n 1
           --seq-max-n-first 32 --pipelining-ns 1,32 --fail-n 32 --fail-k 0,1,4,8 --fail-over 8
           --clean-ns 1,32 --clean-runs 3 --clean-rtts 20,0 --scale-forks 128 --real-runs 2
-          --deadline-s 360)
+          --deadline-s 390)
 fi
 label="$(nproc) cores, $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)"
 rc=0
