@@ -46,7 +46,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     if interval is not None:
         from gpufleet.cli.watch import watch_status
 
-        return watch_status(selected, interval, as_json)
+        return watch_status(selected, interval, as_json, app.forks)
     started = time.monotonic()
     prefetch("gpufleet.core.model", "gpufleet.render.status")  # loaded while the agents run
     with HostProgress(selected, "status") as progress:  # stderr, on a terminal only

@@ -35,4 +35,4 @@ def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: boo
         raise UsageError(NO_TERMINAL)
     from gpufleet.cli.topscreen import run_top
 
-    return run_top(selected, float(seconds or 2.0), readonly, audit_log)
+    return run_top(selected, float(seconds or 2.0), readonly, audit_log, app.forks)

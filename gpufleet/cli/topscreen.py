@@ -229,15 +229,15 @@ def attributes() -> dict[str, int]:
     return attrs
 
 
-def run_top(hosts: Sequence[Host], interval: float, readonly: bool, audit_log: Optional[str]
-            ) -> int:
+def run_top(hosts: Sequence[Host], interval: float, readonly: bool, audit_log: Optional[str],
+            forks: int = 32) -> int:
     """The screen until q (or SIGTERM / Ctrl-C); every stream is closed on the way out.
-    One session (thread) per host: --forks does not bound a live fleet."""
+    One session (thread) per host, at most ``forks`` (--forks) connecting at a time."""
     from gpufleet.ops.live import LiveFleet
 
     locale.setlocale(locale.LC_ALL, "")
     os.environ.setdefault("ESCDELAY", "25")
-    fleet = LiveFleet(hosts, interval)
+    fleet = LiveFleet(hosts, interval, forks=forks)
 
     def main(scr: Any) -> None:
         try:

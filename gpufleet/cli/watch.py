@@ -1,7 +1,8 @@
 """`gpufleet status --watch SECONDS`: the live fleet as text or NDJSON, no screen.
 
-One persistent session per host (gpufleet.ops.live); the first document once every host has
-answered or failed (at most one connect + command timeout), then one per interval, until
+One persistent session per host (gpufleet.ops.live), at most --forks of them connecting at a
+time; the first document once every host has answered or failed (at most one connect +
+command timeout per wave of --forks hosts), then one per interval, until
 Ctrl-C or SIGTERM (exit 0), or until stdout closes. Every stream is closed on the way out,
 so the agents end at once (and by their keep-alive deadline if this process is killed).
 """
@@ -41,24 +42,31 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def wait_first_round(fleet: Any, hosts: Sequence[Host]) -> None:
-    """Until every host answered or failed, at most one connect + command timeout."""
-    limit = max((float(h.connect_timeout) + float(h.command_timeout) for h in hosts), default=1)
-    end = time.monotonic() + limit
+def first_round_limit(hosts: Sequence[Host], forks: int) -> float:
+    """How long the first document waits for every host: one connect + command timeout for
+    each wave of ``forks`` hosts (a host waits for a connect slot as `status` for a fork)."""
+    waves = -(-len(hosts) // max(1, forks))
+    return waves * max((float(h.connect_timeout) + float(h.command_timeout) for h in hosts),
+                       default=1)
+
+
+def wait_first_round(fleet: Any, hosts: Sequence[Host], forks: int) -> None:
+    """Until every host answered or failed, at most ``first_round_limit``."""
+    end = time.monotonic() + first_round_limit(hosts, forks)
     generation = -1
     while not fleet.answered() and time.monotonic() < end:
         generation = fleet.wait_change(generation, 0.2)
 
 
-def watch_status(hosts: Sequence[Host], interval: float, as_json: bool) -> int:
+def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: int) -> int:
     from gpufleet.ops.live import LiveFleet
 
     expected = {h.name: int(h.unattributed_mib or 0) for h in hosts}
-    fleet = LiveFleet(hosts, interval)
+    fleet = LiveFleet(hosts, interval, forks=forks)
     with sigterm_as_interrupt():
         try:
             fleet.start()
-            wait_first_round(fleet, hosts)
+            wait_first_round(fleet, hosts, forks)
             seq = 0
             next_at = time.monotonic()
             while True:
