@@ -9,6 +9,7 @@ import click
 from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
 from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
+from gpufleet.cli.output import write_whole
 
 
 def parse_interval(text: Optional[str], option: str) -> Optional[float]:
@@ -58,9 +59,9 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     if as_json:
         doc = status_document(results, expected, expected_gpus)
         doc["seconds"] = round(time.monotonic() - started, 3)
-        click.echo(to_json(doc))
+        write_whole(to_json(doc) + "\n")
     else:
-        click.echo(terminal_safe(status_table(results, expected, expected_gpus)))
+        write_whole(terminal_safe(status_table(results, expected, expected_gpus)) + "\n")
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
         click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
         return EXIT_INTERRUPTED

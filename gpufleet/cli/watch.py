@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
-
-import click
 
 from gpufleet.config.inventory import Host
 from gpufleet.core.live import STALE
 from gpufleet.errors import EXIT_OK
 from gpufleet.render.status import status_table, watch_document
 from gpufleet.cli import terminal_safe
+from gpufleet.cli.output import write_whole
 
 
 @contextmanager
@@ -75,10 +73,9 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
                 if as_json:
                     doc = watch_document(views, expected, now, seq)
                     doc["time"] = round(time.time(), 3)
-                    click.echo(json.dumps(doc, separators=(",", ":")))
+                    write_whole(json.dumps(doc, separators=(",", ":")) + "\n")
                 else:
-                    click.echo(_text(views, expected, now, interval))
-                sys.stdout.flush()
+                    write_whole(_text(views, expected, now, interval) + "\n")
                 seq += 1
                 next_at = max(next_at + interval, now)
                 time.sleep(max(0.0, next_at - time.monotonic()))
