@@ -40,7 +40,8 @@ def write_whole(text: Union[str, bytes], stream: Optional[IO[Any]] = None) -> No
     else:
         data = bytes(text)
         if fd < 0:
-            (binary if binary is not None else stream).write(data)
+            target: Any = binary if binary is not None else stream
+            target.write(data)
             stream.flush()
             return
     write_fd(fd, data)

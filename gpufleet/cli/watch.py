@@ -17,8 +17,7 @@ from typing import Any, Iterator, Sequence
 from gpufleet.config.inventory import Host
 from gpufleet.core.live import STALE
 from gpufleet.errors import EXIT_OK
-from gpufleet.render.status import status_table, watch_document
-from gpufleet.cli import terminal_safe
+from gpufleet.cli import prefetch, terminal_safe
 from gpufleet.cli.output import write_whole
 
 
@@ -63,8 +62,11 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
     fleet = LiveFleet(hosts, interval, forks=forks)
     with sigterm_as_interrupt():
         try:
-            fleet.start()
+            fleet.start()  # first: the imports below load while the sessions connect
+            prefetch("gpufleet.core.model", "gpufleet.render.status")
             wait_first_round(fleet, hosts, forks)
+            from gpufleet.render.status import watch_document
+
             seq = 0
             next_at = time.monotonic()
             while True:
@@ -86,6 +88,8 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
 
 
 def _text(views: Sequence[Any], expected: dict[str, int], now: float, interval: float) -> str:
+    from gpufleet.render.status import status_table
+
     head = time.strftime("%H:%M:%S") + f"  (every {interval:g}s; Ctrl-C ends)"
     table = status_table([v.as_result() for v in views], expected)
     notes = []
