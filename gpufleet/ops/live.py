@@ -10,10 +10,9 @@ deadline, if this process died without closing anything). Values only, no UI.
 
 At most ``forks`` hosts connect at a time (the CLI's --forks, as `status` runs its hosts): a
 host holds one of those slots from its session's open until its first line (or its failure),
-then stays resident without one. On a small controller (or a small host pool) 64 handshakes
-and agent starts at once only share the same cores, so none answers early, and the early ones'
-next snapshots then compete with the late ones' starts; in waves, the first full screen comes
-no later than one `status` of the same hosts. A reconnect takes a slot too.
+then stays resident without one, so a large fleet starts in waves (ssh processes, handshakes,
+a jump host's MaxStartups) as `status` does, instead of all at once. A reconnect takes a
+slot too.
 """
 from __future__ import annotations
 
