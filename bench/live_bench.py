@@ -16,8 +16,8 @@ counted here: the same LiveFleet as `top`, plus one JSON document per interval):
 * per-host agent CPU per refresh: every agent's utime + stime (read in its host's /proc)
   over the documents it wrote in that time;
 * first full document vs one `status --all --json` (wall seconds, same hosts): --rounds of
-  each, alternated, a second's pause between runs (so neither starts while the other's
-  sessions end on the hosts), after one warm-up status; medians and every run;
+  each, alternated (which goes first alternates too), 2 s between runs (so neither starts
+  while the other's sessions end on the hosts), after one warm-up status; medians, every run;
 * --soak-minutes: fds, threads and RSS of the controller after the first minute and at the
   end, hosts' sshd killed (with their sessions) and restarted every --restart-every seconds
   round-robin, and the agents left on the hosts after the CLI stopped.
@@ -203,14 +203,15 @@ def first_document_s(inv: Path, home: Path, interval: float) -> float:
 
 
 def first_vs_status(inv: Path, home: Path, interval: float, rounds: int) -> dict:
-    """status --all, then the first document of status --watch, ``rounds`` times; a pause
-    between runs lets the hosts end the last run's sessions first."""
+    """status --all and the first document of status --watch, ``rounds`` times, which goes
+    first alternating; a pause between runs lets the hosts end the last run's sessions."""
     status_all_s(inv, home)  # warm-up: the hosts' agent caches, the page cache
     runs: dict[str, list[float]] = {"status_all_s": [], "first_document_s": []}
-    for _ in range(rounds):
-        for key, run in (("status_all_s", lambda: status_all_s(inv, home)),
-                         ("first_document_s", lambda: first_document_s(inv, home, interval))):
-            time.sleep(1.0)
+    pair = [("status_all_s", lambda: status_all_s(inv, home)),
+            ("first_document_s", lambda: first_document_s(inv, home, interval))]
+    for n in range(rounds):
+        for key, run in pair if n % 2 == 0 else pair[::-1]:
+            time.sleep(2.0)
             runs[key].append(round(run(), 2))
     out: dict[str, Any] = {k: statistics.median(v) for k, v in runs.items()}
     out.update({k.replace("_s", "_runs_s"): v for k, v in runs.items()})
