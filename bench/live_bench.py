@@ -15,7 +15,9 @@ counted here: the same LiveFleet as `top`, plus one JSON document per interval):
 * --ssh-client: the inventory's ssh_client (auto = OpenSSH where there is an ssh client);
 * per-host agent CPU per refresh: every agent's utime + stime (read in its host's /proc)
   over the documents it wrote in that time;
-* first full document vs one `status --all --json` (wall seconds, same hosts);
+* first full document vs one `status --all --json` (wall seconds, same hosts): --rounds of
+  each, alternated (which goes first alternates too), 2 s between runs (so neither starts
+  while the other's sessions end on the hosts), after one warm-up status; medians, every run;
 * --soak-minutes: fds, threads and RSS of the controller after the first minute and at the
   end, hosts' sshd killed (with their sessions) and restarted every --restart-every seconds
   round-robin, and the agents left on the hosts after the CLI stopped.
@@ -29,6 +31,7 @@ import json
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -182,13 +185,44 @@ def agents_gone(hosts: list[Any], timeout: float = 15.0) -> dict:
     return {"agents_left": left, "agents_gone_after_s": round(time.monotonic() - started, 2)}
 
 
-def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: float,
-            client: str = "auto") -> dict:
-    inv = lab.inventory_yaml(hosts, connect_timeout=5, ssh_client=client)
+def status_all_s(inv: Path, home: Path) -> float:
     t0 = time.monotonic()
     subprocess.run(GPUFLEET + ["-i", str(inv), "status", "--all", "--json"], env=env(home),
                    cwd=str(home), stdout=subprocess.DEVNULL, check=False)
-    status_all_s = time.monotonic() - t0
+    return time.monotonic() - t0
+
+
+def first_document_s(inv: Path, home: Path, interval: float) -> float:
+    watch = Watch(home, inv, interval)
+    try:
+        while watch.first_s is None:
+            watch.pump(1.0)
+    finally:
+        watch.stop()
+    return watch.first_s
+
+
+def first_vs_status(inv: Path, home: Path, interval: float, rounds: int) -> dict:
+    """status --all and the first document of status --watch, ``rounds`` times, which goes
+    first alternating; a pause between runs lets the hosts end the last run's sessions."""
+    status_all_s(inv, home)  # warm-up: the hosts' agent caches, the page cache
+    runs: dict[str, list[float]] = {"status_all_s": [], "first_document_s": []}
+    pair = [("status_all_s", lambda: status_all_s(inv, home)),
+            ("first_document_s", lambda: first_document_s(inv, home, interval))]
+    for n in range(rounds):
+        for key, run in pair if n % 2 == 0 else pair[::-1]:
+            time.sleep(2.0)
+            runs[key].append(round(run(), 2))
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in runs.items()}
+    out.update({k.replace("_s", "_runs_s"): v for k, v in runs.items()})
+    return out
+
+
+def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: float,
+            client: str = "auto", rounds: int = 3) -> dict:
+    inv = lab.inventory_yaml(hosts, connect_timeout=5, ssh_client=client)
+    firsts = first_vs_status(inv, home, interval, rounds)
+    time.sleep(1.0)
     watch = Watch(home, inv, interval)
     try:
         watch.pump(5.0)
@@ -208,8 +242,7 @@ def measure(lab: Lab, hosts: list[Any], home: Path, interval: float, seconds: fl
             round(100 * (cpu1 - cpu0) / (t2 - t1), 1), "documents": docs1 - docs0,
             "controller_with_ssh_cpu_pct": round(100 * (tree1 - tree0) / (t2 - t1), 1),
             "ssh_processes": helpers, "pss_kib_with_ssh": pss_kib,
-            "rss_kib": rss_kib, "first_document_s": round(watch.first_s or -1, 2),
-            "status_all_s": round(status_all_s, 2),
+            "rss_kib": rss_kib, **firsts,
             "agent_cpu_ms_per_refresh": per_refresh_ms(agents0, agents1, docs1 - docs0),
             "agent_with_nvidia_smi_ms_per_refresh": per_refresh_ms(with0, with1, docs1 - docs0),
             **agents_gone(hosts)}
@@ -259,6 +292,8 @@ def main() -> None:
     ap.add_argument("--restart-every", type=float, default=180.0)
     ap.add_argument("--ssh-client", default="auto", choices=("auto", "openssh", "paramiko"),
                     help="the inventory's ssh_client for every host")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of status --all and of the first watch document, alternated")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gf-live-bench-") as tmp, Lab(Path(tmp) / "lab") as lab:
         home = Path(tmp) / "home"
@@ -269,8 +304,8 @@ def main() -> None:
             h.spawn_holder(gpus=[0], mib=70000 // 8, title="VLLM::Worker_TP0")
             hosts.append(h)
         client = args.ssh_client
-        one = measure(lab, hosts[:1], home, args.interval, min(args.seconds, 10.0), client)
-        many = measure(lab, hosts, home, args.interval, args.seconds, client)
+        one = measure(lab, hosts[:1], home, args.interval, min(args.seconds, 10.0), client, 1)
+        many = measure(lab, hosts, home, args.interval, args.seconds, client, args.rounds)
         if args.hosts > 1:
             many["rss_kib_per_host_beyond_baseline"] = round(
                 (many["rss_kib"] - one["rss_kib"]) / (args.hosts - 1), 1)

@@ -75,8 +75,9 @@ def export(app: AppContext, hosts, groups, tags, all_, textfile: Optional[str], 
     selected = app.select(hosts, groups, tags, all_)
     data = exposition(export_once(selected, opts, audit_log, forks=app.forks))
     if directory is None:
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+        from gpufleet.cli.output import write_whole
+
+        write_whole(data)  # a scrape's worth of text: every byte, even after a short write
     else:
         write_textfile(directory, data)
     return EXIT_OK

@@ -1,7 +1,6 @@
 """`gpufleet status`: one table across hosts; GPUs, memory, who holds it, what no one holds."""
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, Optional
 
@@ -10,6 +9,7 @@ import click
 from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
 from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
+from gpufleet.cli.output import write_whole
 
 
 def parse_interval(text: Optional[str], option: str) -> Optional[float]:
@@ -47,7 +47,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     if interval is not None:
         from gpufleet.cli.watch import watch_status
 
-        return watch_status(selected, interval, as_json)
+        return watch_status(selected, interval, as_json, app.forks)
     started = time.monotonic()
     prefetch("gpufleet.core.model", "gpufleet.render.status")  # loaded while the agents run
     expected = {h.name: int(h.unattributed_mib or 0) for h in selected}
@@ -67,9 +67,9 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     if as_json:  # hosts that never ran (Ctrl-C) are encoded here
         text = status_json([entries.get(r.host) or host_json(r, expected[r.host], expected_gpus[r.host])
                             for r in results], round(time.monotonic() - started, 3))
-        sys.stdout.write(text + "\n")  # JSON escapes control characters: nothing to strip
+        write_whole(text + "\n")  # JSON escapes control characters: nothing to strip
     else:
-        click.echo(terminal_safe(status_table(results, expected, expected_gpus)))
+        write_whole(terminal_safe(status_table(results, expected, expected_gpus)) + "\n")
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
         click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
         return EXIT_INTERRUPTED

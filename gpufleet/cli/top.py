@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from gpufleet.cli import AppContext, cli, selection_options
-from gpufleet.errors import UsageError
+from gpufleet.errors import EXIT_OK, UsageError
 
 NO_TERMINAL = ("gpufleet top needs a terminal; for scripts use "
                "`gpufleet status --watch SECONDS --json` (one JSON document per line)")
@@ -33,6 +33,18 @@ def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: boo
     selected = app.select(hosts, groups, tags, all_)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError(NO_TERMINAL)
-    from gpufleet.cli.topscreen import run_top
+    from gpufleet.cli.watch import sigterm_as_interrupt
+    from gpufleet.ops.live import LiveFleet
 
-    return run_top(selected, float(seconds or 2.0), readonly, audit_log)
+    every = float(seconds or 2.0)
+    fleet = LiveFleet(selected, every, forks=app.forks)  # at most --forks connecting at once
+    with sigterm_as_interrupt():
+        try:
+            fleet.start()  # the hosts connect while the screen's modules (~50 ms) load
+            from gpufleet.cli.topscreen import run_top
+
+            return run_top(fleet, selected, every, readonly, audit_log)
+        except KeyboardInterrupt:
+            return EXIT_OK
+        finally:
+            fleet.stop()  # every stream closed: the agents end on EOF

@@ -27,7 +27,6 @@ from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.errors import EXIT_OK, GpufleetError
 from gpufleet.errors import lines as error_lines
 from gpufleet.render.top import HostInfo, Overlay, Screen, TopState, clean_scope, layout, on_key
-from gpufleet.cli.watch import sigterm_as_interrupt
 
 KEYS = {curses.KEY_UP: "UP", curses.KEY_DOWN: "DOWN", curses.KEY_PPAGE: "PGUP",
         curses.KEY_NPAGE: "PGDN", curses.KEY_HOME: "HOME", curses.KEY_END: "END",
@@ -229,15 +228,12 @@ def attributes() -> dict[str, int]:
     return attrs
 
 
-def run_top(hosts: Sequence[Host], interval: float, readonly: bool, audit_log: Optional[str]
-            ) -> int:
-    """The screen until q (or SIGTERM / Ctrl-C); every stream is closed on the way out.
-    One session (thread) per host: --forks does not bound a live fleet."""
-    from gpufleet.ops.live import LiveFleet
-
+def run_top(fleet: Any, hosts: Sequence[Host], interval: float, readonly: bool,
+            audit_log: Optional[str]) -> int:
+    """The screen of a started ``fleet`` (cli/top.py starts it, then imports this module)
+    until q; SIGTERM / Ctrl-C raise KeyboardInterrupt to the caller, which stops the fleet."""
     locale.setlocale(locale.LC_ALL, "")
     os.environ.setdefault("ESCDELAY", "25")
-    fleet = LiveFleet(hosts, interval)
 
     def main(scr: Any) -> None:
         try:
@@ -247,12 +243,5 @@ def run_top(hosts: Sequence[Host], interval: float, readonly: bool, audit_log: O
         scr.timeout(200)
         Top(scr, fleet, hosts, interval, readonly, audit_log).loop()
 
-    with sigterm_as_interrupt():
-        try:
-            fleet.start()
-            curses.wrapper(main)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            fleet.stop()
+    curses.wrapper(main)
     return EXIT_OK

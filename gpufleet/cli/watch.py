@@ -1,7 +1,8 @@
 """`gpufleet status --watch SECONDS`: the live fleet as text or NDJSON, no screen.
 
-One persistent session per host (gpufleet.ops.live); the first document once every host has
-answered or failed (at most one connect + command timeout), then one per interval, until
+One persistent session per host (gpufleet.ops.live), at most --forks of them connecting at a
+time; the first document once every host has answered or failed (at most one connect +
+command timeout per wave of --forks hosts), then one per interval, until
 Ctrl-C or SIGTERM (exit 0), or until stdout closes. Every stream is closed on the way out,
 so the agents end at once (and by their keep-alive deadline if this process is killed).
 """
@@ -9,18 +10,15 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-import click
-
 from gpufleet.config.inventory import Host
 from gpufleet.core.live import STALE
 from gpufleet.errors import EXIT_OK
-from gpufleet.render.status import status_table, watch_document
-from gpufleet.cli import terminal_safe
+from gpufleet.cli import prefetch, terminal_safe
+from gpufleet.cli.output import write_whole
 
 
 @contextmanager
@@ -41,24 +39,34 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def wait_first_round(fleet: Any, hosts: Sequence[Host]) -> None:
-    """Until every host answered or failed, at most one connect + command timeout."""
-    limit = max((float(h.connect_timeout) + float(h.command_timeout) for h in hosts), default=1)
-    end = time.monotonic() + limit
+def first_round_limit(hosts: Sequence[Host], forks: int) -> float:
+    """How long the first document waits for every host: one connect + command timeout for
+    each wave of ``forks`` hosts (a host waits for a connect slot as `status` for a fork)."""
+    waves = -(-len(hosts) // max(1, forks))
+    return waves * max((float(h.connect_timeout) + float(h.command_timeout) for h in hosts),
+                       default=1)
+
+
+def wait_first_round(fleet: Any, hosts: Sequence[Host], forks: int) -> None:
+    """Until every host answered or failed, at most ``first_round_limit``."""
+    end = time.monotonic() + first_round_limit(hosts, forks)
     generation = -1
     while not fleet.answered() and time.monotonic() < end:
         generation = fleet.wait_change(generation, 0.2)
 
 
-def watch_status(hosts: Sequence[Host], interval: float, as_json: bool) -> int:
+def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: int) -> int:
     from gpufleet.ops.live import LiveFleet
 
     expected = {h.name: int(h.unattributed_mib or 0) for h in hosts}
-    fleet = LiveFleet(hosts, interval)
+    fleet = LiveFleet(hosts, interval, forks=forks)
     with sigterm_as_interrupt():
         try:
-            fleet.start()
-            wait_first_round(fleet, hosts)
+            fleet.start()  # first: the imports below load while the sessions connect
+            prefetch("gpufleet.core.model", "gpufleet.render.status")
+            wait_first_round(fleet, hosts, forks)
+            from gpufleet.render.status import watch_document
+
             seq = 0
             next_at = time.monotonic()
             while True:
@@ -67,10 +75,9 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool) -> int:
                 if as_json:
                     doc = watch_document(views, expected, now, seq)
                     doc["time"] = round(time.time(), 3)
-                    click.echo(json.dumps(doc, separators=(",", ":")))
+                    write_whole(json.dumps(doc, separators=(",", ":")) + "\n")
                 else:
-                    click.echo(_text(views, expected, now, interval))
-                sys.stdout.flush()
+                    write_whole(_text(views, expected, now, interval) + "\n")
                 seq += 1
                 next_at = max(next_at + interval, now)
                 time.sleep(max(0.0, next_at - time.monotonic()))
@@ -81,6 +88,8 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool) -> int:
 
 
 def _text(views: Sequence[Any], expected: dict[str, int], now: float, interval: float) -> str:
+    from gpufleet.render.status import status_table
+
     head = time.strftime("%H:%M:%S") + f"  (every {interval:g}s; Ctrl-C ends)"
     table = status_table([v.as_result() for v in views], expected)
     notes = []

@@ -9,11 +9,13 @@ before its first answer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from gpufleet.core.model import HostResult
 from gpufleet.core.results import Failure
 from gpufleet.errors import TIMEOUT
+
+if TYPE_CHECKING:  # the model (~20 ms of imports) loads while the first sessions connect
+    from gpufleet.core.model import HostResult
 
 UP, STALE, DOWN, CONNECTING = "up", "stale", "down", "connecting"
 
@@ -48,6 +50,8 @@ class LiveHost:
         """A HostResult for the status renderers: the latest snapshot, or the failure."""
         if self.result is not None:
             return self.result
+        from gpufleet.core.model import HostResult
+
         failure = self.failure or Failure(TIMEOUT, "no answer yet")
         return HostResult(host=self.host, ok=False, error=failure.message,
                           error_kind=failure.kind)

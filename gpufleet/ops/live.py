@@ -7,6 +7,12 @@ that drops (EOF, an error, no line for too long) is closed, the host shows stale
 of its last snapshot, and it is reconnected with exponential backoff. ``stop()`` closes every
 stream: the agents see stdin close and end themselves (and would, by their keep-alive
 deadline, if this process died without closing anything). Values only, no UI.
+
+At most ``forks`` hosts connect at a time (the CLI's --forks, as `status` runs its hosts): a
+host holds one of those slots from its session's open until its first line (or its failure),
+then stays resident without one, so a large fleet starts in waves (ssh processes, handshakes,
+a jump host's MaxStartups) as `status` does, instead of all at once. A reconnect takes a
+slot too.
 """
 from __future__ import annotations
 
@@ -46,10 +52,15 @@ class LiveFleet:
     """Hosts' latest snapshots, kept fresh by one session each; a context manager."""
 
     def __init__(self, hosts: Sequence[Host], interval_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, forks: Optional[int] = None,
+                 session_factory: Optional[Callable[[Host], Session]] = None):
         self.hosts = list(hosts)
         self.interval_s = float(interval_s)
         self.clock = clock
+        self.forks = max(1, int(forks)) if forks else max(1, len(self.hosts))
+        self._open_session = session_factory  # None: transport.open_session
+        self._connecting = 0  # hosts between a session's open and its first line
+        self._slot_free = threading.Condition()
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._views = {h.name: LiveHost(h.name, stale_after_s=stale_after(interval_s))
@@ -75,6 +86,8 @@ class LiveFleet:
     def stop(self, wait_s: float = 3.0) -> None:
         """Close every stream (the agents end on EOF); wait a little for the threads."""
         self._stop.set()
+        with self._slot_free:
+            self._slot_free.notify_all()
         with self._lock:
             streams = list(self._streams.values())
             self._lock.notify_all()
@@ -125,19 +138,46 @@ class LiveFleet:
             if self._stop.wait(backoff):
                 return
 
+    def _take_slot(self) -> bool:
+        """Wait for one of the ``forks`` connect slots; False once stopping."""
+        with self._slot_free:
+            while self._connecting >= self.forks and not self._stop.is_set():
+                self._slot_free.wait()
+            if self._stop.is_set():
+                return False
+            self._connecting += 1
+            return True
+
+    def _slot_giver(self) -> Callable[[], None]:
+        """Gives the slot taken back, once, however often it is called."""
+        held = [True]
+
+        def give() -> None:
+            if held[0]:
+                held[0] = False
+                with self._slot_free:
+                    self._connecting -= 1
+                    self._slot_free.notify()
+        return give
+
     def _one_session(self, host: Host) -> bool:
-        """One session until it drops; True when it gave at least one snapshot."""
+        """One session until it drops; True when it gave at least one snapshot. The connect
+        slot is held until the first line (or the end)."""
         session: Optional[Session] = None
         got = False
+        if not self._take_slot():
+            return False
+        give_slot = self._slot_giver()
         try:
-            session = open_session(host)
+            session = (self._open_session or open_session)(host)
             if session.error is not None:
                 raise TransportError(session.error, kind=session.error_kind or errors.CLOSED)
-            got = self._stream_host(host, session)
+            got = self._stream_host(host, session, give_slot)
         except Exception as exc:  # a failed host is a value, whatever broke
             if not self._stop.is_set():
                 self._publish(host.name, failure=Failure(kind_of(exc), first_line(exc)[:300]))
         finally:
+            give_slot()
             with self._lock:
                 stream = self._streams.pop(host.name, None)
             if stream is not None:
@@ -146,7 +186,7 @@ class LiveFleet:
                 session.close()
         return got
 
-    def _stream_host(self, host: Host, session: Session) -> bool:
+    def _stream_host(self, host: Host, session: Session, first_line: Callable[[], None]) -> bool:
         request = watch_request(host, self.interval_s)
         stream = session.stream_agent(request, timeout=float(host.connect_timeout or 10))
         with self._lock:
@@ -169,6 +209,7 @@ class LiveFleet:
                     raise TransportError(f"no snapshot for {patience:.0f}s", kind=errors.COMMAND)
                 continue
             last_line = time.monotonic()
+            first_line()  # the connect slot goes to the next host waiting
             self._take_line(host, line)
             got = True
         return got

@@ -76,10 +76,12 @@ def test_sigkill_of_the_controller_leaves_no_agent(watched: Any) -> None:
     agent's stdin, the agent ends on EOF."""
     host, other, watch = watched
     doc = watch.doc()
-    pid = host_of(doc, "watch-a")["facts"]["agent_pid"]
+    pids = [(host, host_of(doc, "watch-a")["facts"]["agent_pid"]),
+            (other, host_of(doc, "watch-b")["facts"]["agent_pid"])]
     watch.signal(signal.SIGKILL)
     watch.proc.wait(timeout=10)
-    assert wait_gone(host, pid, 10), "agent left after SIGKILL of the controller"
+    for h, pid in pids:  # each agent on its own EOF: wait for both, not one then look
+        assert wait_gone(h, pid, 10), "agent left on %s after SIGKILL of the controller" % h.name
     assert agents_on(host) == [] and agents_on(other) == []
 
 

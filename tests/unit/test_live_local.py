@@ -68,3 +68,126 @@ def test_a_missing_interpreter_is_down_with_its_kind(tmp_path: Path) -> None:
         assert wait(lambda: fleet.view()[0].reconnects >= 1)  # retried, with backoff
     finally:
         fleet.stop()
+
+
+class Counting:
+    """A session factory around the real one: counts hosts between a session's open and the
+    first line of its stream (the connect slots), and the order of opens and first lines.
+    ``gate``: an open waits until that many are in flight (or ``gate_s`` passed), so
+    without a bound every host would be in flight at once, whatever the timing."""
+
+    def __init__(self, gate: int = 0, gate_s: float = 0.5, fail: tuple = ()):
+        import threading
+
+        self.cond = threading.Condition()
+        self.in_flight = 0
+        self.most = 0
+        self.events: list = []
+        self.opens: dict = {}
+        self.gate, self.gate_s, self.fail = gate, gate_s, fail
+
+    def __call__(self, host):
+        from gpufleet.transport import open_session
+
+        with self.cond:
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+            self.events.append(("open", host.name))
+            self.opens[host.name] = self.opens.get(host.name, 0) + 1
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.in_flight >= self.gate, timeout=self.gate_s)
+        if host.name in self.fail:
+            self._done(host.name, "failed")
+            from gpufleet.errors import TransportError
+
+            raise TransportError("refused by the test's factory", kind="refused")
+        session = open_session(host)
+        real = session.stream_agent
+
+        def stream_agent(request, timeout=None):
+            stream = real(request, timeout)
+            readline, first = stream.readline, [True]
+
+            def counted(timeout):
+                line = readline(timeout)
+                if line is not None and first[0]:
+                    first[0] = False
+                    self._done(host.name, "line")
+                return line
+            stream.readline = counted
+            return stream
+        session.stream_agent = stream_agent
+        return session
+
+    def _done(self, name, what):
+        with self.cond:
+            self.in_flight -= 1
+            self.events.append((what, name))
+
+
+def local_hosts(tmp_path: Path, n: int, extra: str = ""):
+    text = "hosts:\n" + "".join(f"  h{i}:\n    connection: local\n" for i in range(n))
+    return hosts(tmp_path, text + extra)
+
+
+def test_forks_bounds_the_hosts_connecting_at_once(tmp_path: Path) -> None:
+    inv = local_hosts(tmp_path, 5)
+    factory = Counting(gate=3)  # without the bound a third open would come at once
+    fleet = LiveFleet(list(inv), 0.5, forks=2, session_factory=factory)
+    fleet.start()
+    try:
+        assert wait(fleet.answered, 60)
+        assert all(v.result is not None for v in fleet.view())
+    finally:
+        fleet.stop()
+    assert factory.most == 2, factory.events
+
+
+def test_a_connect_slot_is_held_until_the_first_line(tmp_path: Path) -> None:
+    inv = local_hosts(tmp_path, 3)
+    factory = Counting()
+    fleet = LiveFleet(list(inv), 0.5, forks=1, session_factory=factory)
+    fleet.start()
+    try:
+        assert wait(fleet.answered, 60)
+    finally:
+        fleet.stop()
+    firsts = factory.events[:6]
+    for at in range(0, 6, 2):  # each open followed by its own first line, before the next open
+        assert firsts[at][0] == "open" and firsts[at + 1] == ("line", firsts[at][1]), firsts
+    assert {name for _, name in firsts} == {"h0", "h1", "h2"}
+
+
+def test_a_failed_connect_gives_its_slot_back(tmp_path: Path) -> None:
+    inv = local_hosts(tmp_path, 2)
+    factory = Counting(fail=("h0",))
+    fleet = LiveFleet(list(inv), 0.5, forks=1, session_factory=factory)
+    fleet.start()
+    try:  # h0 fails, is retried (its slot came back), and h1 still gets its snapshot
+        assert wait(lambda: factory.opens.get("h0", 0) >= 2 and fleet.answered(), 60)
+        h0, h1 = fleet.view()
+        assert h0.failure is not None and h0.failure.kind == "refused" and h0.result is None
+        assert h1.result is not None
+    finally:
+        fleet.stop()
+
+
+def test_without_forks_every_host_connects_at_once(tmp_path: Path) -> None:
+    inv = local_hosts(tmp_path, 3)
+    factory = Counting(gate=3, gate_s=20)
+    fleet = LiveFleet(list(inv), 0.5, session_factory=factory)
+    fleet.start()
+    try:
+        assert wait(fleet.answered, 60)
+    finally:
+        fleet.stop()
+    assert factory.most == 3
+
+
+def test_the_first_document_waits_one_timeout_per_wave_of_forks(tmp_path: Path) -> None:
+    from gpufleet.cli.watch import first_round_limit
+
+    inv = local_hosts(tmp_path, 5, "defaults:\n  connect_timeout: 2\n  command_timeout: 3\n")
+    assert first_round_limit(inv, 32) == 5.0  # one wave
+    assert first_round_limit(inv, 2) == 15.0  # h0 h1 | h2 h3 | h4
+    assert first_round_limit(inv, 5) == 5.0
