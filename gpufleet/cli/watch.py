@@ -59,13 +59,21 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
     from gpufleet.ops.live import LiveFleet
 
     expected = {h.name: int(h.unattributed_mib or 0) for h in hosts}
-    fleet = LiveFleet(hosts, interval, forks=forks)
+    docs: list[Any] = []  # render.status.HostDocs, once the renderers have loaded
+
+    def prepare(result: Any) -> None:  # in the host's thread, as its snapshot arrives
+        if docs:
+            docs[0].doc(result)
+
+    fleet = LiveFleet(hosts, interval, forks=forks, on_result=prepare if as_json else None)
     with sigterm_as_interrupt():
         try:
             fleet.start()  # first: the imports below load while the sessions connect
             prefetch("gpufleet.core.model", "gpufleet.render.status")
+            from gpufleet.render.status import HostDocs, watch_document
+
+            docs.append(HostDocs(expected))
             wait_first_round(fleet, hosts, forks)
-            from gpufleet.render.status import watch_document
 
             seq = 0
             next_at = time.monotonic()
@@ -73,7 +81,7 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
                 now = time.monotonic()
                 views = fleet.view()
                 if as_json:
-                    doc = watch_document(views, expected, now, seq)
+                    doc = watch_document(views, expected, now, seq, docs[0])
                     doc["time"] = round(time.time(), 3)
                     write_whole(json.dumps(doc, separators=(",", ":")) + "\n")
                 else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
@@ -28,6 +28,9 @@ from gpufleet.core.results import Failure
 from gpufleet.errors import TransportError, first_line, kind_of
 from gpufleet.ops.collect import result_from_reply, snapshot_request
 from gpufleet.transport import AgentReply, Session, Stream, open_session
+
+if TYPE_CHECKING:  # the model loads with the first snapshot (core.live)
+    from gpufleet.core.model import HostResult
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -53,12 +56,16 @@ class LiveFleet:
 
     def __init__(self, hosts: Sequence[Host], interval_s: float,
                  clock: Callable[[], float] = time.monotonic, forks: Optional[int] = None,
-                 session_factory: Optional[Callable[[Host], Session]] = None):
+                 session_factory: Optional[Callable[[Host], Session]] = None,
+                 on_result: Optional[Callable[[HostResult], None]] = None):
         self.hosts = list(hosts)
         self.interval_s = float(interval_s)
         self.clock = clock
         self.forks = max(1, int(forks)) if forks else max(1, len(self.hosts))
         self._open_session = session_factory  # None: transport.open_session
+        # called in the host's thread with each new snapshot before it is published (the CLI
+        # renders the host's part of the next document there, not after the last host)
+        self._on_result = on_result
         self._connecting = 0  # hosts between a session's open and its first line
         self._slot_free = threading.Condition()
         self._lock = threading.Condition()
@@ -230,5 +237,10 @@ class LiveFleet:
         if not result.ok:
             self._publish(host.name, failure=result.failure)
             return
+        if self._on_result is not None:
+            try:
+                self._on_result(result)
+            except Exception:  # a head start only: the document is made without it too
+                pass
         self._publish(host.name, result=result, received_at=self.clock(), failure=None,
                       retry_at=None)

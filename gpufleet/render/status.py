@@ -315,16 +315,36 @@ def status_json(entries: Sequence[str], seconds: float) -> str:
     return '{\n  "hosts": ' + hosts + ',\n  "seconds": ' + json.dumps(seconds) + "\n}"
 
 
+class HostDocs:
+    """host_doc of each host's latest result, made once per result: a watch writes a
+    document every interval, and a host's part changes only when a new snapshot arrives
+    (ops.live.LiveFleet's on_result makes it in the host's thread as it does)."""
+
+    def __init__(self, expected: dict[str, int]) -> None:
+        self.expected = expected
+        self._docs: dict[str, tuple[HostResult, dict[str, Any]]] = {}
+
+    def doc(self, res: HostResult) -> dict[str, Any]:
+        """A fresh top-level copy (the watch adds its keys to it)."""
+        hit = self._docs.get(res.host)
+        if hit is None or hit[0] is not res:
+            hit = (res, host_doc(res, self.expected.get(res.host, 0)))
+            self._docs[res.host] = hit
+        return dict(hit[1])
+
+
 def watch_document(views: Sequence[LiveHost], expected: dict[str, int], now: float,
-                   seq: int) -> dict[str, Any]:
+                   seq: int, docs: Optional[HostDocs] = None) -> dict[str, Any]:
     """One `status --watch --json` line: the status document of every host's latest
     snapshot (a host that dropped keeps its last one), plus per host ``state`` (up, stale,
     down, connecting), ``age_s`` (seconds since that snapshot, null before the first) and
     ``stale``; ``seq`` counts the documents. A stale host is ``ok: false`` with the numbers
-    it last sent; its ``error`` says why it is away."""
+    it last sent; its ``error`` says why it is away. ``docs``: host parts already made."""
     hosts = []
     for view in views:
-        doc = host_doc(view.as_result(), expected.get(view.host, 0))
+        res = view.as_result()
+        doc = docs.doc(res) if docs is not None and view.result is not None else \
+            host_doc(res, expected.get(view.host, 0))
         age = view.age_s(now)
         state = view.state(now)
         doc.update(state=state, stale=state == STALE,

@@ -191,3 +191,27 @@ def test_the_first_document_waits_one_timeout_per_wave_of_forks(tmp_path: Path) 
     assert first_round_limit(inv, 32) == 5.0  # one wave
     assert first_round_limit(inv, 2) == 15.0  # h0 h1 | h2 h3 | h4
     assert first_round_limit(inv, 5) == 5.0
+
+
+def test_on_result_sees_each_snapshot_before_it_is_published(tmp_path: Path) -> None:
+    """The CLI renders a host's part of the next document in the host's thread (on_result);
+    it must have run by the time the snapshot is visible, and a failing hook drops nothing."""
+    inv = hosts(tmp_path, "hosts:\n  here:\n    connection: local\n")
+    seen: list = []
+    published_first: list = []
+
+    def hook(result) -> None:
+        if fleet.view()[0].result is result:
+            published_first.append(result)
+        seen.append(result)
+        raise RuntimeError("a broken hook")
+
+    fleet = LiveFleet(list(inv), 0.2, on_result=hook)
+    fleet.start()
+    try:
+        assert wait(lambda: len(seen) >= 2)
+        assert wait(lambda: fleet.view()[0].result in seen)
+        assert fleet.view()[0].state(time.monotonic()) == UP  # the hook's error changed nothing
+        assert not published_first
+    finally:
+        fleet.stop()

@@ -161,3 +161,24 @@ def test_status_json_from_host_entries_is_the_same_text_as_the_whole_document() 
     assert status_json(entries, 1.25) == to_json(doc)
     assert json.loads(status_json(entries, 1.25)) == doc
     assert status_json([], 0.0) == to_json({"hosts": [], "seconds": 0.0})
+
+
+def test_watch_documents_reuse_a_host_part_until_its_next_snapshot(monkeypatch) -> None:
+    """status --watch --json writes a document every interval; a host's part is made once per
+    snapshot (render.status.HostDocs) and the document is the same as without it."""
+    from gpufleet.core.live import LiveHost
+    from gpufleet.render import status as rs
+
+    views = [LiveHost(n, result=result(n), received_at=10.0) for n in ("basic", "hidden_pids")]
+    views.append(LiveHost("down"))  # no snapshot yet: made every time, never cached
+    plain = rs.watch_document(views, EXPECTED, 11.0, 3)
+    calls: list[str] = []
+    real = rs.host_doc
+    monkeypatch.setattr(rs, "host_doc", lambda res, *a: calls.append(res.host) or real(res, *a))
+    docs = rs.HostDocs(EXPECTED)
+    assert rs.watch_document(views, EXPECTED, 11.0, 3, docs) == plain
+    assert rs.watch_document(views, EXPECTED, 12.0, 4, docs)["hosts"][0]["age_s"] == 2.0
+    assert sorted(calls) == ["basic", "down", "down", "hidden_pids"]
+    views[0] = LiveHost("basic", result=result("basic"), received_at=12.5)  # a new snapshot
+    rs.watch_document(views, EXPECTED, 13.0, 5, docs)
+    assert calls.count("basic") == 2 and calls.count("hidden_pids") == 1
