@@ -80,31 +80,28 @@ class Stream:
                 if time.monotonic() >= deadline:
                     return None
                 continue
-            try:
-                chunk = self._read()
-            except Exception as exc:
-                raise TransportError(f"connection lost: {transport_error(exc)}",
-                                     kind=errors.CLOSED) from None
-            if chunk is None:
-                self.ended = True
-            elif chunk:
-                self._buf += chunk
+            self._take()
 
     def poll(self) -> None:
         """Take in whatever the command wrote, without waiting (a conversation looks before it
         writes its next request: the agent may have ended, or said why it will)."""
         while not self.ended and self._wait(0):
-            try:
-                chunk = self._read()
-            except Exception as exc:
-                raise TransportError(f"connection lost: {transport_error(exc)}",
-                                     kind=errors.CLOSED) from None
-            if chunk is None:
-                self.ended = True
-            elif not chunk:
+            if not self._take():
                 return
-            else:
-                self._buf += chunk
+
+    def _take(self) -> bool:
+        """One read into the buffer; False when nothing was there yet (the end counts as
+        something: ``ended`` is set)."""
+        try:
+            chunk = self._read()
+        except Exception as exc:
+            raise TransportError(f"connection lost: {transport_error(exc)}",
+                                 kind=errors.CLOSED) from None
+        if chunk is None:
+            self.ended = True
+        elif chunk:
+            self._buf += chunk
+        return chunk is None or bool(chunk)
 
     def ended_run(self) -> RawRun:
         """The ended command as a one-shot run gives it (exit status, -1 when none came; the

@@ -219,6 +219,25 @@ def children():
             p.stdout.close()
 
 
+def start_resident(started, request, python=sys.executable, env=None):
+    """The agent as a host runs it for a resident run (watch, stay): the bootstrap, its request
+    written, stdin left open; recorded in ``started`` for end_resident."""
+    p = subprocess.Popen(bootstrap_command(python), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    started.append(p)
+    p.stdin.write(encode_request(request))
+    p.stdin.flush()
+    return p
+
+
+def end_resident(started):
+    """Kill what start_resident started and is still running (by its own PID), reap all."""
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def run_agent(request, python=sys.executable, env=None, argv=None, timeout=60.0, **popen_kw):
     """The controller's way: constant argv, `<len>\\n<source><json>` on stdin, no shell."""
     p = subprocess.Popen(argv or bootstrap_command(python), stdin=subprocess.PIPE,

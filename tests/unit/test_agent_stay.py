@@ -16,7 +16,7 @@ import time
 import pytest
 
 from gpufleet.core.model import parse_snapshot
-from gpufleet.remote import bootstrap_command, encode_next, encode_request
+from gpufleet.remote import encode_next
 
 from test_agent_run import (  # noqa: E402  (tests/unit is on sys.path under pytest)
     PYTHONS,
@@ -25,8 +25,10 @@ from test_agent_run import (  # noqa: E402  (tests/unit is on sys.path under pyt
     audit_lines,
     children,  # noqa: F401  (fixture)
     clean_request,
+    end_resident,
     gpu_app,
     snap_request,
+    start_resident,
     starttime,
 )
 
@@ -36,18 +38,10 @@ def agents():
     started: list[subprocess.Popen] = []
 
     def start(request, python=sys.executable, env=None):
-        p = subprocess.Popen(bootstrap_command(python), stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        started.append(p)
-        p.stdin.write(encode_request(request))
-        p.stdin.flush()
-        return p
+        return start_resident(started, request, python, env)
 
     yield start
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
+    end_resident(started)
 
 
 def read_doc(p, timeout=20.0):

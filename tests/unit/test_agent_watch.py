@@ -14,9 +14,8 @@ import time
 import pytest
 
 from gpufleet.core.model import parse_snapshot
-from gpufleet.remote import bootstrap_command, encode_request
 
-from test_agent_run import PYTHONS  # noqa: E402  (tests/unit is on sys.path under pytest)
+from test_agent_run import PYTHONS, end_resident, start_resident  # noqa: E402  (tests/unit on sys.path)
 
 
 @pytest.fixture
@@ -27,18 +26,10 @@ def agents():
         req = {"mode": "watch", "interval_s": 0.2, "keepalive_s": 1.5, "deadline_s": 5.0,
                "nvidia_smi": "/nonexistent/nvidia-smi"}
         req.update(request)
-        p = subprocess.Popen(bootstrap_command(python), stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        started.append(p)
-        p.stdin.write(encode_request(req))
-        p.stdin.flush()
-        return p
+        return start_resident(started, req, python)
 
     yield start
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
+    end_resident(started)
 
 
 def read_line(p, timeout=10.0):
