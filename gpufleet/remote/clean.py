@@ -5,9 +5,7 @@ A piece of the remote agent. The controller decides what may be signalled
 session, never a PID whose start time changed) and the evidence of what happened.
 """
 import errno
-import json
 import os
-import signal
 import stat as stat_mod
 import time
 
@@ -29,8 +27,10 @@ from .parse import (  # joined
     format_cmdline,
     has_exited,
     is_kernel_thread,
+    json_dumps,
     parse_gpu_csv,
     parse_stat,
+    signal,
 )
 from .procfs import PROC, read_stat, scan_fds, self_context  # joined
 from .nvml import memory_used, read_bounded  # joined
@@ -140,7 +140,7 @@ class Auditor(object):
         self.error = None
 
     def record(self, pid, starttime, cmdline, sig, outcome):
-        line = json.dumps({
+        line = json_dumps({
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "epoch": round(time.time(), 3),
             "operator": self.operator, "host": os.uname()[1], "pid": pid,
             "starttime": starttime, "cmdline": cmdline, "signal": sig, "outcome": outcome,

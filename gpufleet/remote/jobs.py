@@ -4,12 +4,11 @@ A piece of the remote agent: nvidia-smi can hang in D state when the driver is w
 it cannot even be reaped), and reading /proc/PID/cmdline or maps of a D-state process can
 block; everything here gives up in time and says so.
 """
+import _thread  # not threading: it loads functools and collections (~4 ms of every start)
 import os
-import signal
-import threading
 import time
 
-from .parse import first_line  # joined
+from .parse import first_line, signal  # joined
 
 SMI_FALLBACKS = (
     "/usr/bin/nvidia-smi",
@@ -46,24 +45,58 @@ def read_text(path, limit=1 << 20):
 _STUCK_READERS = []  # type: list
 
 
-def read_bytes_bounded(path, timeout, limit=1 << 20):
-    """Read in a daemon thread: /proc/PID/cmdline or maps of a D-state process can block on
-    its memory lock (the way `ps` hangs on a wedged GPU host). Returns (data, timed_out)."""
-    if len(_STUCK_READERS) >= 8:
-        return None, True
+def run_bounded(fn, timeout):
+    """fn() in a thread of its own, waited for at most ``timeout`` seconds: (True, its value),
+    or (False, None) while it has not returned (it is left running: a read blocked in the
+    kernel cannot be interrupted; the agent ends with os._exit whatever its threads do). An
+    exception in fn is (True, None): callers that need it catch it in fn."""
+    done = Flag()
     box = []
 
-    def reader():
-        box.append(read_bytes(path, limit))
+    def run():
+        try:
+            box.append(fn())
+        except Exception:
+            box.append(None)
+        finally:
+            done.set()
 
-    t = threading.Thread(target=reader)
-    t.daemon = True
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        _STUCK_READERS.append(t)
+    _thread.start_new_thread(run, ())
+    done.wait(timeout)
+    return (True, box[0]) if box else (False, None)
+
+
+class Flag(object):
+    """threading.Event's set and wait, on one of _thread's locks (one thread sets it once)."""
+
+    def __init__(self):
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+        self.is_set = False
+
+    def set(self):
+        if not self.is_set:
+            self.is_set = True
+            self._lock.release()
+
+    def wait(self, timeout):
+        """True once set; False after ``timeout`` seconds without it."""
+        if self._lock.acquire(True, max(0.0, min(float(timeout), _thread.TIMEOUT_MAX))):
+            self._lock.release()
+            return True
+        return False
+
+
+def read_bytes_bounded(path, timeout, limit=1 << 20):
+    """Read in a thread: /proc/PID/cmdline or maps of a D-state process can block on its
+    memory lock (the way `ps` hangs on a wedged GPU host). Returns (data, timed_out)."""
+    if len(_STUCK_READERS) >= 8:
         return None, True
-    return box[0], False
+    finished, data = run_bounded(lambda: read_bytes(path, limit), timeout)
+    if not finished:
+        _STUCK_READERS.append(path)
+        return None, True
+    return data, False
 
 
 class CmdResult(object):

@@ -114,8 +114,8 @@ def fold_xids(records):
     found = {}
     order = []
     for facility, secs, msg in records:
-        if facility != 0:
-            continue  # not the kernel's: a process wrote it
+        if facility != 0 or not msg.startswith("NVRM: Xid ("):
+            continue  # not the kernel's (a process wrote it), or not an Xid: no pattern (no re)
         m = XID_RE.match(msg)
         if not m:
             continue

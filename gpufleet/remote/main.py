@@ -29,16 +29,14 @@ nvml | nvidia-smi: the inventory's), ``nvml_library`` (a path: load that libnvid
 compiled agent) and ``agent_cache_dir`` (that directory instead of the default), both read by
 remote/loader.py before the agent runs.
 """
-import json
+import _thread
 import os
-import signal
 import sys
-import threading
 import time
 
 from .clean import clean  # joined
-from .jobs import Deadline  # joined
-from .parse import AGENT_VERSION  # joined
+from .jobs import Deadline, Flag  # joined
+from .parse import AGENT_VERSION, json_dumps, json_loads, signal  # joined
 from .snapshot import AGENT_CACHE_FACTS, GPU_SOURCES, snapshot  # joined
 from .watch import watch  # joined
 
@@ -67,7 +65,7 @@ def parse_request(raw):
     """Request bytes -> dict with defaults; ValueError on anything malformed."""
     if isinstance(raw, bytes):
         raw = raw.decode("utf-8")
-    req = json.loads(raw) if raw.strip() else {"mode": "snapshot"}
+    req = json_loads(raw) if raw.strip() else {"mode": "snapshot"}
     if not isinstance(req, dict):
         raise ValueError("request is not a JSON object")
     if req.get("mode", "snapshot") not in ("snapshot", "clean", "watch"):
@@ -114,7 +112,7 @@ def emit(doc):
         return
     _EMITTED.append(doc)
     try:
-        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.write(json_dumps(doc) + "\n")
         sys.stdout.flush()
     except (OSError, IOError, ValueError):
         pass  # the session is gone; the audit file has the record
@@ -224,13 +222,11 @@ class NextRequest(object):
     the idle bound wins is decided under one lock: a frame that comes later is never acted on."""
 
     def __init__(self, stream):
-        self.lock = threading.Lock()
-        self.done = threading.Event()
+        self.lock = _thread.allocate_lock()
+        self.done = Flag()
         self.result = None
         self.abandoned = False
-        reader = threading.Thread(target=self._read, args=(stream,), name="gpufleet-next")
-        reader.daemon = True
-        reader.start()
+        _thread.start_new_thread(self._read, (stream,))
 
     def _read(self, stream):
         try:

@@ -18,10 +18,9 @@ come back marks the library wedged and the document says so.
 """
 import ctypes
 import os
-import threading
 import time
 
-from .jobs import read_bytes_bounded  # joined
+from .jobs import read_bytes_bounded, run_bounded  # joined
 from .parse import clocks_event_names  # joined
 
 NVML_SUCCESS = 0
@@ -115,23 +114,19 @@ def load_library(requested=None):
 
 
 def bounded(fn, timeout):
-    """(result, why, timed_out) of fn() run in a daemon thread: why is None when it returned;
-    timed_out when it did not return in time (the caller marks the library wedged)."""
-    box = []
+    """(result, why, timed_out) of fn() run in a thread of its own: why is None when it
+    returned; timed_out when it did not return in time (the caller marks the library wedged)."""
 
-    def run():
+    def call():
         try:
-            box.append((fn(), None, False))
+            return fn(), None, False
         except Exception as exc:  # a bug in a read must come back as a value
-            box.append((None, "%s: %s" % (type(exc).__name__, exc), False))
+            return None, "%s: %s" % (type(exc).__name__, exc), False
 
-    t = threading.Thread(target=run, name="gpufleet-nvml")
-    t.daemon = True
-    t.start()
-    t.join(timeout)
-    if not box:
+    finished, value = run_bounded(call, timeout)
+    if not finished:
         return None, "NVML did not answer within %gs (driver wedged?)" % round(timeout, 1), True
-    return box[0]
+    return value
 
 
 class Nvml(object):

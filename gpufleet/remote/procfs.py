@@ -5,15 +5,14 @@ is refused is reported with its true reason, never guessed.
 """
 import os
 import pwd
-import re
 
 from .jobs import read_bytes, read_bytes_bounded, read_text  # joined
 from .parse import (  # joined
     CMDLINE_MAX,
-    DEVICE_RE,
     ParseError,
     container_from_cgroup_text,
     format_cmdline,
+    is_device_path,
     is_kernel_thread,
     normalize_bus_id,
     parse_cgroup,
@@ -29,7 +28,7 @@ DEV = "/dev"
 
 
 def device_target(target):
-    return target if target.startswith("/dev/") and DEVICE_RE.match(target) else None
+    return target if is_device_path(target) else None
 
 
 def scan_fds(want, exclude=(), proc=PROC):
@@ -296,6 +295,8 @@ def container_facts(proc=PROC):
         name = name or "docker"
     if os.path.exists("/run/.containerenv"):
         inside = True
+        import re  # only in a podman container
+
         m = re.search(r'^name="([^"]*)"', read_text("/run/.containerenv") or "", re.M)
         name = name or ("podman:" + m.group(1) if m and m.group(1) else "podman")
     env1 = read_bytes(proc + "/1/environ") or b""

@@ -13,7 +13,6 @@ from .nvml import nvml_error_code, open_nvml, read_bounded, read_devices  # join
 from .parse import (  # joined
     AGENT_VERSION,
     APP_FIELDS,
-    GPU_DEVICE_RE,
     GPU_FIELDS,
     GPU_KEYS,
     INVALID_FIELD_RE,
@@ -22,6 +21,7 @@ from .parse import (  # joined
     SMI_MISSING_KEYS,
     ParseError,
     check_complete,
+    gpu_minor,
     normalize_bus_id,
     parse_apps_csv,
     parse_gpu_csv,
@@ -373,7 +373,7 @@ def attach_minors(gpus, smi, req, deadline, smi_doc, warnings, proc=PROC):
     missing = [g for g in gpus if minors.get(normalize_bus_id(g.get("pci_bus_id"))) is None]
     has_dev_files = False
     try:
-        has_dev_files = any(GPU_DEVICE_RE.match("/dev/" + n) for n in os.listdir(DEV))
+        has_dev_files = any(gpu_minor("/dev/" + n) is not None for n in os.listdir(DEV))
     except OSError:
         pass
     if missing and smi is not None and has_dev_files and deadline.remaining() > 1.0:

@@ -128,12 +128,13 @@ _defaults: dict[str, dict[str, list[str]]] = {}
 
 
 def _ssh_defaults(ssh: str) -> dict[str, list[str]]:
-    """What this ssh prints with no config at all: tells its defaults from configured values."""
+    """What this ssh prints with no config at all: tells its defaults from configured values.
+    Asked once per process: the first host's thread runs it while the others wait (each
+    running its own cost a 32-host run a dozen extra ``ssh -G``)."""
     with _defaults_lock:
         hit = _defaults.get(ssh)
-    if hit is None:
-        hit = _run_ssh_g(ssh, ["-F", "none", "--", "gpufleet-defaults.invalid"], "(defaults)")
-        with _defaults_lock:
+        if hit is None:
+            hit = _run_ssh_g(ssh, ["-F", "none", "--", "gpufleet-defaults.invalid"], "(defaults)")
             _defaults[ssh] = hit
     return hit
 

@@ -5,9 +5,11 @@ A lab host (real sshd) gets the traps a real login can carry, each of which writ
 prints junk on stdout when it runs:
 
 * the SSH session's environment (``~/.ssh/environment``, ``PermitUserEnvironment yes``):
-  ``PYTHONPATH`` = a directory with a ``sitecustomize.py`` and a ``json.py`` that shadows the
-  standard library's ``json`` (and raises), ``PYTHONSTARTUP`` = a file (interactive sessions
-  only: it cannot fire under ``-c`` either way, so it is set but not claimed);
+  ``PYTHONPATH`` = a directory with a ``sitecustomize.py``, and a ``json.py`` and a
+  ``ctypes.py`` that shadow the standard library's (and raise: the wait_http probe imports
+  json, the agent ctypes for NVML; it reads JSON through ``_json``), ``PYTHONSTARTUP`` = a
+  file (interactive sessions only: it cannot fire under ``-c`` either way, so it is set but
+  not claimed);
 * the system site directory (``/usr/lib/python3/dist-packages``, an overlay inside the host):
   a ``.pth`` line that runs code;
 * root's user site (``~/.local/lib/python3.X/site-packages``, the host's private /root): a
@@ -60,6 +62,8 @@ def install_traps(host: Any) -> None:
     files = {
         TRAP_DIR + "/sitecustomize.py": _mark("sitecustomize") + "\n",
         TRAP_DIR + "/json.py": _mark("json") + "\nraise ImportError('gpufleet trap: shadowed json')\n",
+        TRAP_DIR + "/ctypes.py": (_mark("ctypes")
+                                     + "\nraise ImportError('gpufleet trap: shadowed ctypes')\n"),
         TRAP_DIR + "/startup.py": _mark("startup") + "\n",
         user_site + "/usercustomize.py": _mark("usercustomize") + "\n",
         "/run/gftrap-site/upper/gftrap.pth": _mark("pth") + "\n",
@@ -140,8 +144,8 @@ def test_the_traps_broke_the_unflagged_command(trapped: Any) -> None:
     res = ssh_bytes(trapped, old, encode_request({"mode": "snapshot"}))
     out = res.stdout.decode("utf-8", "replace")
     assert "TRAPPED-" in out, (res.returncode, out, res.stderr)
-    assert res.returncode != 0 and "shadowed json" in res.stderr.decode(), res.stderr
-    assert {"pth", "sitecustomize", "usercustomize", "json"} <= set(marks(trapped))
+    assert res.returncode != 0 and "shadowed ctypes" in res.stderr.decode(), res.stderr
+    assert {"pth", "sitecustomize", "usercustomize", "ctypes"} <= set(marks(trapped))
     assert "startup" not in marks(trapped)  # PYTHONSTARTUP is for interactive sessions only
 
 

@@ -269,3 +269,32 @@ def test_the_fakes_release_delay_holds_on_a_filesystem_without_hard_links(
     first = fake.dead_since(dead, 2.0, 1000.0)
     assert first == 1000.0 and Path(dead).read_text().strip() == "1000.000000"
     assert fake.dead_since(dead, 2.0, 1001.5) == 1000.0  # the first sighting, not "now"
+
+
+def test_a_snapshot_through_nvml_as_a_host_runs_it_imports_no_re_json_enum_or_threading(
+        fake_nvml_library: Path, state: Any) -> None:
+    """Issue 12 (start): on a 2-core lab host json, re, signal's enum wrappers and threading's
+    functools and collections were ~17 ms of the agent's ~48 (bench/agent_lab.py). The whole
+    one-shot snapshot through NVML, run as a host runs it (bootstrap, loader, joined agent, ``-S
+    -E -s``), imports none of them, nor a process module, and still finds the holder (its
+    bounded reads run on _thread)."""
+    import json
+    import subprocess
+
+    from gpufleet.remote import BOOTSTRAP, encode_request
+
+    state.config(gpus=2, name="NVIDIA H200")
+    p = state.holder({"0": 2048})
+    payload = encode_request({"mode": "snapshot", "gpu_source": "nvml", "agent_cache": False,
+                              "nvml_library": str(fake_nvml_library), "cuda_version": False})
+    out = subprocess.run([sys.executable, "-S", "-E", "-s", "-X", "importtime", "-c", BOOTSTRAP],
+                         input=payload, capture_output=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    loaded = {line.rsplit("|", 1)[1].strip() for line in out.stderr.decode().splitlines()
+              if line.startswith("import time:") and line.count("|") == 2}
+    assert "ctypes" in loaded and "_json" in loaded  # the log is read right
+    assert loaded.isdisjoint({"re", "json", "enum", "signal", "subprocess", "traceback",
+                              "threading", "functools"}), loaded
+    doc = json.loads(out.stdout)
+    assert doc["facts"]["gpu_source"] == "nvml"
+    assert [a["pid"] for a in doc["compute_apps"]] == [p.pid]

@@ -101,3 +101,28 @@ def test_a_config_ssh_refuses_is_ssh_own_reason(home):
         resolve("x")
     assert str(err.value).startswith("ssh -G x failed: ")
     assert "line 2: Bad configuration option: nosuchoption" in str(err.value)
+
+
+def test_ssh_defaults_are_asked_once_when_many_hosts_resolve_at_once(home, tmp_path):
+    """The defaults (``ssh -F none -G``) are one run per process, also when 24 hosts' threads
+    resolve at the same moment (each used to run its own: a dozen extra ssh -G per 32 hosts)."""
+    import threading
+
+    log = tmp_path / "ssh-runs"
+    wrapper = tmp_path / "ssh"
+    wrapper.write_text('#!/bin/sh\necho "$*" >> %s\nexec %s "$@"\n' % (log, shutil.which("ssh")))
+    wrapper.chmod(0o755)
+    start = threading.Barrier(24)
+
+    def one(i: int) -> None:
+        start.wait()
+        sshresolve._from_ssh(str(wrapper), "host%d" % i, None, None)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    runs = log.read_text().splitlines()
+    assert len(runs) == 25  # one per host, and the defaults once
+    assert sum(1 for r in runs if "gpufleet-defaults.invalid" in r) == 1
