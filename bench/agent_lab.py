@@ -39,7 +39,7 @@ from gpufleet.remote import BOOTSTRAP, encode_request
 sys.stdout.buffer.write(json.dumps(BOOTSTRAP).encode() + b"\n")
 sys.stdout.buffer.write(encode_request(json.loads(sys.argv[2])))
 """
-WATCHED = ("re", "json", "enum", "signal", "subprocess", "threading", "functools", "ctypes", "_json", "_thread")
+WATCHED = ("re", "json", "enum", "signal", "subprocess", "threading", "functools", "ctypes", "_json")
 
 
 def payload_of(tree: Path) -> tuple[str, bytes]:

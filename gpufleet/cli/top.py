@@ -33,11 +33,13 @@ def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: boo
     selected = app.select(hosts, groups, tags, all_)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError(NO_TERMINAL)
-    from gpufleet.cli.watch import sigterm_as_interrupt
+    from gpufleet.cli.watch import first_round_limit, sigterm_as_interrupt
     from gpufleet.ops.live import LiveFleet
 
     every = float(seconds or 2.0)
-    fleet = LiveFleet(selected, every, forks=app.forks)  # at most --forks connecting at once
+    # at most --forks connecting at once; refreshes held until every host has answered once
+    fleet = LiveFleet(selected, every, forks=app.forks,
+                      hold_first_s=first_round_limit(selected, app.forks))
     with sigterm_as_interrupt():
         try:
             fleet.start()  # the hosts connect while the screen's modules (~50 ms) load

@@ -65,7 +65,8 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
         if docs:
             docs[0].doc(result)
 
-    fleet = LiveFleet(hosts, interval, forks=forks, on_result=prepare if as_json else None)
+    fleet = LiveFleet(hosts, interval, forks=forks, on_result=prepare if as_json else None,
+                      hold_first_s=first_round_limit(hosts, forks))
     with sigterm_as_interrupt():
         try:
             fleet.start()  # first: the imports below load while the sessions connect

@@ -36,14 +36,17 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 
 
-def watch_request(host: Host, interval_s: float) -> dict[str, Any]:
+def watch_request(host: Host, interval_s: float, hold_first_s: float = 0.0) -> dict[str, Any]:
     """The watch-mode request: each snapshot bounded well inside the session's patience,
-    and a keep-alive deadline a few intervals long (at least 5 s)."""
+    and a keep-alive deadline a few intervals long (at least 5 s); ``hold_first_s``: the
+    agent waits for ``go`` after its first snapshot (remote/watch.py), at most that long."""
     req = snapshot_request(host)
     deadline = min(float(req["deadline_s"]), max(10.0, 5.0 * interval_s))
     req.update(mode="watch", interval_s=float(interval_s), deadline_s=deadline,
                smi_timeout_s=min(float(req["smi_timeout_s"]), deadline / 2),
                keepalive_s=keepalive_for(interval_s))
+    if hold_first_s > 0:
+        req["hold_first_s"] = float(hold_first_s)
     return req
 
 
@@ -57,8 +60,15 @@ class LiveFleet:
     def __init__(self, hosts: Sequence[Host], interval_s: float,
                  clock: Callable[[], float] = time.monotonic, forks: Optional[int] = None,
                  session_factory: Optional[Callable[[Host], Session]] = None,
-                 on_result: Optional[Callable[[HostResult], None]] = None):
+                 on_result: Optional[Callable[[HostResult], None]] = None,
+                 hold_first_s: float = 0.0):
         self.hosts = list(hosts)
+        # > 0: each agent holds its second snapshot until every host has answered (then it is
+        # sent ``go``), at most this long: early hosts' refreshes would otherwise compete with
+        # the hosts still connecting and delay the first full view
+        self.hold_first_s = max(0.0, float(hold_first_s))
+        self._all_answered = threading.Event()
+        self._go_sent: set[str] = set()  # hosts whose agent was sent ``go`` (this session)
         self.interval_s = float(interval_s)
         self.clock = clock
         self.forks = max(1, int(forks)) if forks else max(1, len(self.hosts))
@@ -125,10 +135,26 @@ class LiveFleet:
     def _publish(self, name: str, **changes: Any) -> None:
         from dataclasses import replace
 
+        held: list[Stream] = []
         with self._lock:
             self._views[name] = replace(self._views[name], **changes)
             self.generation += 1
+            if not self._all_answered.is_set() and all(
+                    v.result is not None or v.failure is not None for v in self._views.values()):
+                self._all_answered.set()  # the first round is over: every held agent may go
+                held = [s for n, s in self._streams.items() if n not in self._go_sent]
+                self._go_sent.update(self._streams)
             self._lock.notify_all()
+        if self.hold_first_s > 0:
+            for stream in held:
+                self._send_go(stream)
+
+    @staticmethod
+    def _send_go(stream: Stream) -> None:
+        try:
+            stream.send(b"go\n")  # also a keep-alive; a stream gone is its own thread's news
+        except Exception:
+            pass
 
     def _run_host(self, host: Host) -> None:
         backoff = BACKOFF_FIRST_S
@@ -194,13 +220,14 @@ class LiveFleet:
         return got
 
     def _stream_host(self, host: Host, session: Session, first_line: Callable[[], None]) -> bool:
-        request = watch_request(host, self.interval_s)
+        request = watch_request(host, self.interval_s, self.hold_first_s)
         stream = session.stream_agent(request, timeout=float(host.connect_timeout or 10))
         with self._lock:
             if self._stop.is_set():
                 stream.close()
                 return False
             self._streams[host.name] = stream
+            self._go_sent.discard(host.name)  # a new agent: held until its own go
         every = min(self.interval_s, request["keepalive_s"] / 4)
         patience = request["deadline_s"] + self.interval_s + 5.0
         last_line = last_sent = time.monotonic()
@@ -218,8 +245,18 @@ class LiveFleet:
             last_line = time.monotonic()
             first_line()  # the connect slot goes to the next host waiting
             self._take_line(host, line)
+            if not got and self.hold_first_s > 0:
+                self._go_if_round_over(host.name, stream)
             got = True
         return got
+
+    def _go_if_round_over(self, name: str, stream: Stream) -> None:
+        """A host's first line after the first round (a late or reconnected host): go now."""
+        with self._lock:
+            if not self._all_answered.is_set() or name in self._go_sent:
+                return
+            self._go_sent.add(name)
+        self._send_go(stream)
 
     def _take_line(self, host: Host, line: bytes) -> None:
         try:

@@ -72,11 +72,14 @@ class Flag(object):
     def __init__(self):
         self._lock = _thread.allocate_lock()
         self._lock.acquire()
-        self.is_set = False
+        self._set = False
+
+    def is_set(self):
+        return self._set
 
     def set(self):
-        if not self.is_set:
-            self.is_set = True
+        if not self._set:
+            self._set = True
             self._lock.release()
 
     def wait(self, timeout):

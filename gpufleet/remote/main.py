@@ -85,6 +85,7 @@ def parse_request(raw):
     if req["mode"] == "watch":
         req["interval_s"] = _number(req, "interval_s", 2.0, 0.05)
         req["keepalive_s"] = _number(req, "keepalive_s", 10.0, 0.5)
+        req["hold_first_s"] = _number(req, "hold_first_s", 0.0)
     if req["mode"] == "clean":
         req["grace_s"] = _number(req, "grace_s", 10.0)
         req["timeout_s"] = _number(req, "timeout_s", 60.0)

@@ -11,14 +11,19 @@ the session's stdin open and writes a keep-alive line (any line) at least every
 * a snapshot running past its deadline, or an exit that does not happen (a write blocked on
   a full pipe because nobody reads): a watchdog thread ends the process (``os._exit``).
 
+With ``hold_first_s`` in the request the agent waits, after its first snapshot, for a line
+``go`` (at most that long): the controller sends it once every host has answered, so the hosts
+that answered first do not refresh while others still connect on the same CPUs.
+
 Each line is the snapshot document of gpufleet/core/model.py plus ``watch_seq`` (0, 1, ...);
 the last line, when stdout still takes it, is ``{"mode": "watch_end", "reason": ...}``.
 """
+import _thread
 import os
 import sys
 import time
 
-from .jobs import Deadline  # joined
+from .jobs import Deadline, Flag  # joined
 from .parse import AGENT_VERSION, json_dumps  # joined
 from .snapshot import snapshot  # joined
 
@@ -28,19 +33,17 @@ WATCHDOG_GRACE_S = 3.0
 
 
 class KeepAlive(object):
-    """Reads the controller's keep-alive lines on a thread; says when it is gone (why)."""
+    """Reads the controller's keep-alive lines on a thread; says when it is gone (why). A line
+    ``go`` is a keep-alive that also ends the hold after the first snapshot (``hold_first_s``)."""
 
     def __init__(self, stream, keepalive_s):
         self.stream = stream
         self.keepalive_s = keepalive_s
         self.last = time.monotonic()
         self.closed = False
-        import threading  # here: a one-shot snapshot does not load it (~4 ms)
-
-        self.wake = threading.Event()
-        reader = threading.Thread(target=self._read, name="gpufleet-keepalive")
-        reader.daemon = True
-        reader.start()
+        self.wake = Flag()  # _thread's locks: threading would cost every start ~4 ms
+        self.go = Flag()
+        _thread.start_new_thread(self._read, ())
 
     def _read(self):
         try:
@@ -49,10 +52,13 @@ class KeepAlive(object):
                 if not line:
                     break
                 self.last = time.monotonic()
+                if line.strip() == b"go":
+                    self.go.set()
         except (OSError, IOError, ValueError):
             pass
         self.closed = True
         self.wake.set()
+        self.go.set()
 
     def gone(self):
         """Why the controller is gone, or None while it is there."""
@@ -111,18 +117,26 @@ def _write_line(out, doc):
         return False
 
 
+def hold_first(keepalive, hold_s):
+    """After the first snapshot, wait for the controller's ``go`` (it sends it once every host
+    has answered: refreshes of the hosts that answered first would compete with the hosts
+    still connecting for the same CPUs, and delay the first full view), at most ``hold_s``,
+    and no longer than the controller is there (its keep-alives, stdin)."""
+    end = time.monotonic() + hold_s
+    while not keepalive.go.is_set() and keepalive.gone() is None:
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        keepalive.go.wait(min(left, 0.5))
+
+
 def watch(req, stdin=None, out=None):
     """The loop: snapshot, write, wait for the next interval (or the controller's going)."""
     stdin = stdin if stdin is not None else sys.stdin.buffer
     out = out if out is not None else sys.stdout.buffer
-    import threading
-
     keepalive = KeepAlive(stdin, req["keepalive_s"])
     state = WatchState()
-    dog = threading.Thread(target=watchdog, args=(state, keepalive, req["deadline_s"]),
-                           name="gpufleet-watchdog")
-    dog.daemon = True
-    dog.start()
+    _thread.start_new_thread(watchdog, (state, keepalive, req["deadline_s"]))
     cache = {}
     seq = 0
     reason = None
@@ -146,6 +160,8 @@ def watch(req, stdin=None, out=None):
         seq += 1
         if not _write_line(out, doc):
             return "stdout closed"
+        if seq == 1 and req.get("hold_first_s"):
+            hold_first(keepalive, req["hold_first_s"])
         keepalive.wake.wait(max(0.0, req["interval_s"] - (time.monotonic() - started)))
         reason = keepalive.gone()
     state.stop_since = state.stop_since or time.monotonic()

@@ -106,3 +106,44 @@ def test_a_bad_watch_request_is_one_document(agents):
     assert doc["error"].startswith("bad request: interval_s must be a number")
     p.stdin.close()
     assert p.wait(timeout=5) == 0
+
+
+def no_line_within(p, seconds):
+    ready, _, _ = select.select([p.stdout], [], [], seconds)
+    return not ready
+
+
+def test_with_hold_first_the_second_snapshot_waits_for_go(agents):
+    """hold_first_s: after its first line the agent takes no snapshot (keep-alives do not end
+    the hold) until the controller's ``go``; then its interval goes on as before."""
+    p = agents(interval_s=0.1, keepalive_s=5.0, hold_first_s=30.0)
+    assert json.loads(read_line(p))["watch_seq"] == 0
+    for _ in range(4):  # 0.8 s: eight intervals, keep-alives coming
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+        assert no_line_within(p, 0.2), "a second snapshot before go"
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    t0 = time.monotonic()
+    assert json.loads(read_line(p, timeout=5))["watch_seq"] == 1
+    assert time.monotonic() - t0 < 1.0
+    assert json.loads(read_line(p, timeout=5))["watch_seq"] == 2  # the interval again
+    assert p.poll() is None
+
+
+def test_hold_first_ends_by_itself_after_hold_first_s(agents):
+    p = agents(interval_s=0.1, keepalive_s=5.0, hold_first_s=0.8)
+    assert json.loads(read_line(p))["watch_seq"] == 0
+    t0 = time.monotonic()
+    assert no_line_within(p, 0.5)
+    assert json.loads(read_line(p, timeout=5))["watch_seq"] == 1
+    assert 0.6 < time.monotonic() - t0 < 3.0
+
+
+def test_a_held_agent_still_ends_when_stdin_closes(agents):
+    p = agents(interval_s=0.1, keepalive_s=60, hold_first_s=60.0)
+    assert json.loads(read_line(p))["watch_seq"] == 0
+    p.stdin.close()
+    assert p.wait(timeout=5) == 0
+    last = [json.loads(ln) for ln in p.stdout.read().splitlines()][-1]
+    assert last["mode"] == "watch_end" and last["reason"] == "stdin closed"

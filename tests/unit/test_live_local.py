@@ -215,3 +215,92 @@ def test_on_result_sees_each_snapshot_before_it_is_published(tmp_path: Path) -> 
         assert not published_first
     finally:
         fleet.stop()
+
+
+class LineTimes(Counting):
+    """Counting, and every line's (time, host, watch_seq)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.lines: list[tuple[float, str, int]] = []
+        self.pids: list = []  # each line's agent pid
+
+    def __call__(self, host):
+        session = super().__call__(host)
+        real = session.stream_agent
+
+        def stream_agent(request, timeout=None):
+            stream = real(request, timeout)
+            readline = stream.readline
+
+            def timed(timeout):
+                line = readline(timeout)
+                if line is not None:
+                    import json
+
+                    doc = json.loads(line)
+                    seq = doc.get("watch_seq", -1)
+                    with self.cond:
+                        self.lines.append((time.monotonic(), host.name, seq))
+                        self.pids.append((doc.get("facts") or {}).get("agent_pid"))
+                return line
+            stream.readline = timed
+            return stream
+        session.stream_agent = stream_agent
+        return session
+
+
+def test_refreshes_wait_until_every_host_has_answered_once(tmp_path: Path) -> None:
+    """hold_first_s: no host's second snapshot comes before the last host's first (the hosts
+    connect one at a time here, forks=1, each open 0.5 s late, at a 0.1 s interval), and once
+    all have answered the refreshes start at once (``go``), long before the 30 s hold."""
+    inv = local_hosts(tmp_path, 3)
+    factory = LineTimes(gate=2, gate_s=0.5)  # forks=1: the gate never opens, each open waits
+    fleet = LiveFleet(list(inv), 0.1, forks=1, session_factory=factory, hold_first_s=30.0)
+    fleet.start()
+    try:
+        assert wait(lambda: len({h for _, h, s in factory.lines if s >= 1}) == 3, 30)
+    finally:
+        fleet.stop()
+    lines = sorted(factory.lines)
+    last_first = max(t for t, _, s in lines if s == 0)
+    first_second = min(t for t, _, s in lines if s == 1)
+    assert first_second >= last_first, lines
+    assert max(t for t, _, s in lines if s == 1) - last_first < 5.0, lines
+
+
+def test_without_hold_the_first_hosts_refresh_while_others_connect(tmp_path: Path) -> None:
+    """The same fleet without the hold: h0 refreshes before h2 has answered (what the hold
+    prevents; so the test above can fail)."""
+    inv = local_hosts(tmp_path, 3)
+    factory = LineTimes(gate=2, gate_s=0.5)
+    fleet = LiveFleet(list(inv), 0.1, forks=1, session_factory=factory)
+    fleet.start()
+    try:
+        assert wait(lambda: len({h for _, h, s in factory.lines if s >= 1}) == 3, 30)
+    finally:
+        fleet.stop()
+    lines = sorted(factory.lines)
+    last_first = max(t for t, _, s in lines if s == 0)
+    assert min(t for t, _, s in lines if s == 1) < last_first, lines
+
+
+def test_a_host_that_reconnects_after_the_first_round_is_not_held(tmp_path: Path) -> None:
+    """Its new agent gets ``go`` with its first line (the round is long over): it refreshes
+    at the interval again instead of waiting out hold_first_s."""
+    import os
+    import signal
+
+    inv = local_hosts(tmp_path, 1)
+    factory = LineTimes()
+    fleet = LiveFleet(list(inv), 0.1, session_factory=factory, hold_first_s=60.0)
+    fleet.start()
+    try:
+        assert wait(lambda: any(s >= 2 for _, _, s in factory.lines), 30)
+        first_pid = factory.pids[0]
+        os.kill(first_pid, signal.SIGKILL)  # the agent this test's fleet started
+        assert wait(lambda: any(p not in (None, first_pid) for p in factory.pids), 30)
+        new_pid = next(p for p in factory.pids if p not in (None, first_pid))
+        assert wait(lambda: sum(1 for p in factory.pids if p == new_pid) >= 3, 10), factory.lines
+    finally:
+        fleet.stop()
