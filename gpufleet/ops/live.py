@@ -54,6 +54,10 @@ def keepalive_for(interval_s: float) -> float:
     return max(5.0, 3.0 * interval_s)
 
 
+def _every_one_answered(views: Any) -> bool:
+    return all(v.result is not None or v.failure is not None for v in views)
+
+
 class LiveFleet:
     """Hosts' latest snapshots, kept fresh by one session each; a context manager."""
 
@@ -128,7 +132,7 @@ class LiveFleet:
 
     def answered(self) -> bool:
         """Every host has a snapshot or a failure (the first full screen)."""
-        return all(v.result is not None or v.failure is not None for v in self.view())
+        return _every_one_answered(self.view())
 
     # ------------------------------------------------------------------ per host
 
@@ -139,8 +143,7 @@ class LiveFleet:
         with self._lock:
             self._views[name] = replace(self._views[name], **changes)
             self.generation += 1
-            if not self._all_answered.is_set() and all(
-                    v.result is not None or v.failure is not None for v in self._views.values()):
+            if not self._all_answered.is_set() and _every_one_answered(self._views.values()):
                 self._all_answered.set()  # the first round is over: every held agent may go
                 held = [s for n, s in self._streams.items() if n not in self._go_sent]
                 self._go_sent.update(self._streams)

@@ -250,20 +250,26 @@ class LineTimes(Counting):
         return session
 
 
-def test_refreshes_wait_until_every_host_has_answered_once(tmp_path: Path) -> None:
-    """hold_first_s: no host's second snapshot comes before the last host's first (the hosts
-    connect one at a time here, forks=1, each open 0.5 s late, at a 0.1 s interval), and once
-    all have answered the refreshes start at once (``go``), long before the 30 s hold."""
+def first_round(tmp_path: Path, **fleet_kw) -> tuple[list, float]:
+    """Three local hosts connecting one at a time (forks=1, each open 0.5 s late: the gate
+    never opens), 0.1 s interval, until each has a second snapshot: (every line sorted, when
+    the last host's first line came)."""
     inv = local_hosts(tmp_path, 3)
-    factory = LineTimes(gate=2, gate_s=0.5)  # forks=1: the gate never opens, each open waits
-    fleet = LiveFleet(list(inv), 0.1, forks=1, session_factory=factory, hold_first_s=30.0)
+    factory = LineTimes(gate=2, gate_s=0.5)
+    fleet = LiveFleet(list(inv), 0.1, forks=1, session_factory=factory, **fleet_kw)
     fleet.start()
     try:
         assert wait(lambda: len({h for _, h, s in factory.lines if s >= 1}) == 3, 30)
     finally:
         fleet.stop()
     lines = sorted(factory.lines)
-    last_first = max(t for t, _, s in lines if s == 0)
+    return lines, max(t for t, _, s in lines if s == 0)
+
+
+def test_refreshes_wait_until_every_host_has_answered_once(tmp_path: Path) -> None:
+    """hold_first_s: no host's second snapshot comes before the last host's first, and once
+    all have answered the refreshes start at once (``go``), long before the 30 s hold."""
+    lines, last_first = first_round(tmp_path, hold_first_s=30.0)
     first_second = min(t for t, _, s in lines if s == 1)
     assert first_second >= last_first, lines
     assert max(t for t, _, s in lines if s == 1) - last_first < 5.0, lines
@@ -272,16 +278,7 @@ def test_refreshes_wait_until_every_host_has_answered_once(tmp_path: Path) -> No
 def test_without_hold_the_first_hosts_refresh_while_others_connect(tmp_path: Path) -> None:
     """The same fleet without the hold: h0 refreshes before h2 has answered (what the hold
     prevents; so the test above can fail)."""
-    inv = local_hosts(tmp_path, 3)
-    factory = LineTimes(gate=2, gate_s=0.5)
-    fleet = LiveFleet(list(inv), 0.1, forks=1, session_factory=factory)
-    fleet.start()
-    try:
-        assert wait(lambda: len({h for _, h, s in factory.lines if s >= 1}) == 3, 30)
-    finally:
-        fleet.stop()
-    lines = sorted(factory.lines)
-    last_first = max(t for t, _, s in lines if s == 0)
+    lines, last_first = first_round(tmp_path)
     assert min(t for t, _, s in lines if s == 1) < last_first, lines
 
 
