@@ -41,7 +41,9 @@ NVML (added later): ``facts.gpu_source`` is "nvml" or "nvidia-smi" (what read th
 ``facts.gpu_source_reason`` why it is not the default (NVML unavailable, forced by the
 inventory); the ``nvidia_smi`` object is then the GPU readings' status whatever their source.
 ``facts.agent_cache`` (hit | miss | off | unusable; added later) and ``agent_cache_reason``:
-what the host's loader did with its cache of the compiled agent (remote/loader.py).
+what the host's loader did with its cache of the compiled agent (remote/loader.py);
+``facts.agent_sent`` (added later): false when the controller left the agent's source out of
+the request because it had seen this host cache it (the run came from that cache).
 ``nvml``: {"library", "error", "seconds"}; ``graphics_apps`` (NVML: graphics processes, not
 counted as attributed, like nvidia-smi's --query-compute-apps); ``gpu_errors``: [{"index",
 "error", "code"}] GPUs NVML counts but cannot read (lost: code 15); the document then has
@@ -232,6 +234,7 @@ class HostFacts:
     gpu_source_reason: Optional[str] = None  # why not the default choice
     agent_cache: Optional[str] = None  # "hit" | "miss" | "off" | "unusable" (None: not said)
     agent_cache_reason: Optional[str] = None  # why not a hit ("absent", "dir-owner", ...)
+    agent_sent: Optional[bool] = None  # False: run from the host's cache, the source left out
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -6,7 +6,9 @@ loader, the agent and its request travel on stdin as ``<n> <k> <m> <key>\\n<load
 bytes><zlib(agent source): k bytes><request JSON: m bytes>``, read by length: stdin stays open
 after them, so a resident agent (watch mode) hears the controller's keep-alives on it and sees
 it close. ``key`` is the agent source's hash: the loader (remote/loader.py) runs the host's
-cached code object of that source when it has a trusted one, instead of compiling it (~40 ms).
+cached code object of that source when it has a trusted one, instead of compiling it (~40 ms);
+``k`` is 0 when the controller leaves the source out for a host it saw cache it
+(gpufleet.transport.knownagents).
 
 The agent is several small standard-library modules here (``AGENT_PIECES``), joined at send
 time into ONE source with ONE global namespace: each piece's imports of earlier pieces are
@@ -124,16 +126,23 @@ def agent_key() -> str:
     return blake2b(agent_source(), digest_size=16).hexdigest()
 
 
-def encode_request(request: Mapping[str, Any]) -> bytes:
+def encode_request(request: Mapping[str, Any], agent: bool = True) -> bytes:
     """The stdin payload: ``<n> <k> <m> <key>\\n<loader><zlib(agent source)><request JSON>``,
     n, k and m their lengths in bytes, key agent_key(); the request is data only. One-shot
     runs close stdin after it; watch mode keeps writing keep-alive lines after it
-    (remote/watch.py)."""
+    (remote/watch.py). ``agent`` False leaves the source out (k 0) for a host known to have
+    it cached: its loader runs the cache or answers ``{"agent_needed": ...}``
+    (gpufleet.transport.knownagents)."""
     loader = loader_source()
-    source = compressed_agent()
+    source = compressed_agent() if agent else b""
     payload = json.dumps(dict(request), separators=(",", ":")).encode("utf-8")
     head = b"%d %d %d %s\n" % (len(loader), len(source), len(payload), agent_key().encode())
     return head + loader + source + payload
+
+
+def needs_agent(doc: Any) -> bool:
+    """A loader's answer to a request without the agent, on a host whose cache lost it."""
+    return isinstance(doc, dict) and "agent_needed" in doc and "facts" not in doc
 
 
 def encode_next(request: Mapping[str, Any]) -> bytes:

@@ -293,14 +293,55 @@ def load(blob, key, raw, where=None):
         return compile_agent(blob), {"state": "unusable", "reason": "error-" + type(exc).__name__}
 
 
+def needed(key, raw, why):
+    """The one line sent instead of running anything when the controller left the agent out
+    (``k`` 0: it had seen this host cache it) and this host has no trusted entry: the
+    controller sends the whole agent again (gpufleet.transport.session). Nothing runs."""
+    sys.stdout.write('{"agent_needed": "%s", "reason": "%s"}\n' % (
+        "".join(c for c in key if c in _NAME_CHARS)[:64], why))
+    sys.stdout.flush()
+
+
+def cached_only(key, raw, where=None):
+    """(code object or None, {"state", "reason"}) when the agent was not sent: only a
+    trusted cache entry can run."""
+    enabled, asked = cache_options(raw)
+    if not enabled:
+        return None, {"state": "off", "reason": "inventory"}
+    name = entry_name(key)
+    path = where or asked or default_dir()
+    why = "no-key" if name is None else None if path else "no-home"
+    if why is not None or sys.version_info < (3, 6):
+        return None, {"state": "unusable", "reason": why or "python-too-old"}
+    try:
+        dfd, why = open_dir(os.path.abspath(path))
+        if dfd is None:
+            return None, {"state": "unusable", "reason": why}
+        try:
+            code, why = read_entry(dfd, name)
+        finally:
+            os.close(dfd)
+    except Exception as exc:  # a bug or an odd host: ask for the agent
+        return None, {"state": "unusable", "reason": "error-" + type(exc).__name__}
+    return code, {"state": "hit" if code is not None else "miss", "reason": why}
+
+
 def run(stdin, header):
-    """Read the agent and the request by their lengths (header ``n k m key``), run the agent."""
+    """Read the agent and the request by their lengths (header ``n k m key``), run the agent.
+    ``k`` 0: the agent was left out, run from the cache or ask for it (``needed``)."""
     k, m = int(header[1]), int(header[2])
     key = header[3].decode("ascii", "replace") if len(header) > 3 else ""
     blob = stdin.read(k)
     raw = stdin.read(m)
-    code, facts = load(blob, key, raw)
+    if k == 0:
+        code, facts = cached_only(key, raw)
+        if code is None:
+            needed(key, raw, facts["reason"] or facts["state"])
+            return
+    else:
+        code, facts = load(blob, key, raw)
     del blob
+    facts["sent"] = k > 0
     exec(code, {"__name__": "gpufleet_agent", "REQUEST": raw, "AGENT_CACHE": facts})
 
 

@@ -356,6 +356,7 @@ def _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc):
         "hidepid": hidden,
         "agent_cache": AGENT_CACHE_FACTS.get("state"),
         "agent_cache_reason": AGENT_CACHE_FACTS.get("reason"),
+        "agent_sent": AGENT_CACHE_FACTS.get("sent"),
     }
 
 

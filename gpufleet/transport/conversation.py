@@ -59,12 +59,33 @@ class Conversation:
 
     @classmethod
     def start(cls, session: Session, request: Mapping[str, Any], timeout: float) -> "Conversation":
-        from gpufleet.remote import encode_request
+        """The first request answered; the agent's source left out for a host known to have
+        it cached (as Session.run_agent), sent in a second start if that cache is gone."""
+        from gpufleet.remote import agent_key, needs_agent
+        from gpufleet.transport import knownagents
 
         started = time.monotonic()
+        key = agent_key()
+        known = knownagents.holds(session.host, key)
+        talk = cls._start_once(session, request, timeout, started, with_agent=not known)
+        if known and talk.reply.ok and needs_agent(talk.reply.doc):
+            talk.close()
+            knownagents.forget(session.host)
+            known = False
+            left = max(1.0, timeout - (time.monotonic() - started))
+            talk = cls._start_once(session, request, left, started, with_agent=True)
+        if talk.reply.ok:
+            knownagents.note(session.host, key, talk.reply.doc, known)
+        return talk
+
+    @classmethod
+    def _start_once(cls, session: Session, request: Mapping[str, Any], timeout: float,
+                    started: float, with_agent: bool) -> "Conversation":
+        from gpufleet.remote import encode_request
+
         req = dict(with_deadline(request, timeout), stay=True)
         try:
-            stream, raw = session.start_conversation(encode_request(req), timeout)
+            stream, raw = session.start_conversation(encode_request(req, with_agent), timeout)
         except Exception as exc:  # a failed host is a value, whatever broke
             failed = transport_error(exc) if not isinstance(exc, TransportError) else exc
             return cls(session, None, AgentReply(False, None, str(failed), None,

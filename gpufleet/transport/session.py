@@ -236,14 +236,33 @@ class Session:
         return float(timeout if timeout is not None else getattr(self.host, "command_timeout", 60.0))
 
     def run_agent(self, request: Mapping[str, Any], timeout: Optional[float] = None) -> AgentReply:
-        """Run the agent with ``request``; every failure comes back as ``ok=False``."""
-        from gpufleet.remote import encode_request
+        """Run the agent with ``request``; every failure comes back as ``ok=False``. The
+        agent's source is left out for a host known to have it cached (knownagents); if that
+        cache is gone the run is made once more with it."""
+        from gpufleet.remote import agent_key, needs_agent
+        from gpufleet.transport import knownagents
 
         started = time.monotonic()
         timeout = self._timeout(timeout)
+        key = agent_key()
+        known = knownagents.holds(self.host, key)
+        reply = self._run_agent_once(request, timeout, started, with_agent=not known)
+        if known and reply.ok and needs_agent(reply.doc):
+            knownagents.forget(self.host)
+            known = False
+            left = max(1.0, timeout - (time.monotonic() - started))
+            reply = self._run_agent_once(request, left, started, with_agent=True)
+        if reply.ok:
+            knownagents.note(self.host, key, reply.doc, known)
+        return reply
+
+    def _run_agent_once(self, request: Mapping[str, Any], timeout: float, started: float,
+                        with_agent: bool) -> AgentReply:
+        from gpufleet.remote import encode_request
+
         req = with_deadline(request, timeout)
         try:
-            raw = self._run(_agent_command(self.host), encode_request(req), timeout)
+            raw = self._run(_agent_command(self.host), encode_request(req, with_agent), timeout)
         except Exception as exc:  # a failed host is a value, whatever broke
             failed = transport_error(exc)
             return AgentReply(False, None, str(failed), None, time.monotonic() - started,

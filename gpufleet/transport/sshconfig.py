@@ -20,7 +20,6 @@ ssh as ``-F`` (``-F none`` when it does not exist): then, as with ``ssh -F``,
 from __future__ import annotations
 
 import getpass
-import hashlib
 import os
 import pwd
 import re
@@ -124,19 +123,50 @@ def _run_ssh_g(ssh: str, args: list[str], alias: str) -> dict[str, list[str]]:
 
 
 _defaults_lock = threading.Lock()
-_defaults: dict[str, dict[str, list[str]]] = {}
+_defaults: dict[str, "_Defaults"] = {}
+
+
+class _Defaults:
+    """One ``ssh -G`` of ssh's built-in defaults, run in its own thread from the first
+    resolution on, so that it overlaps that host's own ``ssh -G`` instead of following it
+    (~5 ms of every run's first host)."""
+
+    def __init__(self, ssh: str):
+        self._done = threading.Event()
+        self._box: list = []
+        threading.Thread(target=self._run, args=(ssh,), name="gpufleet-ssh-defaults",
+                         daemon=True).start()
+
+    def _run(self, ssh: str) -> None:
+        try:
+            self._box.append(_run_ssh_g(ssh, ["-F", "none", "--", "gpufleet-defaults.invalid"],
+                                        "(defaults)"))
+        except BaseException as exc:
+            self._box.append(exc)
+        finally:
+            self._done.set()
+
+    def result(self) -> dict[str, list[str]]:
+        self._done.wait()
+        outcome = self._box[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+def _start_defaults(ssh: str) -> "_Defaults":
+    """What this ssh prints with no config at all: tells its defaults from configured values.
+    Asked once per process (each of 32 hosts' threads running its own cost a 32-host run a
+    dozen extra ``ssh -G``); a failed one is asked again by the next host."""
+    with _defaults_lock:
+        hit = _defaults.get(ssh)
+        if hit is None or (hit._done.is_set() and isinstance(hit._box[0], BaseException)):
+            hit = _defaults[ssh] = _Defaults(ssh)
+    return hit
 
 
 def _ssh_defaults(ssh: str) -> dict[str, list[str]]:
-    """What this ssh prints with no config at all: tells its defaults from configured values.
-    Asked once per process: the first host's thread runs it while the others wait (each
-    running its own cost a 32-host run a dozen extra ``ssh -G``)."""
-    with _defaults_lock:
-        hit = _defaults.get(ssh)
-        if hit is None:
-            hit = _run_ssh_g(ssh, ["-F", "none", "--", "gpufleet-defaults.invalid"], "(defaults)")
-            _defaults[ssh] = hit
-    return hit
+    return _start_defaults(ssh).result()
 
 
 def _expand(text: str, tokens: dict[str, str]) -> str:
@@ -146,7 +176,11 @@ def _expand(text: str, tokens: dict[str, str]) -> str:
 
 def _tokens(alias: str, hostname: str, port: str, user: str, jump: str) -> dict[str, str]:
     local = socket.gethostname()
-    conn_hash = hashlib.sha1(f"{local}{hostname}{port}{user}{jump}".encode()).hexdigest()
+    try:  # the builtin module: ``import hashlib`` loads OpenSSL first (~4 ms of a start)
+        from _sha1 import sha1  # type: ignore[import-not-found]
+    except ImportError:  # pragma: no cover - a Python built without it
+        from hashlib import sha1
+    conn_hash = sha1(f"{local}{hostname}{port}{user}{jump}".encode()).hexdigest()
     return {"%": "%", "h": hostname, "p": port, "r": user, "n": alias, "u": getpass.getuser(),
             "d": os.path.expanduser("~"), "i": str(os.getuid()), "l": local,
             "L": local.split(".", 1)[0], "j": jump, "C": conn_hash, "k": alias}
@@ -161,8 +195,9 @@ def _from_ssh(ssh: str, alias: str, port: Optional[int], user: Optional[str]) ->
         args += ["-p", str(int(port))]
     if user:
         args += ["-l", check_alias(user)]
+    pending = _start_defaults(ssh)
     found = _run_ssh_g(ssh, args + ["--", alias], alias)
-    defaults = _ssh_defaults(ssh)
+    defaults = pending.result()
     values: dict[str, Any] = {}
     for key in _SINGLE:
         if found.get(key):

@@ -28,7 +28,10 @@ if TYPE_CHECKING:  # a local stream must not import the SSH stack (transport/__i
 def transport_error(exc: BaseException) -> TransportError:
     """gpufleet.transport.connection.transport_error, imported when a failure is classified
     (it knows paramiko's exceptions; a local run must not import paramiko to start). The one
-    lazy door to it: session.py uses this one too."""
+    lazy door to it: session.py uses this one too. A TransportError is one already: a run
+    whose host was unreachable over OpenSSH does not import paramiko for it."""
+    if isinstance(exc, TransportError):
+        return exc
     from gpufleet.transport.connection import transport_error as classify
 
     return classify(exc)

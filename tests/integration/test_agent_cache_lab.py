@@ -75,3 +75,63 @@ def test_an_entry_others_could_write_is_refused_over_ssh(host: Any, lab: Any, ho
     os.chmod(host.path(CACHE), 0o777)
     assert cache_of(run_gpufleet(home, fleet, "status", "--json"), host.name) == \
         ("unusable", "dir-mode")
+
+
+# ---- the agent left out for a host the controller saw cache it (transport/knownagents.py)
+
+def _sessions_since(host: Any, mark: int) -> tuple[int, int]:
+    """(connections, execs) the host's sshd logged since ``mark`` (LogLevel VERBOSE)."""
+    with open(host.dir / "sshd.log", "rb") as f:
+        f.seek(mark)
+        text = f.read().decode(errors="replace")
+    return text.count("Accepted publickey"), text.count("Starting session: command")
+
+
+@pytest.fixture
+def verbose_host(make_host: Any) -> Any:
+    h = make_host(sshd_extra="LogLevel VERBOSE")
+    res = h.exec(["mount", "-t", "tmpfs", "-o", "mode=755", "gfcache", "/var/cache"])
+    assert res.returncode == 0, res.stderr
+    h.holder = h.spawn_holder(gpus=[0], mib=700, title="VLLM::Worker")
+    return h
+
+
+def _sent(run: Any, name: str) -> tuple[str, Any, Any]:
+    assert run.rc == 0, str(run)
+    facts = run.host(name)["facts"]
+    return facts["agent_cache"], facts["agent_cache_reason"], facts["agent_sent"]
+
+
+def test_a_host_seen_caching_the_agent_is_sent_requests_without_it(
+        verbose_host: Any, lab: Any, home: Path) -> None:
+    """status and clean (a conversation) leave the source out once the host cached it; a
+    host whose cache was lost since answers without running anything and gets the whole
+    agent in one more exec, and the clean acts exactly once."""
+    host = verbose_host
+    fleet = lab.inventory_yaml([host], path=home / "fleet.yaml")
+    size = lambda: (host.dir / "sshd.log").stat().st_size  # noqa: E731
+    assert _sent(run_gpufleet(home, fleet, "status", "--json"), host.name) == \
+        ("miss", "absent", True)
+    mark = size()
+    assert _sent(run_gpufleet(home, fleet, "status", "--json"), host.name) == \
+        ("hit", None, False)
+    assert _sessions_since(host, mark) == (1, 1)
+    for entry in os.listdir(host.path(CACHE)):  # the host lost its cache (a reinstall, rm)
+        os.unlink(host.path(CACHE + "/" + entry))
+    mark = size()
+    lost = run_gpufleet(home, fleet, "status", "--json")
+    assert _sent(lost, host.name) == ("miss", "absent", True)
+    assert [p["pid"] for p in lost.host(host.name)["gpus"][0]["processes"]] == [host.holder]
+    assert _sessions_since(host, mark) == (2, 2)
+    for entry in os.listdir(host.path(CACHE)):
+        os.unlink(host.path(CACHE + "/" + entry))
+    mark = size()
+    clean = run_gpufleet(home, fleet, "clean", "--gpus", "0", "--yes", "--json")
+    assert clean.rc == 0, str(clean)
+    assert not host.alive(host.holder)
+    assert _sessions_since(host, mark) == (2, 2)
+    assert len(os.listdir(host.path(CACHE))) == 1
+    mark = size()
+    assert _sent(run_gpufleet(home, fleet, "status", "--json"), host.name) == \
+        ("hit", None, False)
+    assert _sessions_since(host, mark) == (1, 1)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gpufleet.remote import agent_key, bootstrap_command, compressed_agent, encode_request
+from gpufleet.remote import agent_key, bootstrap_command, compressed_agent, encode_request, needs_agent
 from gpufleet.remote import loader
 
 OTHER_UID = 54321
@@ -315,3 +315,41 @@ def test_the_agents_start_loads_no_module_a_snapshot_does_not_need():
     assert out.returncode == 0, out.stderr.decode()
     loaded, lazy, compiled, group = out.stdout.decode().strip().split("|")
     assert loaded == "" and int(lazy) >= 10 and compiled == "" and group == "x"
+
+
+# ---- the agent left out (k 0) for a host whose cache holds it (transport/knownagents.py)
+
+def lean(python: str, request: dict[str, Any]) -> tuple[bytes, Any]:
+    out = subprocess.run(bootstrap_command(python), input=encode_request(request, agent=False),
+                         capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    return out.stdout, json.loads(out.stdout)
+
+
+def test_a_request_without_the_agent_runs_the_hosts_cached_entry(tmp_path):
+    req = {"mode": "snapshot", "deadline_s": 20, "agent_cache_dir": str(tmp_path / "c")}
+    full = agent(sys.executable, req)
+    assert (full["facts"]["agent_cache"], full["facts"]["agent_sent"]) == ("miss", True)
+    _, doc = lean(sys.executable, req)
+    assert (doc["facts"]["agent_cache"], doc["facts"]["agent_sent"]) == ("hit", False)
+    assert doc["mode"] == "snapshot" and not needs_agent(doc)
+    assert len(encode_request(req, agent=False)) < len(encode_request(req)) - len(BLOB) + 100
+
+
+@pytest.mark.parametrize("spoil", ["empty", "other-mode", "off"])
+def test_without_the_agent_and_no_trusted_entry_nothing_runs_and_the_agent_is_asked_for(
+        tmp_path, spoil):
+    """One line naming the key and why; no document, nothing compiled or written."""
+    where = tmp_path / "c"
+    req: dict[str, Any] = {"mode": "snapshot", "deadline_s": 20, "agent_cache_dir": str(where)}
+    if spoil == "other-mode":
+        agent(sys.executable, req)
+        os.chmod(where / NAME, 0o666)
+    if spoil == "off":
+        req["agent_cache"] = False
+    before = sorted(os.listdir(where)) if where.exists() else []
+    text, doc = lean(sys.executable, req)
+    reason = {"empty": "absent", "other-mode": "file-mode", "off": "inventory"}[spoil]
+    assert doc == {"agent_needed": KEY, "reason": reason}
+    assert text.count(b"\n") == 1 and needs_agent(doc)
+    assert (sorted(os.listdir(where)) if where.exists() else []) == before

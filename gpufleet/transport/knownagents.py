@@ -1,0 +1,91 @@
+"""Which hosts already hold this agent's compiled code: the controller's side of the host cache.
+
+Internal to gpufleet.transport.session. Every one-shot run used to send the whole agent
+(~40 KB compressed) although a host whose loader cached it (remote/loader.py) runs that cache
+and never reads what was sent: on a 20 ms link those bytes cost the run a round trip or two of
+TCP slow start (bench/README.md). So when a host's last document said its cache holds this
+agent (``facts.agent_cache`` hit or miss, i.e. written), the next request leaves the source out
+(``k`` 0); a host whose cache is gone since then answers ``{"agent_needed": ...}`` without
+running anything, and the session sends the whole agent again (one more exec, then
+remembered again).
+
+What is remembered cannot make a host run anything it did not check: the host's loader alone
+decides what is trusted, and a wrong memory costs one more exec. One small file per host
+(the name is a hash of how the host is reached: name, address, port, user, python, sudo,
+connection) holding the agent key, under ``$XDG_CACHE_HOME/gpufleet/agents`` (else
+``~/.cache/gpufleet/agents``); written by rename, so threads and processes never see half.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Mapping, Optional
+
+#: facts.agent_cache states after which the host's cache holds the agent that ran.
+HELD = ("hit", "miss")
+
+
+def directory() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gpufleet", "agents")
+
+
+def _path(host: Any) -> str:
+    try:
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - a Python built without it
+        from hashlib import blake2b
+    ident = repr((getattr(host, "name", ""), getattr(host, "connection", "ssh"),
+                  getattr(host, "address", None), getattr(host, "port", None),
+                  getattr(host, "user", None), getattr(host, "python", "python3"),
+                  bool(getattr(host, "sudo", False))))
+    return os.path.join(directory(), blake2b(ident.encode("utf-8"), digest_size=16).hexdigest())
+
+
+def holds(host: Any, key: str) -> bool:
+    """The host's last document said its cache holds the agent ``key`` (and the inventory
+    lets it use that cache)."""
+    if getattr(host, "agent_cache", True) is False:
+        return False
+    try:
+        with open(_path(host), "r", encoding="ascii") as fh:
+            return fh.read(128).strip() == key
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _write(host: Any, text: Optional[str]) -> None:
+    path = _path(host)
+    try:
+        if text is None:
+            os.unlink(path)
+            return
+        os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as fh:
+                fh.write(text + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass  # a memory only: without it the next run sends the whole agent
+
+
+def note(host: Any, key: str, doc: Optional[Mapping[str, Any]], known: bool) -> None:
+    """Learn from a document whether the host's cache now holds ``key``; ``known``: what
+    ``holds`` said before the run (a file is written only when that changes)."""
+    facts = doc.get("facts") if isinstance(doc, Mapping) else None
+    state = facts.get("agent_cache") if isinstance(facts, Mapping) else None
+    if state is None:
+        return  # no snapshot document (a failed run, an old agent): nothing learnt
+    held = state in HELD and getattr(host, "agent_cache", True) is not False
+    if held != known:
+        _write(host, key if held else None)
+
+
+def forget(host: Any) -> None:
+    _write(host, None)
