@@ -90,6 +90,33 @@ class Flag(object):
         return False
 
 
+class Background(object):
+    """fn() started now in a thread of its own, its value (or its exception) taken later by
+    ``result``: the snapshot's /proc scan (reads that wait on the kernel) runs while NVML's
+    init and queries wait on the driver (~13 ms of each on a real H200)."""
+
+    def __init__(self, fn):
+        self._done = Flag()
+        self._box = []
+        _thread.start_new_thread(self._run, (fn,))
+
+    def _run(self, fn):
+        try:
+            self._box.append((True, fn()))
+        except BaseException as exc:  # handed to the caller of result()
+            self._box.append((False, exc))
+        finally:
+            self._done.set()
+
+    def result(self):
+        while not self._done.wait(_thread.TIMEOUT_MAX):
+            pass
+        ok, value = self._box[0]
+        if not ok:
+            raise value
+        return value
+
+
 def read_bytes_bounded(path, timeout, limit=1 << 20):
     """Read in a thread: /proc/PID/cmdline or maps of a D-state process can block on its
     memory lock (the way `ps` hangs on a wedged GPU host). Returns (data, timed_out)."""

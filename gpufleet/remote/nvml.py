@@ -211,6 +211,11 @@ def open_nvml(requested=None, timeout=CALL_TIMEOUT_S):
     return nv, None
 
 
+def nvml_decided():
+    """Whether this agent process opened NVML already (or found it unusable)."""
+    return "nvml" in _STATE or "error" in _STATE
+
+
 def nvml_error_code():
     """NVML's return code when it could not be opened (9: driver not loaded), else None."""
     return _STATE.get("error_code")

@@ -7,9 +7,9 @@ import os
 import sys
 import time
 
-from .jobs import Job, find_nvidia_smi, run_cmd, smi_failure  # joined
+from .jobs import Background, Job, find_nvidia_smi, run_cmd, smi_failure  # joined
 from .kmsg import kernel_log  # joined
-from .nvml import nvml_error_code, open_nvml, read_bounded, read_devices  # joined
+from .nvml import nvml_decided, nvml_error_code, open_nvml, read_bounded, read_devices  # joined
 from .parse import (  # joined
     AGENT_VERSION,
     APP_FIELDS,
@@ -94,24 +94,30 @@ def snapshot(req, deadline, proc=PROC):
     warnings = ctx["warnings"]
     smi = find_nvidia_smi(req.get("nvidia_smi"))
     smi_doc = {"ok": False, "error": None, "exit_code": None, "seconds": 0.0}
-    source, nv, reason = gpu_source(req, deadline)
+    jobs = (None, None)
+    early = _nvml_wanted(req) and not nvml_decided()
+    if early:  # NVML's load and init wait on the driver (~13 ms on an H200): /proc meanwhile
+        opening = Background(lambda: gpu_source(req, deadline))
+        scanned = _scan_holders(set([ctx["self_pid"]]), proc)
+        source, nv, reason = opening.result()
+    else:  # nvidia-smi forced, or NVML opened (or refused) by an earlier snapshot
+        source, nv, reason = gpu_source(req, deadline)
+    if source != "nvml" and smi is not None:  # its two queries run while /proc is scanned
+        jobs = _start_smi_jobs(smi, req, deadline)
+    if not early:
+        scanned = _scan_holders(set([ctx["self_pid"]]) | _job_pids(jobs), proc)
     nvml_doc = {"library": nv.path if nv else None, "error": None if nv else reason,
                 "code": None if nv else nvml_error_code(), "seconds": 0.0}
     gpus, apps, driver, cuda = [], [], None, None
-    jobs = (None, None)  # NVML is read after the /proc scan: milliseconds, no children
-    if source == "nvml":
-        pass
-    elif smi is None:
+    if source != "nvml" and smi is None:
         smi_doc["error"] = "nvidia-smi not found" + (
             ": %s" % req["nvidia_smi"] if req.get("nvidia_smi") else "")
-    else:
-        jobs = _start_smi_jobs(smi, req, deadline)
     own = set([ctx["self_pid"]]) | _job_pids(jobs)
-    holders, denied, seen_start, mapped = _scan_holders(own, proc)
+    holders, denied, seen_start, mapped = _without(own, scanned)
     hidden, can_read_all = _fd_visibility(denied, warnings, proc)
     extra = {"kernel_log": kernel_log(deadline, proc=proc) if req.get("kernel_log", True)
              else None}
-    if source == "nvml":
+    if source == "nvml":  # after the scan: many short calls, one thread
         gpus, apps, driver, cuda, more = _query_nvml(nv, reason, smi_doc, nvml_doc,
                                                      nvml_timeout(req, deadline), proc)
         extra.update(more)
@@ -154,13 +160,19 @@ def snapshot(req, deadline, proc=PROC):
 GPU_SOURCES = ("auto", "nvml", "nvidia-smi")
 
 
+def _nvml_wanted(req):
+    """Whether gpu_source tries NVML (else nvidia-smi is forced by the request)."""
+    wanted = req.get("gpu_source") or "auto"
+    return not (wanted == "nvidia-smi" or (wanted == "auto" and req.get("nvidia_smi")))
+
+
 def gpu_source(req, deadline):
     """(source, Nvml or None, reason): which reader this snapshot uses and, when it is not the
     default choice, why (facts.gpu_source_reason)."""
     wanted = req.get("gpu_source") or "auto"
-    if wanted == "nvidia-smi":
-        return "nvidia-smi", None, "gpu_source is nvidia-smi"
-    if wanted == "auto" and req.get("nvidia_smi"):
+    if not _nvml_wanted(req):
+        if wanted == "nvidia-smi":
+            return "nvidia-smi", None, "gpu_source is nvidia-smi"
         return "nvidia-smi", None, "nvidia_smi is set (it forces the nvidia-smi path)"
     nv, why = open_nvml(req.get("nvml_library"), nvml_timeout(req, deadline))
     if nv is not None:
@@ -237,6 +249,17 @@ def _scan_holders(own, proc):
         seen_start[pid] = st["starttime"] if st else None
         mapped[pid] = mapped_devices(pid, proc)
     return holders, denied, seen_start, mapped
+
+
+def _without(own, scanned):
+    """The scan's result less our own processes: the nvidia-smi children started while it
+    ran hold device files too."""
+    holders, denied, seen_start, mapped = scanned
+    for pid in own:
+        holders.pop(pid, None)
+        seen_start.pop(pid, None)
+        mapped.pop(pid, None)
+    return holders, [pid for pid in denied if pid not in own], seen_start, mapped
 
 
 def _fd_visibility(denied, warnings, proc):
