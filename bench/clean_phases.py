@@ -17,7 +17,12 @@ to its verdict), and the process's exit as the bench sees it. Printed per run an
 * exit: the last verdict to the process's end (the document, the audit log);
 * beyond: the whole wall less the delay (bench/fast_agent.py's number).
 
-It also prints the CPU of the CLI and its children (ssh) and of the hosts over the run.
+It also prints the CPU of the CLI and its children (ssh) and of the hosts over the run, and
+(``--floor``) the floor under the plan round: the same hosts reached all at once by bare
+``ssh`` processes (gpufleet's key exchange, curve25519), each running ``python3 -S -E -s -c
+pass``, then each running the agent's snapshot from its cache (the bootstrap and the request
+without the agent, as the plan's first request is sent): the handshakes and agents alone,
+nothing of the controller.
 """
 from __future__ import annotations
 
@@ -129,6 +134,8 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=32)
     ap.add_argument("--delay", type=float, default=2.0, help="the fake driver's release delay (s)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--floor", type=int, default=3, metavar="ROUNDS",
+                    help="rounds of the bare-ssh floor (0: none)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gfbench-phases-"))
     (work / "home").mkdir()
@@ -140,6 +147,7 @@ def main() -> int:
         inv = lab.inventory_yaml(hosts, path=work / "fleet.yaml", command_timeout=60)
         one_run(hosts, inv, env, a.delay, work)  # warm: the hosts' agent caches, the page cache
         rows = [one_run(hosts, inv, env, a.delay, work) for _ in range(a.runs)]
+        floors = floor_rounds(hosts, a.floor)
     finally:
         lab.close()
     keys = ["start_s", "plan_s", "confirm_s", "act_minus_delay_s", "exit_s", "beyond_s",
@@ -153,7 +161,35 @@ def main() -> int:
         print("| %s | %s | **%.3f** |" % (k, " | ".join("%.3f" % v for v in vals),
                                           statistics.median(vals)))
     print("| hosts signalled | %s | |" % " | ".join(str(r["hosts_signalled"]) for r in rows))
+    for name, walls in floors.items():
+        print("floor, %d hosts at once, bare ssh running %s: %s s, median **%.3f** s" % (
+            a.hosts, name, ", ".join("%.3f" % w for w in walls), statistics.median(walls)))
     return 0
+
+
+def floor_rounds(hosts: list[Any], rounds: int) -> dict[str, list[float]]:
+    """Wall of ``rounds`` rounds of one bare ssh per host at once, per remote command."""
+    import shlex
+
+    from gpufleet.remote import bootstrap_command, encode_request
+
+    request = {"mode": "snapshot", "deadline_s": 50, "smi_timeout_s": 10, "cuda_version": False}
+    work = {"python3 -S -E -s -c pass": ("python3 -S -E -s -c pass", b""),
+            "the agent's snapshot (cached)": (shlex.join(bootstrap_command()),
+                                              encode_request(request, agent=False))}
+    out: dict[str, list[float]] = {k: [] for k in work}
+    for _ in range(rounds):
+        for name, (command, stdin) in work.items():
+            argv = [h.ssh_argv()[:1] + ["-o", "KexAlgorithms=curve25519-sha256"]
+                    + h.ssh_argv()[1:] + ["--", command] for h in hosts]
+            t0 = time.monotonic()
+            procs = [subprocess.Popen(v, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL) for v in argv]
+            outs = [p.communicate(stdin, timeout=120)[0] for p in procs]
+            out[name].append(time.monotonic() - t0)
+            if stdin and not all(b'"facts"' in o for o in outs):
+                raise SystemExit("floor: an agent did not answer with a snapshot")
+    return out
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 The inventory is operator input that later decides where gpufleet connects and what it may
 signal, so every mistake becomes ONE line naming the file, the line and the key
 (``fleet.yaml:12: hosts.train-node: unknown key 'adress' (did you mean 'address'?)``),
-raised as ``UsageError`` (exit 2), never a traceback. Values are data: nothing here is ever
-pasted into shell text, but addresses, users and names are still held to conservative
-syntax so a typo or a pasted shell fragment is caught here rather than at connect time.
+raised as ``InventoryError`` (a UsageError: exit 2), never a traceback. Values are data:
+nothing here is ever pasted into shell text, but addresses, users and names are still held to
+conservative syntax so a typo or a pasted shell fragment is caught here rather than at
+connect time.
 
 The format is documented (and kept stable) in docs/inventory.md.
 """
@@ -21,7 +22,7 @@ from gpufleet.config import validators
 from gpufleet.config.validators import (MAX_NAME, PROGRAM_WORD, Fail, describe, did_you_mean, has_control,
                                         plain_string)
 from gpufleet.config.yamlsource import LineMap, LineSeq, load_yaml, read_source
-from gpufleet.errors import UsageError, one_line
+from gpufleet.errors import InventoryError, UsageError, one_line
 
 ENV_VAR = "GPUFLEET_INVENTORY"
 LOCAL_FILENAME = "fleet.yaml"
@@ -170,12 +171,12 @@ def find_inventory(
             continue
         raw = os.fspath(raw)
         if "\0" in raw:
-            raise UsageError(f"{what}: invalid path {raw!r}")
+            raise InventoryError(f"{what}: invalid path {raw!r}")
         path = _expand(raw, cwd, home)
         if not path.exists():
-            raise UsageError(f"{raw}: inventory file not found (from {what})")
+            raise InventoryError(f"{raw}: inventory file not found (from {what})")
         if not path.is_file():
-            raise UsageError(f"{raw}: inventory is not a regular file (from {what})")
+            raise InventoryError(f"{raw}: inventory is not a regular file (from {what})")
         return path
     for path in (cwd / LOCAL_FILENAME, home / USER_CONFIG):
         if path.is_file():
@@ -202,7 +203,10 @@ def load_inventory(path: Optional[os.PathLike | str], display: Optional[str] = N
         return implicit_inventory()
     path = Path(path)
     source = display if display is not None else str(path)
-    text = read_source(path, source, "inventory file", MAX_FILE_BYTES)
+    try:
+        text = read_source(path, source, "inventory file", MAX_FILE_BYTES)
+    except UsageError as exc:  # unreadable, too large, not UTF-8: the inventory's error
+        raise InventoryError(str(exc)) from None
     return parse_inventory(text, source=source, base_dir=path.parent, path=path)
 
 
@@ -354,7 +358,7 @@ class _Ctx:
         def fail(message: str) -> NoReturn:
             loc = f"{self.source}:{line}" if line else self.source
             text = f"{loc}: {where}: {message}" if where else f"{loc}: {message}"
-            raise UsageError(one_line(text))
+            raise InventoryError(one_line(text))
 
         return fail
 
@@ -408,8 +412,8 @@ def parse_inventory(
 ) -> Inventory:
     """Validate inventory YAML text. Relative key-file paths resolve against ``base_dir``."""
     if "\0" in text:
-        raise UsageError(f"{source}:{text[: text.index(chr(0))].count(chr(10)) + 1}: "
-                         "NUL character in file")
+        raise InventoryError(f"{source}:{text[: text.index(chr(0))].count(chr(10)) + 1}: "
+                             "NUL character in file")
     ctx = _Ctx(source, base_dir)
     doc = _top_level(text, source, ctx)
 
@@ -417,10 +421,10 @@ def parse_inventory(
     defaults = _settings(defaults_raw, DEFAULT_KEYS, ctx.at("defaults"))
 
     if "hosts" not in doc:
-        raise UsageError(f"{source}: no 'hosts:' section (see fleet.yaml.example)")
+        raise InventoryError(f"{source}: no 'hosts:' section (see fleet.yaml.example)")
     hosts_raw = _section(doc, "hosts", ctx, "a mapping of host name to settings")
     if not hosts_raw:
-        raise UsageError(f"{source}:{_line_of(doc, 'hosts')}: hosts: no hosts defined")
+        raise InventoryError(f"{source}:{_line_of(doc, 'hosts')}: hosts: no hosts defined")
 
     specs: list[tuple[str, dict[str, Any], int]] = []
     for name, body in hosts_raw.items():
@@ -438,14 +442,19 @@ def parse_inventory(
 
 def _top_level(text: str, source: str, ctx: _Ctx) -> Any:
     """The YAML document: a mapping with only known top-level keys."""
-    doc = load_yaml(text, source)
+    try:
+        doc = load_yaml(text, source)
+    except InventoryError:
+        raise
+    except UsageError as exc:  # YAML that does not load: the inventory's error, one line
+        raise InventoryError(str(exc)) from None
     if doc is None:
-        raise UsageError(f"{source}: empty inventory: it needs a 'hosts:' mapping "
-                         "(see fleet.yaml.example)")
+        raise InventoryError(f"{source}: empty inventory: it needs a 'hosts:' mapping "
+                             "(see fleet.yaml.example)")
     if not isinstance(doc, dict):
         line = getattr(doc, "line", 1)
-        raise UsageError(f"{source}:{line}: the inventory must be a mapping with 'hosts:', "
-                         f"got {describe(doc)}")
+        raise InventoryError(f"{source}:{line}: the inventory must be a mapping with 'hosts:', "
+                             f"got {describe(doc)}")
     for key in doc:
         if key not in TOP_LEVEL_KEYS:
             ctx.failer(_line_of(doc, key))(

@@ -94,18 +94,7 @@ def snapshot(req, deadline, proc=PROC):
     warnings = ctx["warnings"]
     smi = find_nvidia_smi(req.get("nvidia_smi"))
     smi_doc = {"ok": False, "error": None, "exit_code": None, "seconds": 0.0}
-    jobs = (None, None)
-    early = _nvml_wanted(req) and not nvml_decided()
-    if early:  # NVML's load and init wait on the driver (~13 ms on an H200): /proc meanwhile
-        opening = Background(lambda: gpu_source(req, deadline))
-        scanned = _scan_holders(set([ctx["self_pid"]]), proc)
-        source, nv, reason = opening.result()
-    else:  # nvidia-smi forced, or NVML opened (or refused) by an earlier snapshot
-        source, nv, reason = gpu_source(req, deadline)
-    if source != "nvml" and smi is not None:  # its two queries run while /proc is scanned
-        jobs = _start_smi_jobs(smi, req, deadline)
-    if not early:
-        scanned = _scan_holders(set([ctx["self_pid"]]) | _job_pids(jobs), proc)
+    source, nv, reason, jobs, scanned = _source_and_scan(req, deadline, ctx, smi, proc)
     nvml_doc = {"library": nv.path if nv else None, "error": None if nv else reason,
                 "code": None if nv else nvml_error_code(), "seconds": 0.0}
     gpus, apps, driver, cuda = [], [], None, None
@@ -158,6 +147,24 @@ def snapshot(req, deadline, proc=PROC):
 #: The request's gpu_source (the inventory's): auto = NVML when it loads and initialises, else
 #: nvidia-smi; nvml = NVML or an error (no fallback); nvidia-smi = never NVML.
 GPU_SOURCES = ("auto", "nvml", "nvidia-smi")
+
+
+def _source_and_scan(req, deadline, ctx, smi, proc):
+    """(source, Nvml or None, reason, nvidia-smi jobs, the /proc scan): the scan runs while
+    the GPU reader waits on the driver."""
+    jobs = (None, None)
+    early = _nvml_wanted(req) and not nvml_decided()
+    if early:  # NVML's load and init wait on the driver (~13 ms on an H200): /proc meanwhile
+        opening = Background(lambda: gpu_source(req, deadline))
+        scanned = _scan_holders(set([ctx["self_pid"]]), proc)
+        source, nv, reason = opening.result()
+    else:  # nvidia-smi forced, or NVML opened (or refused) by an earlier snapshot
+        source, nv, reason = gpu_source(req, deadline)
+    if source != "nvml" and smi is not None:  # its two queries run while /proc is scanned
+        jobs = _start_smi_jobs(smi, req, deadline)
+    if not early:
+        scanned = _scan_holders(set([ctx["self_pid"]]) | _job_pids(jobs), proc)
+    return source, nv, reason, jobs, scanned
 
 
 def _nvml_wanted(req):

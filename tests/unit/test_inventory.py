@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpufleet.errors import EXIT_USAGE, UsageError
+from gpufleet.errors import EXIT_USAGE, InventoryError, UsageError
 from gpufleet.config.inventory import (
     DEFAULT_KEYS,
     ENV_VAR,
@@ -61,7 +61,7 @@ def parse(text: str, **kw) -> Inventory:
 
 
 def error_of(text: str, **kw) -> str:
-    with pytest.raises(UsageError) as info:
+    with pytest.raises(InventoryError) as info:
         parse(text, **kw)
     message = str(info.value)
     assert info.value.exit_code == EXIT_USAGE
@@ -220,7 +220,7 @@ def test_named_path_that_does_not_exist_is_an_error(dirs, via):
     cwd, home = dirs
     write(cwd / "fleet.yaml")  # must not be used as a fallback
     args = ("missing.yaml", {}) if via == "flag" else (None, {ENV_VAR: "missing.yaml"})
-    with pytest.raises(UsageError) as info:
+    with pytest.raises(InventoryError) as info:
         find_inventory(args[0], args[1], cwd, home)
     assert info.value.exit_code == 2 and "missing.yaml" in str(info.value)
     assert "not found" in str(info.value)
@@ -228,7 +228,7 @@ def test_named_path_that_does_not_exist_is_an_error(dirs, via):
 
 def test_named_path_that_is_a_directory_is_an_error(dirs):
     cwd, home = dirs
-    with pytest.raises(UsageError, match="not a regular file"):
+    with pytest.raises(InventoryError, match="not a regular file"):
         find_inventory(str(cwd), {}, cwd, home)
 
 
