@@ -132,14 +132,26 @@ def _load_all() -> None:
 AGENT_PAYLOAD = "gpufleet.remote:compressed_agent"
 
 
-def prefetch(*targets: str) -> threading.Thread:
+#: How long a prefetch made to wait for the first command process waits at most (a run whose
+#: hosts all fail before one starts still gets its modules).
+PREFETCH_WAIT_S = 1.0
+
+
+def prefetch(*targets: str, after_first_start: bool = False) -> threading.Thread:
     """Import modules (``"pkg.mod"``) or call a module's function (``"pkg.mod:fn"``) on a
     background thread, in order, for a command about to wait: what it needs only once the
     agents answer (the snapshot model, the renderers: ~25 ms of imports) loads while they run
     instead of after, and the agent's payload is compressed (zlib releases the GIL) while the
-    inventory loads. Import locks keep it safe: whoever needs a module first waits for it. The
-    first failure ends the thread quietly: the real import or call raises it where it counts."""
+    inventory loads. ``after_first_start``: begin once the first ``ssh`` (or local agent) has
+    started (transport.FIRST_START, at most PREFETCH_WAIT_S): imports hold the GIL, and before
+    that they delayed the first session by about their own length. Import locks keep it safe:
+    whoever needs a module first waits for it. The first failure ends the thread quietly: the
+    real import or call raises it where it counts."""
     def load() -> None:
+        if after_first_start:
+            from gpufleet.transport import FIRST_START
+
+            FIRST_START.wait(PREFETCH_WAIT_S)
         for target in targets:
             module, _, function = target.partition(":")
             try:

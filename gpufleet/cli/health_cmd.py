@@ -24,7 +24,8 @@ def health(app: AppContext, hosts, groups, tags, all_, as_json: bool, strict: bo
     from gpufleet.ops.collect import snapshot_hosts
 
     selected = app.select(hosts, groups, tags, all_)
-    prefetch("gpufleet.core.model", "gpufleet.render.health")  # loaded while the agents run
+    prefetch("gpufleet.core.model", "gpufleet.render.health",  # loaded while the agents run
+             after_first_start=True)
     with HostProgress(selected, "health") as progress:  # stderr, on a terminal only
         results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
     from gpufleet.core.health import CRITICAL, WARN, assess_result

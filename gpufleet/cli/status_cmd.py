@@ -49,7 +49,8 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
 
         return watch_status(selected, interval, as_json, app.forks)
     started = time.monotonic()
-    prefetch("gpufleet.core.model", "gpufleet.render.status")  # loaded while the agents run
+    prefetch("gpufleet.core.model", "gpufleet.render.status",  # loaded while the agents run
+             after_first_start=True)
     expected = {h.name: int(h.unattributed_mib or 0) for h in selected}
     expected_gpus = {h.name: h.gpus for h in selected}
     entries: dict[str, str] = {}

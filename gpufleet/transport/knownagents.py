@@ -7,7 +7,8 @@ TCP slow start (bench/README.md). So when a host's last document said its cache 
 agent (``facts.agent_cache`` hit or miss, i.e. written), the next request leaves the source out
 (``k`` 0); a host whose cache is gone since then answers ``{"agent_needed": ...}`` without
 running anything, and the session sends the whole agent again (one more exec, then
-remembered again).
+remembered again). Only hosts reached over SSH: a ``connection: local`` host (the Slurm
+prolog/epilog on a node) reads the agent from a pipe, and nothing is written for it.
 
 What is remembered cannot make a host run anything it did not check: the host's loader alone
 decides what is trusted, and a wrong memory costs one more exec. One small file per host
@@ -44,10 +45,16 @@ def _path(host: Any) -> str:
     return os.path.join(directory(), blake2b(ident.encode("utf-8"), digest_size=16).hexdigest())
 
 
+def _remembered(host: Any) -> bool:
+    """Hosts reached over SSH whose inventory lets them use their cache: a ``connection:
+    local`` host gets the agent through a pipe (nothing to save, no file written for it)."""
+    return (getattr(host, "agent_cache", True) is not False
+            and getattr(host, "connection", "ssh") != "local")
+
+
 def holds(host: Any, key: str) -> bool:
-    """The host's last document said its cache holds the agent ``key`` (and the inventory
-    lets it use that cache)."""
-    if getattr(host, "agent_cache", True) is False:
+    """The host's last document said its cache holds the agent ``key`` (see _remembered)."""
+    if not _remembered(host):
         return False
     try:
         with open(_path(host), "r", encoding="ascii") as fh:
@@ -82,7 +89,9 @@ def note(host: Any, key: str, doc: Optional[Mapping[str, Any]], known: bool) -> 
     state = facts.get("agent_cache") if isinstance(facts, Mapping) else None
     if state is None:
         return  # no snapshot document (a failed run, an old agent): nothing learnt
-    held = state in HELD and getattr(host, "agent_cache", True) is not False
+    if not _remembered(host):
+        return
+    held = state in HELD
     if held != known:
         _write(host, key if held else None)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.errors import TransportError
-from gpufleet.transport.run import KILL_AFTER_S, STDERR_KEEP, RawRun
+from gpufleet.transport.run import FIRST_START, KILL_AFTER_S, STDERR_KEEP, RawRun
 
 if TYPE_CHECKING:  # a local stream must not import the SSH stack (transport/__init__.py)
     import paramiko
@@ -225,6 +225,7 @@ class ProcessStream(Stream):
             if as_run:
                 raise
             raise TransportError(f"{argv[0]}: {exc.strerror or exc}", kind=errors.COMMAND) from None
+        FIRST_START.set()
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         os.set_blocking(self.proc.stdout.fileno(), False)
         os.set_blocking(self.proc.stderr.fileno(), False)

@@ -57,11 +57,18 @@ def test_each_way_of_reaching_a_host_is_its_own_memory():
               Host("gpu1", address="10.0.0.1", port=2222, user="root"),
               Host("gpu1", address="10.0.0.1", port=22, user="ops"),
               Host("gpu1", address="10.0.0.1", port=22, user="root", sudo=True),
-              Host("gpu1", address="10.0.0.1", port=22, user="root", python="/opt/py/bin/python3"),
-              Host("gpu1", address="10.0.0.1", port=22, user="root", connection="local")]
+              Host("gpu1", address="10.0.0.1", port=22, user="root", python="/opt/py/bin/python3")]
     knownagents.note(base, KEY, doc("hit"), known=False)
     assert knownagents.holds(base, KEY)
     assert not any(knownagents.holds(h, KEY) for h in others)
+
+
+def test_a_local_host_is_never_remembered_and_no_file_is_written_for_it(cache_home):
+    """connection: local gets the agent through a pipe: nothing to save by leaving it out."""
+    host = Host("ws", connection="local")
+    knownagents.note(host, KEY, doc("hit"), known=False)
+    assert not knownagents.holds(host, KEY)
+    assert not cache_home.exists()
 
 
 def test_a_host_with_the_cache_off_is_never_sent_a_request_without_the_agent():
