@@ -502,7 +502,20 @@ def versions() -> dict:
         out["git"] = rev + (" (gpufleet/ has uncommitted changes)" if dirty else "")
     except OSError:
         pass
+    out["gpufleet tree"] = tree_hash()
     return out
+
+
+def tree_hash(root: Path = HERE.parent / "gpufleet") -> str:
+    """BLAKE2b of gpufleet/'s .py files (path and content): names the code a report measured
+    where ``git`` cannot (the GPU machine's copy of the tree carries a stale .git). The same
+    on any machine: ``python3 -c 'import sys; sys.path.insert(0, "bench"); import run;
+    print(run.tree_hash())'``."""
+    import hashlib
+    h = hashlib.blake2b(digest_size=8)
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def summarize(runs: list[dict]) -> dict:
