@@ -102,7 +102,8 @@ def snapshot(req, deadline, proc=PROC):
         smi_doc["error"] = "nvidia-smi not found" + (
             ": %s" % req["nvidia_smi"] if req.get("nvidia_smi") else "")
     own = set([ctx["self_pid"]]) | _job_pids(jobs)
-    holders, denied, seen_start, mapped = _without(own, scanned)
+    # none of ours in it: the scan skipped nvidia-smi started before it; later ones it never saw
+    holders, denied, seen_start, mapped = scanned
     hidden, can_read_all = _fd_visibility(denied, warnings, proc)
     extra = {"kernel_log": kernel_log(deadline, proc=proc) if req.get("kernel_log", True)
              else None}
@@ -256,17 +257,6 @@ def _scan_holders(own, proc):
         seen_start[pid] = st["starttime"] if st else None
         mapped[pid] = mapped_devices(pid, proc)
     return holders, denied, seen_start, mapped
-
-
-def _without(own, scanned):
-    """The scan's result less our own processes: the nvidia-smi children started while it
-    ran hold device files too."""
-    holders, denied, seen_start, mapped = scanned
-    for pid in own:
-        holders.pop(pid, None)
-        seen_start.pop(pid, None)
-        mapped.pop(pid, None)
-    return holders, [pid for pid in denied if pid not in own], seen_start, mapped
 
 
 def _fd_visibility(denied, warnings, proc):

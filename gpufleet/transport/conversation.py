@@ -87,7 +87,7 @@ class Conversation:
         try:
             stream, raw = session.start_conversation(encode_request(req, with_agent), timeout)
         except Exception as exc:  # a failed host is a value, whatever broke
-            failed = transport_error(exc) if not isinstance(exc, TransportError) else exc
+            failed = transport_error(exc)  # a TransportError is returned as it is
             return cls(session, None, AgentReply(False, None, str(failed), None,
                                                  time.monotonic() - started,
                                                  error_kind=failed.kind, unsent=True))
