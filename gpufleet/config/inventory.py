@@ -78,6 +78,7 @@ class Host:
     gpu_source: str = "auto"
     ssh_client: str = "auto"
     agent_cache: bool = True  # false: the agent's compiled code is neither cached nor read
+    ssh_persist: float = 0.0  # seconds an idle SSH connection is kept for the next command; 0: none
     unattributed_mib: int = 0
     gpus: Optional[int] = None  # GPUs the host should have (health: a missing GPU); None: any
     protect: tuple[str, ...] = ()
@@ -327,6 +328,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "gpu_source": _shared(validators.choice(GPU_SOURCES)),
     "ssh_client": _shared(validators.choice(SSH_CLIENTS)),
     "agent_cache": _shared(validators.boolean),
+    "ssh_persist": _shared(validators.seconds),
     "unattributed_mib": _shared(validators.mib, one_message=True),
     "gpus": _shared(validators.gpu_count),
     "protect": _list_of(_glob, "glob strings"),

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from gpufleet.transport.connection import MAX_HOPS, connection_for, transport_error
     from gpufleet.transport.conversation import Conversation
     from gpufleet.transport.dial import Dialled, Predial, predial
+    from gpufleet.transport.kept import Kept, close_kept, kept_connections
     from gpufleet.transport.keyscan import TrustResult, fetch_host_key, trust
     from gpufleet.transport.run import FIRST_START, INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP
     from gpufleet.transport.session import (
@@ -43,6 +44,7 @@ _HOME = {
     "Conversation": "conversation",
     "Dialled": "dial", "Predial": "dial", "predial": "dial",
     "TrustResult": "keyscan", "fetch_host_key": "keyscan", "trust": "keyscan",
+    "Kept": "kept", "close_kept": "kept", "kept_connections": "kept",
     "FIRST_START": "run", "INLINE_STDIN": "run", "KILL_AFTER_S": "run", "STDERR_KEEP": "run",
     "AgentReply": "session", "ArgvResult": "session", "LocalSession": "session",
     "Session": "session", "SshSession": "session", "deadline_for": "session",
@@ -51,9 +53,9 @@ _HOME = {
 
 __all__ = [  # _HOME's names and TransportError (tests/integration/test_startup_imports.py)
     "FIRST_START", "INLINE_STDIN", "KILL_AFTER_S", "MAX_HOPS", "STDERR_KEEP", "AgentReply", "ArgvResult",
-    "Conversation", "Dialled", "LocalSession", "Predial", "Session", "SshSession", "Stream", "TransportError",
-    "TrustResult", "connection_for", "deadline_for", "fetch_host_key", "open_session",
-    "predial", "transport_error", "trust",
+    "Conversation", "Dialled", "Kept", "LocalSession", "Predial", "Session", "SshSession", "Stream",
+    "TransportError", "TrustResult", "close_kept", "connection_for", "deadline_for", "fetch_host_key",
+    "kept_connections", "open_session", "predial", "transport_error", "trust",
 ]
 
 

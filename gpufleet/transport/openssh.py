@@ -10,8 +10,9 @@ not pass gpufleet's options to the jump's own ``ssh``, so a hop's host key could
 to gpufleet's policy).
 
 What gpufleet asks of ssh, and why (see ``_OPTIONS``): never prompt (BatchMode), public keys
-only, no pty, no escape character, no forwarding, no multiplexed master (a ControlPersist
-master started by gpufleet's run would hold its stderr open and outlive it), host keys checked
+only, no pty, no escape character, no forwarding, no master of the user's own (a user's
+ControlMaster/ControlPath is never joined: its options are not gpufleet's; gpufleet's own,
+kept between commands with ``ssh_persist``, is gpufleet.transport.kept's), host keys checked
 strictly against the same files gpufleet reads (gpufleet's accept-new is done here: a first-seen
 key is fetched, checked by gpufleet.transport.hostkeys, recorded, then the run is retried, so
 a key of another type than the one known is refused as with paramiko), errors only on stderr.
@@ -34,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import SshConfigError, TransportError
-from gpufleet.transport import knownfiles, sshconfig
+from gpufleet.transport import kept, knownfiles, mux, sshconfig
 from gpufleet.transport.run import RawRun, run_local
 from gpufleet.transport.session import Session, remote_timeout
 from gpufleet.transport.sshmaster import Master
@@ -64,6 +65,15 @@ class Target:
 
     @property
     def argv(self) -> tuple[str, ...]:
+        """A run on its own connection, or (``kept``) one that starts the kept master there
+        when none is up (ControlMaster=auto: ssh joins one that came up meanwhile)."""
+        if self.kept is not None:
+            return self.base + ("-o", "ControlMaster=auto", "-o", f"ControlPath={self.kept}",
+                                "-o", f"ControlPersist={self.persist_s}") + self.dest
+        return self.alone
+
+    @property
+    def alone(self) -> tuple[str, ...]:
         """A run on its own connection: never starts or joins a multiplexed master."""
         return self.base + ("-o", "ControlMaster=no", "-o", "ControlPath=none") + self.dest
 
@@ -80,6 +90,9 @@ class Target:
     connect_timeout: float
     policy: str  # gpufleet's host key policy: strict | accept-new
     keys: tuple[tuple[str, bool], ...]  # (identity file, named explicitly): auth messages
+    kept: Optional[str] = None  # the kept master's socket (ssh_persist), None: not kept
+    persist_s: int = 0  # ControlPersist: how long a kept master stays idle
+    env: tuple[str, ...] = ()  # NAME=value that ssh would send (SendEnv matches, SetEnv)
 
 
 def _float(value: Any) -> Optional[float]:
@@ -169,6 +182,37 @@ def _paths_plain(host: Host, values: dict) -> bool:
     return not any(p and _UNSAFE_PATH.search(os.path.expanduser(str(p))) for p in paths)
 
 
+def _glob_re(pattern: str) -> re.Pattern:
+    """ssh's match_pattern: ``*`` and ``?`` only, the rest literal."""
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c)
+                              for c in pattern) + r"\Z", re.S)
+
+
+def session_env(values: dict, environ: Optional[dict] = None) -> tuple[str, ...]:
+    """The ``NAME=value`` strings ssh sends with a session: the environment's variables whose
+    names match a SendEnv pattern (in the environment's order), then SetEnv's; what a run
+    through a kept master has to send itself (mux.c ``mux_client_request_session``)."""
+    env = os.environ if environ is None else environ
+    patterns = [_glob_re(p) for p in values.get("sendenv", []) or [] if p and not p.startswith("-")]
+    sent = [f"{k}={v}" for k, v in env.items() if "=" not in k and any(p.match(k) for p in patterns)]
+    return tuple(sent + [str(v) for v in values.get("setenv", []) or []])
+
+
+def _persist_s(host: Host) -> int:
+    value = getattr(host, "ssh_persist", 0) or 0
+    return int(math.ceil(float(value))) if value > 0 else 0
+
+
+def _kept_socket(argv: Sequence[str], dest: Sequence[str], where: str, key_name: str,
+                 user: str) -> Optional[str]:
+    """The kept master's socket for this exact connection (None: not kept in this run)."""
+    path = kept.socket_for([*argv, *dest, where, key_name, user])
+    if path is not None and _UNSAFE_PATH.search(path):
+        kept._warn(f"{os.path.dirname(path)} holds characters ssh would expand")
+        return None
+    return path
+
+
 def target_for(host: Host, ssh: str) -> Optional[Target]:
     """How ssh reaches ``host``; None: it needs the paramiko path (ProxyJump/ProxyCommand
     under ``ssh_client: auto``). Raises SshConfigError as ``ssh -G`` does."""
@@ -212,8 +256,13 @@ def target_for(host: Host, ssh: str) -> Optional[Target]:
     real_port = int(values.get("port", 22) or 22)
     where = f"{hostname}:{real_port}" if ":" not in hostname else f"[{hostname}]:{real_port}"
     key_name = str(values.get("hostkeyalias") or knownfiles.host_key_name(hostname, real_port))
-    return Target(tuple(argv), ("--", resolved.alias), where, key_name,
-                  str(values.get("user") or user or ""), ct, policy, tuple(keys))
+    dest = ("--", resolved.alias)
+    login = str(values.get("user") or user or "")
+    persist = _persist_s(host)
+    socket_path = _kept_socket(argv, dest, where, key_name, login) if persist else None
+    return Target(tuple(argv), dest, where, key_name, login, ct, policy, tuple(keys),
+                  kept=socket_path, persist_s=persist if socket_path else 0,
+                  env=session_env(values) if socket_path else ())
 
 
 # --------------------------------------------------------------------------- ssh's failures
@@ -261,6 +310,8 @@ def _connect_timed_out(target: Target) -> TransportError:
 def ssh_failure(raw: RawRun, target: Target) -> Optional[TransportError]:
     """ssh's own failure in this run (exit 255 and its line on stderr), with the paramiko
     path's kind and wording; None: the command itself ran (whatever its status)."""
+    if raw.lost is not None:
+        return raw.lost
     if raw.timed_out or raw.exit_code != 255:
         return None
     lines = [ln.strip() for ln in raw.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
@@ -339,7 +390,8 @@ class OpensshSession(Session):
         super().__init__(host)
         self.target = target
         self._reached = False
-        self._master: Optional[Master] = Master() if keep else None
+        kept_here = target is not None and target.kept is not None
+        self._master: Optional[Master] = Master() if keep and not kept_here else None
         self._master_tried = False
         if error is not None:
             self.error, self.error_kind = str(error), error.kind
@@ -352,7 +404,21 @@ class OpensshSession(Session):
         master = self._master
         ssh = self.target.via(master.path) if master is not None and master.up and master.path \
             else self.target.argv
-        return list(ssh) + [" ".join(shlex.quote(a) for a in argv)]
+        return list(ssh) + [_remote_command(argv)]
+
+    def _kept_run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
+        """Through the kept master when one takes the session (no ``ssh`` process), else an
+        ``ssh`` that connects (and becomes the kept master: ControlMaster=auto)."""
+        target = self.target
+        assert target is not None
+        if target.kept is not None:
+            try:
+                return mux.run(target.kept, _remote_command(argv), target.env, stdin, timeout,
+                               target.connect_timeout)
+            except mux.NoMaster as exc:
+                if exc.bypass:
+                    return run_local(list(target.alone) + [_remote_command(argv)], stdin, timeout)
+        return run_local(self._command(argv), stdin, timeout)
 
     def _attempt(self, run: Callable[[], RawRun], master: bool = False) -> RawRun:
         """``run`` once (twice when gpufleet's accept-new recorded a first-seen key); ssh's
@@ -397,13 +463,21 @@ class OpensshSession(Session):
         self.connect()
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        return self._attempt(lambda: run_local(self._command(argv), stdin, timeout))
+        return self._attempt(lambda: self._kept_run(argv, stdin, timeout))
 
     def _stream(self, argv: Sequence[str], head: bytes, timeout: float,
                 as_run: bool = False) -> Stream:
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        return OpensshStream(self._command(argv), head, self.target, as_run=as_run)
+        command = self._command(argv)
+        if self.target.kept is not None:
+            try:
+                return mux.MuxStream(self.target.kept, _remote_command(argv), self.target.env,
+                                     head, min(self.target.connect_timeout, timeout), as_run=as_run)
+            except mux.NoMaster as exc:
+                if exc.bypass:
+                    command = list(self.target.alone) + [_remote_command(argv)]
+        return OpensshStream(command, head, self.target, as_run=as_run)
 
     def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
         """A conversation's start is this host's run: ssh's own failures raised with their
@@ -419,6 +493,11 @@ class OpensshSession(Session):
     def close(self) -> None:
         if self._master is not None:
             self._master.close()
+
+
+def _remote_command(argv: Sequence[str]) -> str:
+    """The one command line the remote shell is given: each word quoted, as data."""
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 class OpensshStream(ProcessStream):

@@ -219,6 +219,9 @@ def _from_ssh(ssh: str, alias: str, port: Optional[int], user: Optional[str]) ->
     for key in _LISTS:
         if found.get(key) and found[key] != defaults.get(key):
             values[key] = " ".join(found[key]).split()
+    for key in ("sendenv", "setenv"):  # what a session through a kept master must send too
+        if found.get(key):
+            values[key] = list(found[key])
     kex = found.get("kexalgorithms")
     if kex and kex != defaults.get("kexalgorithms"):
         values["kexalgorithms"] = kex[0]  # configured: the OpenSSH transport leaves it alone

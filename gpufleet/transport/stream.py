@@ -209,7 +209,48 @@ class ChannelStream(Stream):
             pass
 
 
-class ProcessStream(Stream):
+class PipeStream(Stream):
+    """Lines from a command's stdout pipe, its stderr pipe kept (the last lines name a
+    failure): a local process, or a session through a kept OpenSSH master (transport/mux)."""
+
+    def _pipes(self) -> tuple[Optional[int], Optional[int]]:
+        """(stdout, stderr) descriptors, non-blocking; None once closed."""
+        raise NotImplementedError
+
+    _err_open = True
+
+    def _wait(self, timeout: float) -> bool:
+        out, err = self._pipes()
+        fds = [fd for fd in (out, err if self._err_open else None) if fd is not None]
+        ready, _, _ = select.select(fds, [], [], timeout)
+        return bool(ready)
+
+    def _read(self) -> Optional[bytes]:
+        out, err_fd = self._pipes()
+        if self._err_open and err_fd is not None:
+            err = read_some(err_fd)
+            if err is None:
+                self._err_open = False
+            elif err:
+                self._keep_err(err)
+        return read_some(out) if out is not None else None
+
+    def _drain_err(self) -> None:
+        _, err_fd = self._pipes()
+        while self._err_open and err_fd is not None:
+            ready, _, _ = select.select([err_fd], [], [], 0.2)
+            if not ready:
+                return  # held open by something the command left behind: enough is here
+            err = read_some(err_fd)
+            if err is None:
+                self._err_open = False
+            elif not err:
+                return
+            else:
+                self._keep_err(err)
+
+
+class ProcessStream(PipeStream):
     """``connection: local``: the same argv as a subprocess (no shell), its own session."""
 
     def __init__(self, argv: Sequence[str], head: bytes, as_run: bool = False):
@@ -229,7 +270,6 @@ class ProcessStream(Stream):
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         os.set_blocking(self.proc.stdout.fileno(), False)
         os.set_blocking(self.proc.stderr.fileno(), False)
-        self._err_open = True
         try:
             self.send(head)
         except TransportError:
@@ -237,41 +277,15 @@ class ProcessStream(Stream):
                 self.ended = True
                 raise self._ended_error() from None
 
-    def _wait(self, timeout: float) -> bool:
+    def _pipes(self) -> tuple[Optional[int], Optional[int]]:
         assert self.proc.stdout and self.proc.stderr
-        fds = [self.proc.stdout] + ([self.proc.stderr] if self._err_open else [])
-        ready, _, _ = select.select(fds, [], [], timeout)
-        return bool(ready)
-
-    def _read(self) -> Optional[bytes]:
-        assert self.proc.stdout and self.proc.stderr
-        if self._err_open:
-            err = _read_some(self.proc.stderr.fileno())
-            if err is None:
-                self._err_open = False
-            elif err:
-                self._keep_err(err)
-        return _read_some(self.proc.stdout.fileno())
+        return self.proc.stdout.fileno(), self.proc.stderr.fileno()
 
     def _exit_code(self) -> Optional[int]:
         try:
             return self.proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             return None
-
-    def _drain_err(self) -> None:
-        assert self.proc.stderr
-        while self._err_open:
-            ready, _, _ = select.select([self.proc.stderr], [], [], 0.2)
-            if not ready:
-                return  # held open by something the command left behind: enough is here
-            err = _read_some(self.proc.stderr.fileno())
-            if err is None:
-                self._err_open = False
-            elif not err:
-                return
-            else:
-                self._keep_err(err)
 
     def send(self, data: bytes) -> None:
         assert self.proc.stdin
@@ -303,7 +317,7 @@ class ProcessStream(Stream):
                 continue
 
 
-def _read_some(fd: int) -> Optional[bytes]:
+def read_some(fd: int) -> Optional[bytes]:
     """b"" nothing yet, None at end of file."""
     try:
         data = os.read(fd, 65536)

@@ -1,0 +1,159 @@
+"""SSH connections kept between commands (``ssh_persist``): where their sockets live, and
+how they are listed and closed.
+
+Internal to gpufleet.transport (gpufleet.transport.openssh asks for a host's socket; `gpufleet
+disconnect` lists and closes them). With ``ssh_persist: SECONDS`` a host's first ``ssh`` of a
+command becomes an OpenSSH master (``ControlMaster=auto``, ``ControlPersist=SECONDS``) that
+stays after the command for that long once idle, so the next command's runs skip the TCP
+connect, the key exchange and the authentication (gpufleet.transport.mux talks to it). Off
+by default: those masters are processes left behind the CLI (one per host, ~5 MB each), and an
+open authenticated connection is a thing an operator should choose to keep.
+
+The sockets are in one directory of this user's, mode 0700 (``$XDG_RUNTIME_DIR/gpufleet-ssh``,
+else ``$XDG_CACHE_HOME/gpufleet/ssh``, else ``~/.cache/gpufleet/ssh``); a directory that is not
+private (another owner, group or other access, a symlink) turns the feature off for the run,
+with one warning. A socket's name is a hash of everything that decides where and how its
+``ssh`` connects (the whole argv and what ``ssh -G`` resolved): a changed inventory or
+ssh_config gives another name, so an old master is never joined for a new destination.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from gpufleet.transport import mux
+
+SOCKET_MAX = 100  # sun_path is 108 bytes; a longer directory means no kept connections
+NAME_BYTES = 8  # 16 hex characters
+
+_warned = threading.Event()
+
+
+def directory() -> str:
+    """Where the sockets are (created on first use)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or ""
+    if os.path.isabs(runtime) and os.path.isdir(runtime):
+        return os.path.join(runtime, "gpufleet-ssh")
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gpufleet", "ssh")
+
+
+def private_problem(path: str) -> Optional[str]:
+    """Why ``path`` may not hold the sockets (None: it may): a master's socket lets whoever
+    can reach it run commands on the host as us, and a socket someone else put there would
+    receive our commands."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to uid {st.st_uid}"
+    if st.st_mode & 0o077:
+        return f"{path} is mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    return None
+
+
+def _ready_directory() -> Optional[str]:
+    """The directory, created 0700 when absent; None (warned once) when it cannot be used."""
+    path = directory()
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        pass
+    problem = private_problem(path)
+    if problem is None and len(os.path.join(path, "x" * 2 * NAME_BYTES).encode()) > SOCKET_MAX:
+        problem = f"{path} is too long for a socket path"
+    if problem is not None:
+        _warn(problem)
+        return None
+    return path
+
+
+def _warn(problem: str) -> None:
+    if _warned.is_set():
+        return
+    _warned.set()
+    print(f"gpufleet: warning: ssh_persist is off for this run: {problem}", file=sys.stderr)
+
+
+def socket_for(identity: Sequence[str]) -> Optional[str]:
+    """The socket of the connection ``identity`` describes (the ssh argv and its resolved
+    destination), or None: no kept connections in this run (see _ready_directory)."""
+    try:
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - a Python built without it
+        from hashlib import blake2b
+    path = _ready_directory()
+    if path is None:
+        return None
+    name = blake2b("\0".join(identity).encode("utf-8", "surrogateescape"),
+                   digest_size=NAME_BYTES).hexdigest()
+    return os.path.join(path, name)
+
+
+def sockets() -> list[str]:
+    """Every socket in the directory (kept connections, live or stale)."""
+    path = directory()
+    if private_problem(path) is not None:
+        return []
+    found = []
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        try:
+            if stat.S_ISSOCK(os.lstat(full).st_mode):
+                found.append(full)
+        except OSError:
+            continue
+    return found
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One kept connection: the inventory host it is for (None: found in the directory),
+    its socket, and its master's PID (None: no master answers there)."""
+
+    host: Optional[str]
+    path: str
+    pid: Optional[int]
+
+
+def socket_of(host: Any) -> Optional[str]:
+    """Where ``host``'s kept connection is (whether or not one is up, whatever its
+    ``ssh_persist`` now): None for a host not reached through OpenSSH."""
+    from gpufleet.transport import openssh, sshconfig
+
+    ssh = sshconfig.ssh_client()
+    if getattr(host, "is_local", False) or ssh is None or not openssh.wanted(host):
+        return None
+    target = openssh.target_for(dataclasses.replace(host, ssh_persist=1.0), ssh)
+    return target.kept if target is not None else None
+
+
+def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
+    """The kept connections of ``hosts`` (None: every socket in the directory)."""
+    if hosts is None:
+        return [Kept(None, path, mux.alive(path)) for path in sockets()]
+    found = []
+    for host in hosts:
+        path = socket_of(host)
+        if path is not None and os.path.exists(path):
+            found.append(Kept(host.name, path, mux.alive(path)))
+    return found
+
+
+def close_kept(path: str) -> Optional[int]:
+    """Ask the master at ``path`` to end (gpufleet.transport.mux.terminate); its PID, or None
+    when none was there (a stale socket is removed)."""
+    pid = mux.terminate(path)
+    if pid is None and os.path.exists(path):
+        mux.alive(path)  # a refused connect unlinks the stale socket
+    return pid

@@ -1,0 +1,261 @@
+"""SSH connections kept between commands (``ssh_persist``), against real sshd lab hosts.
+
+A host's first ``ssh`` becomes an OpenSSH master (ControlMaster=auto, ControlPersist) whose
+socket is in gpufleet's private directory; the next command's runs and streams go through it
+over OpenSSH's multiplexing protocol (gpufleet/transport/mux.py), with no ``ssh`` process and
+no new connection: counted where it happens, in each host's sshd log at VERBOSE ("Accepted
+publickey" per connection, "Starting session: command" per exec). Every master a test
+started is ended through its control socket (`gpufleet disconnect`, or the fixture after
+the test); a master stopped with SIGSTOP is one whose PID its master reported.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from cli_helpers import home, run_gpufleet  # noqa: F401  (home: fixture)
+from test_clean_conversation_lab import VERBOSE, host_agents, log_mark, sessions_since
+from watch_helpers import Watch
+
+PERSIST = {"ssh_persist": 60}
+FAST = ("--grace", "1", "--timeout", "15")
+
+
+@pytest.fixture
+def kept_dir(monkeypatch: Any, home: Path) -> Iterator[Path]:
+    """A short private XDG_RUNTIME_DIR (a socket path has 108 bytes), HOME for in-process
+    calls; every master left there is asked to end after the test."""
+    from gpufleet.transport import kept
+
+    runtime = Path(tempfile.mkdtemp(prefix="gfk-", dir="/tmp"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.setenv("HOME", str(home))
+    kept._warned.clear()
+    try:
+        yield runtime / "gpufleet-ssh"
+    finally:
+        for found in kept.kept_connections():
+            kept.close_kept(found.path)
+        for _ in range(50):  # each master ends once its connection is closed
+            if not kept.sockets():
+                break
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def host(make_host: Any) -> Any:
+    h = make_host(gpus=2, sshd_extra=VERBOSE + "\nAcceptEnv GFTEST_*")
+    h.holder = h.spawn_holder(gpus=[0], mib=900, title="VLLM::Worker")
+    return h
+
+
+def master_pid(host: Any) -> Any:
+    from gpufleet.config.inventory import load_inventory
+    from gpufleet.transport import kept, mux
+
+    path = kept.socket_of(load_inventory(host.inventory).get(host.name))
+    return path, (mux.alive(path) if path else None)
+
+
+def status(home: Path, inv: Path, host: Any) -> dict:
+    run = run_gpufleet(home, inv, "status", "--json")
+    assert run.rc == 0, str(run)
+    return run.host(host.name)
+
+
+def test_the_next_command_joins_the_kept_connection(kept_dir: Path, host: Any, lab: Any,
+                                                    home: Path) -> None:
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    mark = log_mark(host)
+    first = status(home, inv, host)
+    assert sessions_since(host, mark) == (1, 1)
+    path, pid = master_pid(host)
+    assert pid is not None and os.path.dirname(path) == str(kept_dir)
+    st = os.lstat(kept_dir)
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    for _ in range(2):
+        mark = log_mark(host)
+        again = status(home, inv, host)
+        assert sessions_since(host, mark) == (0, 1)  # an exec, no connection
+        assert [p["pid"] for p in again["gpus"][0]["processes"]] == [host.holder]
+        assert again["gpus"][0]["processes"] == first["gpus"][0]["processes"]
+    assert master_pid(host)[1] == pid
+
+
+def test_clean_plans_and_acts_over_the_kept_connection(kept_dir: Path, host: Any, lab: Any,
+                                                       home: Path) -> None:
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    status(home, inv, host)
+    mark = log_mark(host)
+    run = run_gpufleet(home, inv, "clean", "--all", "--gpus", "0", "--yes", "--json", *FAST)
+    assert run.rc == 0, str(run)
+    row = run.host(host.name)
+    assert row["verdict"] == "clean", row
+    assert [(s["pid"], s["outcome"]) for s in row["signals"]] == [(host.holder, "sent")]
+    assert not host.alive(host.holder)
+    assert sessions_since(host, mark) == (0, 1)  # one exec: the plan and the act
+    assert host_agents(host) == []
+
+
+def test_a_watch_streams_over_the_kept_connection(kept_dir: Path, host: Any, lab: Any,
+                                                  home: Path) -> None:
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    status(home, inv, host)
+    mark = log_mark(host)
+    watch = Watch(home, inv, 0.5)
+    try:
+        docs = [watch.doc(), watch.doc()]
+        for doc in docs:
+            (row,) = [h for h in doc["hosts"] if h["host"] == host.name]
+            assert [p["pid"] for p in row["gpus"][0]["processes"]] == [host.holder]
+        assert sessions_since(host, mark) == (0, 1)
+        assert len(host_agents(host)) == 1
+    finally:
+        watch.signal(signal.SIGTERM)
+        watch.proc.wait(timeout=20)
+        watch.stop()
+    end = time.monotonic() + 10
+    while host_agents(host) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert host_agents(host) == []  # the agent ended with its stream
+
+
+def test_disconnect_lists_and_closes_them(kept_dir: Path, host: Any, lab: Any,
+                                          home: Path) -> None:
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    status(home, inv, host)
+    path, pid = master_pid(host)
+    listed = run_gpufleet(home, inv, "disconnect", "--list", "--all")
+    assert listed.rc == 0, str(listed)
+    assert listed.stdout.splitlines() == [f"{host.name}: kept (master pid {pid})",
+                                          "1 kept connection"]
+    assert master_pid(host)[1] == pid  # --list closes nothing
+    closed = run_gpufleet(home, None, "disconnect")  # no selection: every socket of the user
+    assert closed.rc == 0, str(closed)
+    assert closed.stdout.splitlines() == [f"{path}: closed (master pid {pid})",
+                                          "1 kept connection closed"]
+    end = time.monotonic() + 10
+    while os.path.exists("/proc/%d" % pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not os.path.exists("/proc/%d" % pid) and not os.path.exists(path)
+    assert run_gpufleet(home, None, "disconnect").stdout.strip() == "no kept connections"
+    mark = log_mark(host)
+    status(home, inv, host)  # connects again, and keeps that one
+    assert sessions_since(host, mark) == (1, 1)
+    assert master_pid(host)[1] not in (None, pid)
+
+
+def test_a_stale_socket_is_replaced(kept_dir: Path, host: Any, lab: Any, home: Path) -> None:
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    path, pid = master_pid(host)
+    assert pid is None
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)  # a socket file nobody listens on: a master that died without cleaning up
+    stale.close()
+    mark = log_mark(host)
+    status(home, inv, host)
+    assert sessions_since(host, mark) == (1, 1)
+    assert master_pid(host)[1] is not None
+
+
+def test_a_master_that_does_not_answer_is_bypassed(kept_dir: Path, host: Any, lab: Any,
+                                                   home: Path) -> None:
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", connect_timeout=2,
+                                              **PERSIST)
+    status(home, inv, host)
+    path, pid = master_pid(host)
+    os.kill(pid, signal.SIGSTOP)  # the master this test's CLI started (its own PID report)
+    try:
+        mark = log_mark(host)
+        started = time.monotonic()
+        row = status(home, inv, host)
+        took = time.monotonic() - started
+        assert [p["pid"] for p in row["gpus"][0]["processes"]] == [host.holder]
+        assert sessions_since(host, mark) == (1, 1)  # a connection of its own
+        assert took < 15, took  # the kept one's 2 s, not the command timeout
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert master_pid(host)[1] == pid
+
+
+def test_a_lost_connection_is_the_host_down_not_a_hang(kept_dir: Path, host: Any, lab: Any,
+                                                       home: Path) -> None:
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    status(home, inv, host)
+    path, pid = master_pid(host)
+    host.stop()  # sshd and every session with it: the master's connection ends
+    end = time.monotonic() + 10
+    while os.path.exists("/proc/%d" % pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    run = run_gpufleet(home, inv, "status", "--json")
+    assert run.rc != 0
+    row = run.host(host.name)
+    assert row["error_kind"] == "refused", row
+
+
+def test_runs_through_the_master_give_what_ssh_gives(kept_dir: Path, host: Any, lab: Any,
+                                                     home: Path) -> None:
+    """Exit status, stdout, stderr, stdin of any size, SendEnv, and the timeout: the first run
+    (ssh, which becomes the master) and the second (the mux protocol) alike."""
+    from gpufleet.config.inventory import load_inventory
+    from gpufleet.transport import TransportError, open_session
+    from gpufleet.transport.openssh import OpensshSession
+
+    (home / ".ssh").mkdir(mode=0o700, exist_ok=True)
+    (home / ".ssh" / "config").write_text("SendEnv GFTEST_*\n")
+    os.environ["GFTEST_WORD"] = "it's a $word"
+    try:
+        inv = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+        h = load_inventory(inv).get(host.name)
+        shell = ["sh", "-c", 'printf "%s|" "$GFTEST_WORD"; wc -c; echo oops >&2; exit 3']
+        big = os.urandom(3 << 20)
+        results = []
+        for connections in (1, 0):
+            mark = log_mark(host)
+            session = open_session(h)
+            assert isinstance(session, OpensshSession) and session.target is not None
+            assert session.target.kept is not None
+            got = session.run_argv(shell, stdin=big, timeout=30)
+            results.append((got.exit_code, got.stdout.strip(), got.stderr.strip()))
+            assert sessions_since(host, mark) == (connections, 1)
+        assert results[0] == results[1] == (3, b"it's a $word|%d" % len(big), b"oops"), results
+        session = open_session(h)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="sleep timed out after 1.5s"):
+            session.run_argv(["sleep", "30"], timeout=1.5)
+        assert time.monotonic() - started < 6
+    finally:
+        del os.environ["GFTEST_WORD"]
+
+
+def test_a_directory_others_can_enter_turns_it_off(kept_dir: Path, host: Any, lab: Any,
+                                                   home: Path) -> None:
+    kept_dir.mkdir(mode=0o700)
+    os.chmod(kept_dir, 0o755)
+    inv = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    for _ in range(2):
+        mark = log_mark(host)
+        run = run_gpufleet(home, inv, "status", "--json")
+        assert run.rc == 0, str(run)
+        assert sessions_since(host, mark) == (1, 1)
+        assert run.stderr.count("ssh_persist is off for this run") == 1, run.stderr
+        assert f"{kept_dir} is mode 0755, not 0700" in run.stderr
+    assert os.listdir(kept_dir) == []
+
+
+def test_without_ssh_persist_nothing_is_kept(kept_dir: Path, host: Any, lab: Any,
+                                             home: Path) -> None:
+    inv = lab.inventory_yaml([host], path=home / "fleet.yaml")
+    for _ in range(2):
+        mark = log_mark(host)
+        status(home, inv, host)
+        assert sessions_since(host, mark) == (1, 1)
+    assert not kept_dir.exists()
