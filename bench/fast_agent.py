@@ -51,9 +51,11 @@ class Bench:
             h.spawn_holder(gpus=[0], mib=71680, title="VLLM::Worker_TP0", via="exec")
             self.hosts.append(h)
 
-    def inventory(self, hosts: list, source: Optional[str]) -> Path:
-        path = self.work / ("fleet-%d-%s.yaml" % (len(hosts), source or "default"))
-        extra = {"gpu_source": source} if source else {}
+    def inventory(self, hosts: list, source: Optional[str], persist: float = 0) -> Path:
+        path = self.work / ("fleet-%d-%s-%g.yaml" % (len(hosts), source or "default", persist))
+        extra: dict[str, Any] = {"gpu_source": source} if source else {}
+        if persist:
+            extra["ssh_persist"] = persist
         return self.lab.inventory_yaml(hosts, path=path, command_timeout=60, **extra)
 
     def cli(self, inv: Path, *args: str) -> tuple[float, subprocess.CompletedProcess]:
@@ -89,34 +91,50 @@ class Bench:
                 "bare_ssh_nvidia_smi_s": median(bare), "ratio": round(median(walls) / median(bare), 2),
                 "agent_sources": srcs}
 
-    def clean(self, n: int, source: Optional[str], delay: float) -> dict[str, Any]:
+    def clean(self, n: int, source: Optional[str], delay: float, persist: float = 0
+              ) -> dict[str, Any]:
+        """Cleans of ``n`` hosts; with ``persist``, each alternated with one over connections
+        kept from the command before (``ssh_persist``: the operator's status, then clean)."""
         self.start(n)
         hosts = self.hosts[:n]
-        inv = self.inventory(hosts, source)
-        rows = []
+        invs = {"fresh": self.inventory(hosts, source)}
+        if persist:
+            invs["kept"] = self.inventory(hosts, source, persist)
+            self.cli(invs["kept"], "status", "--all")  # the masters, kept from here on
+        out: dict[str, Any] = {"n": n, "source": source or "default", "release_delay_s": delay}
+        rows: dict[str, list] = {k: [] for k in invs}
         for _ in range(self.runs):
-            for h in hosts:
-                h.set_config(release_delay_s=delay)
-                if not h.records():
-                    h.spawn_holder(gpus=[0], mib=71680, title="VLLM::Worker_TP0", via="exec")
-            # the 32 new holders (Python processes) and the last run's sessions finish starting
-            # and ending before the clock starts: the bench's set-up is not the clean's time
-            time.sleep(1.0)
-            wall, r = self.cli(inv, "clean", "--all", "--gpus", "all", "--yes", "--json",
-                               "--grace", "5", "--timeout", "30")
-            doc = json.loads(r.stdout)
-            sent = [sum(1 for s in h.get("signals") or () if s.get("outcome") == "sent")
-                    for h in doc["hosts"]]
-            waits = [float(h["memory_wait"]["seconds"]) for h in doc["hosts"]
-                     if isinstance(h.get("memory_wait"), dict) and "seconds" in h["memory_wait"]]
-            rows.append({"wall_s": round(wall, 3), "beyond_delay_s": round(wall - delay, 3),
-                         "clean": sum(1 for h in doc["hosts"] if h.get("verdict") == "clean"),
-                         # a row is only valid when every host signalled its holder and then
-                         # waited about the release delay for the memory
-                         "hosts_signalled": sum(1 for x in sent if x),
-                         "memory_wait_s": [round(min(waits), 3), round(max(waits), 3)] if waits else None})
-        return {"n": n, "source": source or "default", "release_delay_s": delay,
-                "beyond_delay_median_s": median([x["beyond_delay_s"] for x in rows]), "runs": rows}
+            for mode, inv in invs.items():
+                rows[mode].append(self.clean_once(hosts, inv, delay))
+        if persist:
+            self.cli(invs["kept"], "disconnect")
+        for mode, got in rows.items():
+            key = "" if mode == "fresh" else "kept_"
+            out[key + "beyond_delay_median_s"] = median([x["beyond_delay_s"] for x in got])
+            out[key + "runs"] = got
+        return out
+
+    def clean_once(self, hosts: list, inv: Path, delay: float) -> dict[str, Any]:
+        for h in hosts:
+            h.set_config(release_delay_s=delay)
+            if not h.records():
+                h.spawn_holder(gpus=[0], mib=71680, title="VLLM::Worker_TP0", via="exec")
+        # the 32 new holders (Python processes) and the last run's sessions finish starting
+        # and ending before the clock starts: the bench's set-up is not the clean's time
+        time.sleep(1.0)
+        wall, r = self.cli(inv, "clean", "--all", "--gpus", "all", "--yes", "--json",
+                           "--grace", "5", "--timeout", "30")
+        doc = json.loads(r.stdout)
+        sent = [sum(1 for s in h.get("signals") or () if s.get("outcome") == "sent")
+                for h in doc["hosts"]]
+        waits = [float(h["memory_wait"]["seconds"]) for h in doc["hosts"]
+                 if isinstance(h.get("memory_wait"), dict) and "seconds" in h["memory_wait"]]
+        return {"wall_s": round(wall, 3), "beyond_delay_s": round(wall - delay, 3),
+                "clean": sum(1 for h in doc["hosts"] if h.get("verdict") == "clean"),
+                # a row is only valid when every host signalled its holder and then
+                # waited about the release delay for the memory
+                "hosts_signalled": sum(1 for x in sent if x),
+                "memory_wait_s": [round(min(waits), 3), round(max(waits), 3)] if waits else None}
 
 
 def main() -> int:
@@ -128,6 +146,9 @@ def main() -> int:
     ap.add_argument("--clean-n", type=int, default=32)
     ap.add_argument("--release-delay", type=float, default=2.0)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--persist", type=float, default=0, metavar="SECONDS",
+                    help="also clean over connections kept between commands (ssh_persist), "
+                         "alternated with fresh ones")
     ap.add_argument("--out", type=Path, default=Path("bench-fast-agent.json"))
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gfbench-fast-"))
@@ -138,7 +159,7 @@ def main() -> int:
             source = None if src == "default" else src
             out["status"].append(b.status(a.status_n, source))
             print(json.dumps(out["status"][-1]), flush=True)
-            out["clean"].append(b.clean(a.clean_n, source, a.release_delay))
+            out["clean"].append(b.clean(a.clean_n, source, a.release_delay, a.persist))
             print(json.dumps(out["clean"][-1]), flush=True)
     finally:
         b.lab.close()
@@ -150,6 +171,9 @@ def main() -> int:
     for c in out["clean"]:
         print("| clean wall - release delay | %s | %d | %.2f s (delay %.1f s) |" % (
             c["source"], c["n"], c["beyond_delay_median_s"], c["release_delay_s"]))
+        if "kept_beyond_delay_median_s" in c:
+            print("| clean wall - release delay, kept connections | %s | %d | %.2f s |" % (
+                c["source"], c["n"], c["kept_beyond_delay_median_s"]))
     return 0
 
 

@@ -345,7 +345,7 @@ def run(path: str, command: str, env: Sequence[str], stdin: bytes, timeout: floa
         if not pending:
             chan.close_stdin()
         reading = {chan.stdout: out, chan.stderr: err}
-        while reading or chan.control_open:
+        while reading or (chan.control_open and chan.exit_status is None):
             left = deadline - time.monotonic()
             if left <= 0:
                 return RawRun(None, bytes(out), bytes(err[-STDERR_KEEP:]), timed_out=True)
@@ -403,7 +403,7 @@ class MuxStream(PipeStream):
 
     def _exit_code(self) -> Optional[int]:
         self.chan.take_control(1.0)
-        if self.chan.control_open:
+        if self.chan.exit_status is None and self.chan.control_open:
             return None
         code, self._lost = self.chan.ended_status()
         return code

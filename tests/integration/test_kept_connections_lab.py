@@ -259,3 +259,22 @@ def test_without_ssh_persist_nothing_is_kept(kept_dir: Path, host: Any, lab: Any
         status(home, inv, host)
         assert sessions_since(host, mark) == (1, 1)
     assert not kept_dir.exists()
+
+
+def test_a_runbook_runs_every_step_over_one_kept_connection(kept_dir: Path, host: Any, lab: Any,
+                                                            home: Path) -> None:
+    """A runbook's session runs several commands: with ssh_persist it opens no master of its
+    own (transport/sshmaster.py's, which ends with the command) but keeps the one it made."""
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    book = home / "two.yaml"
+    book.write_text("steps:\n  - {name: one, kind: shell, argv: [\"true\"]}\n"
+                    "  - {name: two, kind: assert, that: {free_fraction_min: 0.1}}\n")
+    for connections in (1, 0):
+        mark = log_mark(host)
+        run = run_gpufleet(home, inv, "run", str(book), "--all", "--json", "--yes")
+        assert run.rc == 0, str(run)
+        outcomes = [s["outcome"] for s in run.json()["hosts"][0]["steps"]]
+        assert outcomes == ["ok", "ok"], run.stdout
+        got = sessions_since(host, mark)
+        assert got[0] == connections and got[1] >= 2, got
+    assert master_pid(host)[1] is not None
