@@ -40,6 +40,7 @@ def report():
             st = pstats.Stats(p) if st is None else (st.add(p) or st)
         except TypeError:
             pass
+    st.stream = sys.stderr  # the command's own output stays on stdout
     st.sort_stats("tottime").print_stats(35)
 
 
@@ -47,6 +48,6 @@ atexit.register(report)
 sys.argv = ["gpufleet"] + sys.argv[1:]
 main_p.enable()
 try:
-    main()
-finally:
+    main(sys.argv[1:])  # in-process: SystemExit at the end, so atexit reports (the program's
+finally:  # own exit skips the interpreter's teardown, atexit included)
     main_p.disable()
