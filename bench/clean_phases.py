@@ -69,13 +69,18 @@ CLK = os.sysconf("SC_CLK_TCK")
 
 
 def host_cpu_s(hosts: list[Any]) -> float:
-    """CPU of everything reaped under the hosts' namespace inits (sshd reaps its sessions)."""
+    """CPU used so far by every process of the hosts: each live process's own and its reaped
+    children's (utime, stime, cutime, cstime), so a process that ended counts once, in its
+    reaper's. A live connection's sshd and what it ran (a kept connection's sessions) count
+    too: only the listener's reaped children did before, which left out every session of a
+    connection that outlived the run."""
     total = 0
     for h in hosts:
-        kids = Path("/proc/%d/task/%d/children" % (h.root_pid, h.root_pid)).read_text().split()
-        for pid in [h.root_pid, *kids]:
+        for entry in h.path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
             try:
-                f = Path("/proc/%s/stat" % pid).read_text().rsplit(")", 1)[1].split()
+                f = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
             total += sum(int(x) for x in f[11:15])
@@ -135,7 +140,8 @@ def main() -> int:
     ap.add_argument("--delay", type=float, default=2.0, help="the fake driver's release delay (s)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--persist", type=float, default=0, metavar="SECONDS",
-                    help="the inventory's ssh_persist: connections kept between the runs")
+                    help="also runs over connections kept between commands (the inventory's "
+                         "ssh_persist), alternated with fresh ones: a table each")
     ap.add_argument("--floor", type=int, default=3, metavar="ROUNDS",
                     help="rounds of the bare-ssh floor (0: none)")
     a = ap.parse_args()
@@ -146,28 +152,43 @@ def main() -> int:
     try:
         hosts = [lab.add_host("node%03d" % i, gpus=8, gpu_name="NVIDIA H200", total_mib=143771,
                               reserved_mib=616) for i in range(a.hosts)]
-        extra = {"ssh_persist": a.persist} if a.persist else {}
-        inv = lab.inventory_yaml(hosts, path=work / "fleet.yaml", command_timeout=60, **extra)
-        one_run(hosts, inv, env, a.delay, work)  # warm: the hosts' agent caches, the page cache
-        rows = [one_run(hosts, inv, env, a.delay, work) for _ in range(a.runs)]
+        invs = {"fresh connections": lab.inventory_yaml(hosts, path=work / "fleet.yaml",
+                                                        command_timeout=60)}
+        if a.persist:
+            invs["kept connections"] = lab.inventory_yaml(
+                hosts, path=work / "fleet-kept.yaml", command_timeout=60, ssh_persist=a.persist)
+        for inv in invs.values():  # warm: the hosts' agent caches, the page cache, the masters
+            one_run(hosts, inv, env, a.delay, work)
+        rows: dict[str, list] = {k: [] for k in invs}
+        for _ in range(a.runs):
+            for mode, inv in invs.items():  # alternated: the same minutes for both
+                rows[mode].append(one_run(hosts, inv, env, a.delay, work))
+        if a.persist:
+            subprocess.run([sys.executable, "-m", "gpufleet", "disconnect"], env=env,
+                           capture_output=True, timeout=60)
         floors = floor_rounds(hosts, a.floor)
     finally:
         lab.close()
+    print(json.dumps({"hosts": a.hosts, "delay_s": a.delay, "runs": rows}))
+    for mode, got in rows.items():
+        print_table("%d hosts, delay %g s, %s" % (a.hosts, a.delay, mode), got)
+    for name, walls in floors.items():
+        print("floor, %d hosts at once, bare ssh running %s: %s s, median **%.3f** s" % (
+            a.hosts, name, ", ".join("%.3f" % w for w in walls), statistics.median(walls)))
+    return 0
+
+
+def print_table(title: str, rows: list[dict]) -> None:
     keys = ["start_s", "plan_s", "confirm_s", "act_minus_delay_s", "exit_s", "beyond_s",
             "cli_cpu_s", "hosts_cpu_s"]
-    print(json.dumps({"hosts": a.hosts, "delay_s": a.delay, "runs": rows}))
-    print("| %d hosts, delay %g s | %s |" % (a.hosts, a.delay, " | ".join(
-        "run %d" % (i + 1) for i in range(len(rows)))) + " median |")
+    print("| %s | %s |" % (title, " | ".join("run %d" % (i + 1) for i in range(len(rows))))
+          + " median |")
     print("|---|" + "---|" * (len(rows) + 1))
     for k in keys:
         vals = [r[k] for r in rows]
         print("| %s | %s | **%.3f** |" % (k, " | ".join("%.3f" % v for v in vals),
                                           statistics.median(vals)))
     print("| hosts signalled | %s | |" % " | ".join(str(r["hosts_signalled"]) for r in rows))
-    for name, walls in floors.items():
-        print("floor, %d hosts at once, bare ssh running %s: %s s, median **%.3f** s" % (
-            a.hosts, name, ", ".join("%.3f" % w for w in walls), statistics.median(walls)))
-    return 0
 
 
 def floor_rounds(hosts: list[Any], rounds: int) -> dict[str, list[float]]:

@@ -130,7 +130,7 @@ def _load_all() -> None:
         cli.get_command(click.Context(cli), name)
 
 
-# The agent payload every run sends (lru-cached): the first command to need it computes it.
+# The agent payload every run sends (computed once per process, gpufleet.remote.once).
 AGENT_PAYLOAD = "gpufleet.remote:compressed_agent"
 
 

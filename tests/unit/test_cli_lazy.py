@@ -132,7 +132,7 @@ def test_prefetch_calls_a_function_and_the_agent_payload_it_warms_is_the_one_sen
     code = ("import sys\nfrom gpufleet.cli import AGENT_PAYLOAD, prefetch\n"
             "prefetch(AGENT_PAYLOAD).join(60)\n"
             "import gpufleet.remote as r\n"
-            "print(r.compressed_agent.cache_info().currsize, AGENT_PAYLOAD)\n"
+            "print(int(r.compressed_agent.ready), AGENT_PAYLOAD)\n"
             "import zlib\nprint(zlib.decompress(r.compressed_agent()) == r.agent_source())\n")
     res = _python(code)
     assert res.returncode == 0, res.stderr

@@ -103,7 +103,7 @@ def test_payload_is_the_pieces_in_order_without_their_marked_imports():
         i = text.find(kept, at)
         assert i >= 0, "%s.py is not in the payload after the pieces before it" % name
         at = i + len(kept)
-    assert agent_source() is agent_source()  # joined once per process (lru_cache)
+    assert agent_source() is agent_source()  # joined once per process (remote.once)
 
 
 @pytest.mark.parametrize("source", [
@@ -170,3 +170,35 @@ def test_bootstrap_runs_through_a_shell_and_directly(tmp_path):
         assert doc["agent_version"] == 1 and doc["mode"] == "snapshot"
         assert doc["nvidia_smi"]["error"].startswith("nvidia-smi not found")
     assert not list(tmp_path.glob("PWNED*"))
+
+
+def test_once_computes_once_while_many_threads_ask_at_the_same_time() -> None:
+    """Every host's thread asks for the agent at the start of a fan-out: one join, not one
+    per thread (an lru_cache computes in each caller until the first one has finished)."""
+    import threading
+    import time
+
+    from gpufleet.remote import once
+
+    calls = []
+
+    @once
+    def slow() -> object:
+        calls.append(1)
+        time.sleep(0.05)
+        return object()
+
+    start = threading.Barrier(8)
+    got: list = []
+
+    def ask() -> None:
+        start.wait()
+        got.append(slow())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 8 and all(g is got[0] for g in got)
+    assert slow.ready
