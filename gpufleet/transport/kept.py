@@ -142,9 +142,14 @@ def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
     """The kept connections of ``hosts`` (None: every socket in the directory)."""
     if hosts is None:
         return [Kept(None, path, mux.alive(path)) for path in sockets()]
+    from gpufleet.errors import TransportError
+
     found = []
     for host in hosts:
-        path = socket_of(host)
+        try:
+            path = socket_of(host)
+        except TransportError:  # ssh -G refuses the host now: no socket can be named for it
+            continue  # (one kept from before is still closed by a run without a selection)
         if path is not None and os.path.exists(path):
             found.append(Kept(host.name, path, mux.alive(path)))
     return found
