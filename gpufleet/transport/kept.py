@@ -129,12 +129,12 @@ class Kept:
 def socket_of(host: Any) -> Optional[str]:
     """Where ``host``'s kept connection is (whether or not one is up, whatever its
     ``ssh_persist`` now): None for a host not reached through OpenSSH."""
-    from gpufleet.transport import openssh, sshconfig
+    from gpufleet.transport import openssh, sshconfig, sshtarget
 
     ssh = sshconfig.ssh_client()
     if getattr(host, "is_local", False) or ssh is None or not openssh.wanted(host):
         return None
-    target = openssh.target_for(dataclasses.replace(host, ssh_persist=1.0), ssh)
+    target = sshtarget.target_for(dataclasses.replace(host, ssh_persist=1.0), ssh)
     return target.kept if target is not None else None
 
 

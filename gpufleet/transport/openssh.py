@@ -9,7 +9,7 @@ GIL. paramiko (gpufleet.transport.session.SshSession) stays the fallback: no ``s
 not pass gpufleet's options to the jump's own ``ssh``, so a hop's host key could not be held
 to gpufleet's policy).
 
-What gpufleet asks of ssh, and why (see ``_OPTIONS``): never prompt (BatchMode), public keys
+What gpufleet asks of ssh, and why (gpufleet.transport.sshtarget): never prompt (BatchMode), public keys
 only, no pty, no escape character, no forwarding, no master of the user's own (a user's
 ControlMaster/ControlPath is never joined: its options are not gpufleet's; gpufleet's own,
 kept between commands with ``ssh_persist``, is gpufleet.transport.kept's), host keys checked
@@ -24,31 +24,24 @@ nowhere else (``ssh_failure``).
 from __future__ import annotations
 
 import base64
-import math
 import os
 import re
 import shlex
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import SshConfigError, TransportError
-from gpufleet.transport import kept, knownfiles, mux, sshconfig
+from gpufleet.transport import mux, sshconfig
 from gpufleet.transport.run import RawRun, run_local
 from gpufleet.transport.session import Session, remote_timeout
 from gpufleet.transport.sshmaster import Master
+from gpufleet.transport.sshtarget import Target, target_for
 from gpufleet.transport.stream import ProcessStream, Stream
 
-#: Options on every run (command-line -o wins over ssh_config: first value wins).
-_OPTIONS = (
-    "BatchMode=yes", "PreferredAuthentications=publickey", "StrictHostKeyChecking=yes",
-    "HashKnownHosts=no", "CheckHostIP=no", "UpdateHostKeys=no", "ClearAllForwardings=yes", "ForwardAgent=no", "ForwardX11=no",
-    "PermitLocalCommand=no", "RequestTTY=no", "LogLevel=ERROR", "ServerAliveInterval=10",
-    "ServerAliveCountMax=3",
-)
-_DEFAULT_KEYS = ("id_rsa", "id_ecdsa", "id_ed25519")  # what the paramiko path tries unconfigured
+__all__ = ["OpensshSession", "OpensshStream", "Target", "hostkey_refusal", "open_session",
+           "ssh_failure", "target_for", "wanted"]
 
 
 def wanted(host: Host) -> bool:
@@ -59,64 +52,8 @@ def wanted(host: Host) -> bool:
     return choice == "openssh" or sshconfig.ssh_client() is not None
 
 
-@dataclass(frozen=True)
-class Target:
-    """One host as ssh is told to reach it, and what its messages name."""
 
-    @property
-    def argv(self) -> tuple[str, ...]:
-        """A run on its own connection, or (``kept``) one that starts the kept master there
-        when none is up (ControlMaster=auto: ssh joins one that came up meanwhile)."""
-        if self.kept is not None:
-            return self.base + ("-o", "ControlMaster=auto", "-o", f"ControlPath={self.kept}",
-                                "-o", f"ControlPersist={self.persist_s}") + self.dest
-        return self.alone
-
-    @property
-    def alone(self) -> tuple[str, ...]:
-        """A run on its own connection: never starts or joins a multiplexed master."""
-        return self.base + ("-o", "ControlMaster=no", "-o", "ControlPath=none") + self.dest
-
-    def via(self, socket_path: str) -> tuple[str, ...]:
-        """A run through gpufleet's own master at ``socket_path`` (a fresh connection of its
-        own if that master is gone: ssh falls back by itself)."""
-        return self.base + ("-o", "ControlMaster=no", "-o", f"ControlPath={socket_path}") + self.dest
-
-    base: tuple[str, ...]  # ssh and its options, without the multiplexing ones
-    dest: tuple[str, ...]  # ("--", alias)
-    where: str  # host:port, for connect messages
-    key_name: str  # known_hosts name ([host]:port or HostKeyAlias)
-    user: str
-    connect_timeout: float
-    policy: str  # gpufleet's host key policy: strict | accept-new
-    keys: tuple[tuple[str, bool], ...]  # (identity file, named explicitly): auth messages
-    kept: Optional[str] = None  # the kept master's socket (ssh_persist), None: not kept
-    persist_s: int = 0  # ControlPersist: how long a kept master stays idle
-    env: tuple[str, ...] = ()  # NAME=value that ssh would send (SendEnv matches, SetEnv)
-
-
-def _float(value: Any) -> Optional[float]:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _identities(host: Host, values: dict) -> tuple[list[str], list[tuple[str, bool]]]:
-    """(-i arguments, (file, named explicitly) for an auth failure's message), in the
-    paramiko path's order: the inventory identity_file, ssh_config's IdentityFile, else
-    ~/.ssh/id_* of $HOME (ssh itself would expand ~ to the account's home, not $HOME)."""
-    own = getattr(host, "identity_file", None)
-    named = [os.path.expanduser(own)] if own else []
-    configured = [os.path.expanduser(p) for p in values.get("identityfile", []) or []]
-    implicit = [] if configured else [os.path.expanduser(f"~/.ssh/{n}") for n in _DEFAULT_KEYS]
-    given = named + [p for p in implicit if os.path.isfile(p)]
-    keys = [(p, True) for p in named + configured] + [(p, False) for p in implicit]
-    seen: dict[str, bool] = {}
-    for path, explicit in keys:
-        seen.setdefault(path, explicit)
-    return given, list(seen.items())
-
+# --------------------------------------------------------------------------- ssh's failures
 
 def _key_state(path: str) -> str:
     """"ok", "missing", "locked" (passphrase-protected) or "unreadable", read from the file
@@ -144,128 +81,6 @@ def _key_state(path: str) -> str:
     return "ok"
 
 
-def _known_hosts_option(host: Host, values: dict) -> str:
-    """UserKnownHostsFile: the per-user files gpufleet.transport.hostkeys reads (ssh reads
-    GlobalKnownHostsFile itself), quoted for ssh's own word splitting."""
-    files = knownfiles.user_files(getattr(host, "known_hosts_file", None), values)
-    return "UserKnownHostsFile=" + " ".join(
-        f'"{f}"' if re.search(r"\s", str(f)) else str(f) for f in files)
-
-
-#: Key exchanges put first when ssh_config chooses none: what the paramiko path always used.
-#: OpenSSH 9's default, the post-quantum hybrid sntrup761x25519, cost ~150 ms of CPU per
-#: connection on the 2.1 GHz cores of the GPU machine (docs/real-gpu.md); its defaults stay
-#: in the list after these, for servers without curve25519.
-_FAST_KEX = ("curve25519-sha256", "curve25519-sha256@libssh.org")
-
-
-def _kex_option(values: dict) -> Optional[str]:
-    """``KexAlgorithms=`` with curve25519 first, unless ssh_config sets KexAlgorithms."""
-    if values.get("kexalgorithms") or not values.get("kexalgorithms_default"):
-        return None
-    listed = str(values["kexalgorithms_default"]).split(",")
-    first = [k for k in _FAST_KEX if k in listed]
-    if not first:
-        return None
-    return "KexAlgorithms=" + ",".join(first + [k for k in listed if k not in first])
-
-
-#: What ssh would not take as plain data in a path it is given: %-tokens, ${ENV}, quotes and
-#: backslashes (its own word splitting of UserKnownHostsFile), control characters.
-_UNSAFE_PATH = re.compile(r"[%$\"'\\\x00-\x1f\x7f]")
-
-
-def _paths_plain(host: Host, values: dict) -> bool:
-    """Every path gpufleet hands ssh is taken literally by it (else: the paramiko path)."""
-    paths = [getattr(host, "identity_file", None), getattr(host, "known_hosts_file", None)]
-    paths += list(values.get("identityfile", []) or []) + list(values.get("userknownhostsfile", []) or [])
-    return not any(p and _UNSAFE_PATH.search(os.path.expanduser(str(p))) for p in paths)
-
-
-def _glob_re(pattern: str) -> re.Pattern:
-    """ssh's match_pattern: ``*`` and ``?`` only, the rest literal."""
-    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c)
-                              for c in pattern) + r"\Z", re.S)
-
-
-def session_env(values: dict, environ: Optional[dict] = None) -> tuple[str, ...]:
-    """The ``NAME=value`` strings ssh sends with a session: the environment's variables whose
-    names match a SendEnv pattern (in the environment's order), then SetEnv's; what a run
-    through a kept master has to send itself (mux.c ``mux_client_request_session``)."""
-    env = os.environ if environ is None else environ
-    patterns = [_glob_re(p) for p in values.get("sendenv", []) or [] if p and not p.startswith("-")]
-    sent = [f"{k}={v}" for k, v in env.items() if "=" not in k and any(p.match(k) for p in patterns)]
-    return tuple(sent + [str(v) for v in values.get("setenv", []) or []])
-
-
-def _persist_s(host: Host) -> int:
-    value = getattr(host, "ssh_persist", 0) or 0
-    return int(math.ceil(float(value))) if value > 0 else 0
-
-
-def _kept_socket(argv: Sequence[str], dest: Sequence[str], where: str, key_name: str,
-                 user: str) -> Optional[str]:
-    """The kept master's socket for this exact connection (None: not kept in this run)."""
-    path = kept.socket_for([*argv, *dest, where, key_name, user])
-    if path is not None and _UNSAFE_PATH.search(path):
-        kept._warn(f"{os.path.dirname(path)} holds characters ssh would expand")
-        return None
-    return path
-
-
-def target_for(host: Host, ssh: str) -> Optional[Target]:
-    """How ssh reaches ``host``; None: it needs the paramiko path (ProxyJump/ProxyCommand
-    under ``ssh_client: auto``). Raises SshConfigError as ``ssh -G`` does."""
-    port = int(host.port) if host.port else None
-    user = getattr(host, "user", None) or None
-    alias = sshconfig.ssh_alias(host)
-    resolved = sshconfig.resolve(alias, port=port, user=user)
-    values = resolved.values
-    hop = values.get("proxyjump") or values.get("proxycommand")
-    auto = (getattr(host, "ssh_client", "auto") or "auto") == "auto"
-    plain = _paths_plain(host, values)
-    if auto and (hop or not plain):
-        return None
-    if not plain:
-        raise SshConfigError("a path in this host's settings holds characters ssh would expand "
-                             "(%, $, quotes, backslash): use ssh_client: auto or paramiko")
-    explicit: frozenset[str] = getattr(host, "explicit", frozenset())
-    policy = host.host_key_policy
-    if "host_key_policy" not in explicit:
-        policy = sshconfig.host_key_policy(values, policy)
-    ct = float(sshconfig.settings_value(host, "connect_timeout", _float(values.get("connecttimeout")), 10.0))
-    argv = [ssh]
-    cfg = sshconfig._config_arg()
-    if cfg is not None:
-        argv += ["-F", cfg]
-    argv += ["-T", "-e", "none", "-x", "-a"]
-    options = [*_OPTIONS, _known_hosts_option(host, values), f"ConnectTimeout={max(1, math.ceil(ct))}"]
-    kex = _kex_option(values)
-    if kex:
-        options.append(kex)
-    for opt in options:
-        argv += ["-o", opt]
-    if port:
-        argv += ["-p", str(port)]
-    if user:
-        argv += ["-l", sshconfig.check_alias(user)]
-    given, keys = _identities(host, values)
-    for path in given:
-        argv += ["-i", path]
-    hostname = str(values.get("hostname", alias))
-    real_port = int(values.get("port", 22) or 22)
-    where = f"{hostname}:{real_port}" if ":" not in hostname else f"[{hostname}]:{real_port}"
-    key_name = str(values.get("hostkeyalias") or knownfiles.host_key_name(hostname, real_port))
-    dest = ("--", resolved.alias)
-    login = str(values.get("user") or user or "")
-    persist = _persist_s(host)
-    socket_path = _kept_socket(argv, dest, where, key_name, login) if persist else None
-    return Target(tuple(argv), dest, where, key_name, login, ct, policy, tuple(keys),
-                  kept=socket_path, persist_s=persist if socket_path else 0,
-                  env=session_env(values) if socket_path else ())
-
-
-# --------------------------------------------------------------------------- ssh's failures
 
 _DNS = re.compile(r"Could not resolve hostname (\S+?): (.+?)\.?$")
 _CONNECT = re.compile(r"connect to host \S+ port \d+: (.+?)\.?$")

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 from gpufleet.transport import kept, mux
-from gpufleet.transport.openssh import Target, session_env
+from gpufleet.transport.sshtarget import Target, session_env
 
 
 def fields(data: bytes) -> tuple[int, bytes]:
