@@ -1,6 +1,8 @@
 """`gpufleet disconnect`: close the SSH connections gpufleet kept between commands (ssh_persist)."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from gpufleet.cli import AppContext, cli, selection_options
@@ -23,10 +25,11 @@ def disconnect(app: AppContext, hosts, groups, tags, all_, list_only: bool) -> i
     found = kept_connections(selected)
     for kept in found:
         who = kept.host or kept.path
-        if kept.pid is None:
-            state = "stale socket, removed" if not list_only else "stale socket"
+        if kept.pid is None:  # a stale socket (removed when closing) or a master that hangs
+            state = "no master answers"
             if not list_only:
                 close_kept(kept.path)
+                state += ": left in place" if os.path.exists(kept.path) else ": socket removed"
         elif list_only:
             state = f"kept (master pid {kept.pid})"
         else:

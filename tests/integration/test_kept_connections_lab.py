@@ -278,3 +278,35 @@ def test_a_runbook_runs_every_step_over_one_kept_connection(kept_dir: Path, host
         got = sessions_since(host, mark)
         assert got[0] == connections and got[1] >= 2, got
     assert master_pid(host)[1] is not None
+
+
+def test_disconnect_says_what_it_could_not_close(kept_dir: Path, host: Any, lab: Any,
+                                                 home: Path) -> None:
+    """A stale socket is removed; a master that does not answer (stopped by this test, by the
+    PID it reported) is left in place, and said to be."""
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    status(home, inv, host)
+    path, pid = master_pid(host)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        run = run_gpufleet(home, inv, "disconnect", "--all")
+        assert run.rc == 0, str(run)
+        assert run.stdout.splitlines() == [f"{host.name}: no master answers: left in place",
+                                           "0 kept connections closed"]
+        assert os.path.exists(path)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    os.kill(pid, 0)  # still there: nothing signalled it
+    assert master_pid(host)[1] == pid
+    closed = run_gpufleet(home, inv, "disconnect", "--all")
+    assert closed.stdout.splitlines()[0] == f"{host.name}: closed (master pid {pid})"
+    stale = socket.socket(socket.AF_UNIX)
+    end = time.monotonic() + 10
+    while os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
+    stale.bind(path)
+    stale.close()
+    again = run_gpufleet(home, inv, "disconnect", "--all")
+    assert again.stdout.splitlines() == [f"{host.name}: no master answers: socket removed",
+                                         "0 kept connections closed"]
+    assert not os.path.exists(path)
