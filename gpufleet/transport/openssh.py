@@ -9,11 +9,11 @@ GIL. paramiko (gpufleet.transport.session.SshSession) stays the fallback: no ``s
 not pass gpufleet's options to the jump's own ``ssh``, so a hop's host key could not be held
 to gpufleet's policy).
 
-What gpufleet asks of ssh, and why (gpufleet.transport.sshtarget): never prompt (BatchMode), public keys
-only, no pty, no escape character, no forwarding, no master of the user's own (a user's
-ControlMaster/ControlPath is never joined: its options are not gpufleet's; gpufleet's own,
-kept between commands with ``ssh_persist``, is gpufleet.transport.kept's), host keys checked
-strictly against the same files gpufleet reads (gpufleet's accept-new is done here: a first-seen
+What gpufleet asks of ssh, and why (gpufleet.transport.sshtarget builds the argv): never
+prompt (BatchMode), public keys only, no pty, no escape character, no forwarding, no master of
+the user's own (a user's ControlMaster/ControlPath is never joined: its options are not
+gpufleet's; gpufleet's own, kept between commands with ``ssh_persist``, is
+gpufleet.transport.kept's), host keys checked strictly against the same files gpufleet reads (gpufleet's accept-new is done here: a first-seen
 key is fetched, checked by gpufleet.transport.hostkeys, recorded, then the run is retried, so
 a key of another type than the one known is refused as with paramiko), errors only on stderr.
 
@@ -52,8 +52,8 @@ def wanted(host: Host) -> bool:
     return choice == "openssh" or sshconfig.ssh_client() is not None
 
 
-
 # --------------------------------------------------------------------------- ssh's failures
+
 
 def _key_state(path: str) -> str:
     """"ok", "missing", "locked" (passphrase-protected) or "unreadable", read from the file

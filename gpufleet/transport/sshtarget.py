@@ -19,6 +19,7 @@ from gpufleet.config.inventory import Host
 from gpufleet.errors import SshConfigError
 from gpufleet.transport import kept, knownfiles, sshconfig
 
+
 #: Options on every run (command-line -o wins over ssh_config: first value wins).
 _OPTIONS = (
     "BatchMode=yes", "PreferredAuthentications=publickey", "StrictHostKeyChecking=yes",

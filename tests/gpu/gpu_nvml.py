@@ -9,10 +9,11 @@
    stdin) through NVML and through nvidia-smi; `gpufleet status` with `connection: local`; and,
    when an sshd runs (tests/gpu/ossh.sh, --ssh-state), `gpufleet status` over real SSH (the
    default OpenSSH client, and `ssh_client: paramiko` beside it) against a bare
-   `ssh host nvidia-smi --query-gpu=index,memory.used --format=csv` in the same run.
+   `ssh host nvidia-smi --query-gpu=index,memory.used --format=csv` in the same run; and over a
+   connection kept from the command before (`ssh_persist`: no handshake, no `ssh` process).
 3. Clean latency: a 20 GiB torch holder, a thread polling NVML every millisecond for the moment
    the GPU's memory is back, and `gpufleet clean --gpus 0 --yes`: how long after that moment the
-   CLI returns (local, and over SSH when there).
+   CLI returns (local, and over SSH when there: fresh, and kept from the command before).
 
     PYTHONPATH=$PWD python3 tests/gpu/gpu_nvml.py --out /tmp/gout [--ssh-state /tmp/ossh-state]
 Writes nvml-results.json to --out; exit 1 when a check failed.
@@ -85,13 +86,16 @@ class Run:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.pop("CUDA_VISIBLE_DEVICES", None)
         self.env = env
-        self.ssh_inv = None
+        self.ssh_inv: Optional[Path] = None
+        self.kept_inv: Optional[Path] = None
         if ssh_state is not None:
             self.ssh_inv = self.tmp / "ssh.yaml"
             self.ssh_inv.write_text(
                 "hosts:\n  h200:\n    address: 127.0.0.1\n    port: %d\n    user: root\n"
                 "    identity_file: %s\n    known_hosts_file: %s\n"
                 % (port, ssh_state / "id_ed25519", ssh_state / "known_hosts"))
+            self.kept_inv = self.tmp / "ssh-kept.yaml"
+            self.kept_inv.write_text(self.ssh_inv.read_text() + "    ssh_persist: 120\n")
         self.checks: list[dict[str, Any]] = []
         self.results: dict[str, Any] = {}
         self.procs: list[subprocess.Popen] = []
@@ -205,7 +209,7 @@ class Run:
         self.stop_holders()
 
     def ssh_timings(self) -> None:
-        assert self.ssh_state is not None and self.ssh_inv is not None
+        assert self.ssh_state is not None and self.ssh_inv is not None and self.kept_inv is not None
         self.cli(self.ssh_inv, "status")
         bare = ["ssh", "-i", str(self.ssh_state / "id_ed25519"), "-p", str(self.port),
                 "-o", "UserKnownHostsFile=%s" % (self.ssh_state / "known_hosts"),
@@ -221,14 +225,21 @@ class Run:
         paramiko_inv = self.tmp / "ssh-paramiko.yaml"
         paramiko_inv.write_text(self.ssh_inv.read_text() + "    ssh_client: paramiko\n")
         self.cli(paramiko_inv, "status")
-        ssh_status: tuple[list[float], list[float], list[float]] = ([], [], [])
+        self.cli(self.kept_inv, "status")  # the master, kept from here on
+        ssh_status: tuple[list[float], ...] = ([], [], [], [])
         for _ in range(10):  # interleaved: the same minute for each
             ssh_status[0].append(self.cli(self.ssh_inv, "status")[0])
             ssh_status[1].append(bare_ssh())
             ssh_status[2].append(self.cli(paramiko_inv, "status")[0])
+            ssh_status[3].append(self.cli(self.kept_inv, "status")[0])
         self.results["status_ssh_paramiko"] = {
             "median_s": round(statistics.median(ssh_status[2]), 4),
             "all": [round(x, 4) for x in ssh_status[2]]}
+        kept = statistics.median(ssh_status[3])
+        self.results["status_ssh_kept"] = {"median_s": round(kept, 4),
+                                           "all": [round(x, 4) for x in ssh_status[3]]}
+        self.check("status over a kept SSH connection faster than over a fresh one",
+                   kept < statistics.median(ssh_status[0]), round(kept, 4))
         st, b = statistics.median(ssh_status[0]), statistics.median(ssh_status[1])
         self.results["status_ssh"] = {"median_s": round(st, 4), "all": [round(x, 4) for x in ssh_status[0]]}
         self.results["bare_ssh_nvidia_smi"] = {"median_s": round(b, 4), "all": [round(x, 4) for x in ssh_status[1]]}
@@ -275,10 +286,13 @@ class Run:
             self.parity()
             self.timings()
             self.clean_latency(self.local_inv, "local")
-            if self.ssh_inv is not None:
+            if self.ssh_inv is not None and self.kept_inv is not None:
                 self.clean_latency(self.ssh_inv, "ssh")
+                self.clean_latency(self.kept_inv, "ssh-kept")
         finally:
             self.stop_holders()
+            if self.kept_inv is not None:  # the masters this run kept, asked to end
+                self.cli(self.kept_inv, "disconnect")
         self.save()
         print(json.dumps({k: v for k, v in self.results.items() if k != "parity_rounds"},
                          indent=1)[:6000])
