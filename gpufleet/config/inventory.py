@@ -446,8 +446,6 @@ def _top_level(text: str, source: str, ctx: _Ctx) -> Any:
     """The YAML document: a mapping with only known top-level keys."""
     try:
         doc = load_yaml(text, source)
-    except InventoryError:
-        raise
     except UsageError as exc:  # YAML that does not load: the inventory's error, one line
         raise InventoryError(str(exc)) from None
     if doc is None:

@@ -50,20 +50,11 @@ def run_bounded(fn, timeout):
     or (False, None) while it has not returned (it is left running: a read blocked in the
     kernel cannot be interrupted; the agent ends with os._exit whatever its threads do). An
     exception in fn is (True, None): callers that need it catch it in fn."""
-    done = Flag()
-    box = []
-
-    def run():
-        try:
-            box.append(fn())
-        except Exception:
-            box.append(None)
-        finally:
-            done.set()
-
-    _thread.start_new_thread(run, ())
-    done.wait(timeout)
-    return (True, box[0]) if box else (False, None)
+    job = Background(fn)
+    if not job.wait(timeout):
+        return (False, None)
+    ok, value = job._box[0]
+    return (True, value if ok else None)
 
 
 class Flag(object):
@@ -108,8 +99,12 @@ class Background(object):
         finally:
             self._done.set()
 
+    def wait(self, timeout):
+        """Whether fn has returned (or raised) within ``timeout`` seconds."""
+        return self._done.wait(timeout)
+
     def result(self):
-        while not self._done.wait(_thread.TIMEOUT_MAX):
+        while not self.wait(_thread.TIMEOUT_MAX):
             pass
         ok, value = self._box[0]
         if not ok:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from gpufleet.transport import mux
+from gpufleet.transport.localstate import cache_dir, hashed_name
 
 SOCKET_MAX = 100  # sun_path is 108 bytes; a longer directory means no kept connections
 NAME_BYTES = 8  # 16 hex characters
@@ -39,10 +40,7 @@ def directory() -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR") or ""
     if os.path.isabs(runtime) and os.path.isdir(runtime):
         return os.path.join(runtime, "gpufleet-ssh")
-    base = os.environ.get("XDG_CACHE_HOME") or ""
-    if not os.path.isabs(base):
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "gpufleet", "ssh")
+    return cache_dir("ssh")
 
 
 def private_problem(path: str) -> Optional[str]:
@@ -88,16 +86,10 @@ def _warn(problem: str) -> None:
 def socket_for(identity: Sequence[str]) -> Optional[str]:
     """The socket of the connection ``identity`` describes (the ssh argv and its resolved
     destination), or None: no kept connections in this run (see _ready_directory)."""
-    try:
-        from _blake2 import blake2b
-    except ImportError:  # pragma: no cover - a Python built without it
-        from hashlib import blake2b
     path = _ready_directory()
     if path is None:
         return None
-    name = blake2b("\0".join(identity).encode("utf-8", "surrogateescape"),
-                   digest_size=NAME_BYTES).hexdigest()
-    return os.path.join(path, name)
+    return os.path.join(path, hashed_name("\0".join(identity), NAME_BYTES))
 
 
 def sockets() -> list[str]:
@@ -157,8 +149,5 @@ def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
 
 def close_kept(path: str) -> Optional[int]:
     """Ask the master at ``path`` to end (gpufleet.transport.mux.terminate); its PID, or None
-    when none was there (a stale socket is removed)."""
-    pid = mux.terminate(path)
-    if pid is None and os.path.exists(path):
-        mux.alive(path)  # a refused connect unlinks the stale socket
-    return pid
+    when none was there (a stale socket is removed by the refused connect)."""
+    return mux.terminate(path)

@@ -22,27 +22,22 @@ import os
 import tempfile
 from typing import Any, Mapping, Optional
 
+from gpufleet.transport.localstate import cache_dir, hashed_name
+
 #: facts.agent_cache states after which the host's cache holds the agent that ran.
 HELD = ("hit", "miss")
 
 
 def directory() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or ""
-    if not os.path.isabs(base):
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "gpufleet", "agents")
+    return cache_dir("agents")
 
 
 def _path(host: Any) -> str:
-    try:
-        from _blake2 import blake2b
-    except ImportError:  # pragma: no cover - a Python built without it
-        from hashlib import blake2b
     ident = repr((getattr(host, "name", ""), getattr(host, "connection", "ssh"),
                   getattr(host, "address", None), getattr(host, "port", None),
                   getattr(host, "user", None), getattr(host, "python", "python3"),
                   bool(getattr(host, "sudo", False))))
-    return os.path.join(directory(), blake2b(ident.encode("utf-8"), digest_size=16).hexdigest())
+    return os.path.join(directory(), hashed_name(ident, 16))
 
 
 def _remembered(host: Any) -> bool:

@@ -28,7 +28,7 @@ import os
 import re
 import shlex
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
@@ -39,6 +39,8 @@ from gpufleet.transport.session import Session, remote_timeout
 from gpufleet.transport.sshmaster import Master
 from gpufleet.transport.sshtarget import Target, target_for
 from gpufleet.transport.stream import ProcessStream, Stream
+
+T = TypeVar("T")
 
 __all__ = ["OpensshSession", "OpensshStream", "Target", "hostkey_refusal", "open_session",
            "ssh_failure", "target_for", "wanted"]
@@ -221,19 +223,28 @@ class OpensshSession(Session):
             else self.target.argv
         return list(ssh) + [_remote_command(argv)]
 
-    def _kept_run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
-        """Through the kept master when one takes the session (no ``ssh`` process), else an
-        ``ssh`` that connects (and becomes the kept master: ControlMaster=auto)."""
+    def _joined(self, argv: Sequence[str], join: Callable[[str, str], T]
+                ) -> tuple[Optional[T], list[str]]:
+        """``join(socket, command)`` through the kept master when one takes the session (no
+        ``ssh`` process): (its value, ...); else (None, the ``ssh`` argv to run instead: one
+        that connects and becomes the kept master, or one on its own connection when the
+        master is there but does not serve)."""
         target = self.target
         assert target is not None
         if target.kept is not None:
             try:
-                return mux.run(target.kept, _remote_command(argv), target.env, stdin, timeout,
-                               target.connect_timeout)
+                return join(target.kept, _remote_command(argv)), []
             except mux.NoMaster as exc:
                 if exc.bypass:
-                    return run_local(list(target.alone) + [_remote_command(argv)], stdin, timeout)
-        return run_local(self._command(argv), stdin, timeout)
+                    return None, list(target.alone) + [_remote_command(argv)]
+        return None, self._command(argv)
+
+    def _kept_run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
+        target = self.target
+        assert target is not None
+        got, command = self._joined(argv, lambda path, text: mux.run(
+            path, text, target.env, stdin, timeout, target.connect_timeout))
+        return got if got is not None else run_local(command, stdin, timeout)
 
     def _attempt(self, run: Callable[[], RawRun], master: bool = False) -> RawRun:
         """``run`` once (twice when gpufleet's accept-new recorded a first-seen key); ssh's
@@ -284,15 +295,10 @@ class OpensshSession(Session):
                 as_run: bool = False) -> Stream:
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        command = self._command(argv)
-        if self.target.kept is not None:
-            try:
-                return mux.MuxStream(self.target.kept, _remote_command(argv), self.target.env,
-                                     head, min(self.target.connect_timeout, timeout), as_run=as_run)
-            except mux.NoMaster as exc:
-                if exc.bypass:
-                    command = list(self.target.alone) + [_remote_command(argv)]
-        return OpensshStream(command, head, self.target, as_run=as_run)
+        target = self.target
+        got, command = self._joined(argv, lambda path, text: mux.MuxStream(
+            path, text, target.env, head, min(target.connect_timeout, timeout), as_run=as_run))
+        return got if got is not None else OpensshStream(command, head, target, as_run=as_run)
 
     def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
         """A conversation's start is this host's run: ssh's own failures raised with their
