@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from gpufleet.errors import TransportError
 from gpufleet.transport import mux
 from gpufleet.transport.localstate import cache_dir, hashed_name
 
@@ -134,8 +135,6 @@ def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
     """The kept connections of ``hosts`` (None: every socket in the directory)."""
     if hosts is None:
         return [Kept(None, path, mux.alive(path)) for path in sockets()]
-    from gpufleet.errors import TransportError
-
     found = []
     for host in hosts:
         try:

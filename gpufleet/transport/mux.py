@@ -391,12 +391,7 @@ class MuxStream(PipeStream):
         os.set_blocking(self.chan.stdout, False)
         os.set_blocking(self.chan.stderr, False)
         self._lost: Optional[TransportError] = None
-        try:
-            self.send(head)
-        except TransportError:
-            if not as_run:
-                self.ended = True
-                raise self._ended_error() from None
+        self._send_head(head, as_run)
 
     def _pipes(self) -> tuple[Optional[int], Optional[int]]:
         return self.chan.stdout, self.chan.stderr

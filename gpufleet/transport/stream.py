@@ -219,6 +219,16 @@ class PipeStream(Stream):
 
     _err_open = True
 
+    def _send_head(self, head: bytes, as_run: bool) -> None:
+        """The command's first input; one that ended before taking it is its end's error,
+        unless ``as_run`` (a conversation's start) leaves that to its exit status and stderr."""
+        try:
+            self.send(head)
+        except TransportError:
+            if not as_run:  # it ended before taking its input: say why it ended (ssh's line)
+                self.ended = True
+                raise self._ended_error() from None
+
     def _wait(self, timeout: float) -> bool:
         out, err = self._pipes()
         fds = [fd for fd in (out, err if self._err_open else None) if fd is not None]
@@ -270,12 +280,7 @@ class ProcessStream(PipeStream):
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         os.set_blocking(self.proc.stdout.fileno(), False)
         os.set_blocking(self.proc.stderr.fileno(), False)
-        try:
-            self.send(head)
-        except TransportError:
-            if not as_run:  # it ended before taking its input: say why it ended (ssh's line)
-                self.ended = True
-                raise self._ended_error() from None
+        self._send_head(head, as_run)
 
     def _pipes(self) -> tuple[Optional[int], Optional[int]]:
         assert self.proc.stdout and self.proc.stderr
