@@ -181,7 +181,30 @@ def find_inventory(
         return path
     for path in (cwd / LOCAL_FILENAME, home / USER_CONFIG):
         if path.is_file():
+            why = untrusted_file(path)
+            if why is not None:
+                raise InventoryError(f"{path}: {why}; not read as the inventory (pass -i to "
+                                     "use it anyway)")
             return path
+    return None
+
+
+def untrusted_file(path: Path) -> Optional[str]:
+    """Why an inventory found by itself (``./fleet.yaml`` in a shared directory, say) may have
+    been written by someone else, or None: it must belong to this user or root, be writable by
+    no one else, and sit in a directory where no one else can swap it (not group/other
+    writable, or sticky like /tmp). A file the operator names with -i is theirs to judge."""
+    try:
+        st = path.stat()
+        parent = path.parent.stat()
+    except OSError as exc:
+        return f"cannot check who wrote it ({exc.strerror})"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"owned by uid {st.st_uid}, not by you or root"
+    if st.st_mode & 0o022:
+        return "writable by group or others"
+    if parent.st_mode & 0o022 and not parent.st_mode & 0o1000:
+        return "in a directory others can write"
     return None
 
 

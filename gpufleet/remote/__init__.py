@@ -39,10 +39,18 @@ JOINED_MARK = "# joined"
 #: standard library only, so nothing they need comes from site. All three exist since 2.x.
 PYTHON_FLAGS = ("-S", "-E", "-s")
 
-#: The -c program of docs/DESIGN.md ("Running the agent"): read the header line ``n k m key``
-#: and the loader (n bytes), run the loader; it reads the rest by length (remote/loader.py).
-BOOTSTRAP = (
-    'import sys;b=sys.stdin.buffer;h=b.readline().split();'
+#: The first statement of every ``-c`` program sent to a host: with ``-c`` Python puts ``''``
+#: (the working directory) first on sys.path, and ``-S -E -s`` do not remove it, so a
+#: ``zlib.py`` dropped in a world-writable directory the operator runs from would be imported
+#: by a root agent. Only absolute entries stay (the interpreter's own library directories);
+#: ``-P`` and ``-I`` would do it too, but exist only on newer Pythons than the agent supports.
+SAFE_PATH = 'import sys;sys.path[:]=[p for p in sys.path if p[:1]=="/"];'
+
+#: The -c program of docs/DESIGN.md ("Running the agent"): drop the working directory from
+#: sys.path (SAFE_PATH), read the header line ``n k m key`` and the loader (n bytes), run the
+#: loader; it reads the rest by length (remote/loader.py).
+BOOTSTRAP = SAFE_PATH + (
+    'b=sys.stdin.buffer;h=b.readline().split();'
     'exec(compile(b.read(int(h[0])),"gpufleet-agent-loader","exec"),'
     '{"__name__":"gpufleet_loader","B":b,"H":h})'
 )

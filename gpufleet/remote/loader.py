@@ -328,7 +328,13 @@ def cached_only(key, raw, where=None):
 
 def run(stdin, header):
     """Read the agent and the request by their lengths (header ``n k m key``), run the agent.
-    ``k`` 0: the agent was left out, run from the cache or ask for it (``needed``)."""
+    ``k`` 0: the agent was left out, run from the cache or ask for it (``needed``). The agent
+    runs from ``/``: a working directory is where the session started (a user's home under
+    sudo, a world-writable directory), and nothing the agent starts or opens may depend on it."""
+    try:
+        os.chdir("/")
+    except OSError:  # pragma: no cover - "/" is always there
+        pass
     k, m = int(header[1]), int(header[2])
     key = header[3].decode("ascii", "replace") if len(header) > 3 else ""
     blob = stdin.read(k)

@@ -20,7 +20,7 @@ from gpufleet.runbook.model import Step
 from gpufleet.runbook.checks import (StepFailed, _chosen, check_conditions, gpu_metrics,
                                      health_outcome, report_lines)
 from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
-from gpufleet.remote import PYTHON_FLAGS  # the probe starts isolated, as the agent does
+from gpufleet.remote import PYTHON_FLAGS, SAFE_PATH  # the probe starts isolated, as the agent does
 # The controller waits MARGIN_S longer than a host-side bound; a snapshot's agent ends itself
 # DEADLINE_MARGIN_S inside its bound: one definition each, in the ops that own them.
 from gpufleet.ops.clean import AGENT_MARGIN_S as MARGIN_S
@@ -34,10 +34,12 @@ WAIT_HTTP_FILE = "wait_http.py"  # beside the agent in gpufleet/remote/
 
 def wait_http_source() -> str:
     """The `wait_http` probe (gpufleet/remote/wait_http.py), read at send time like the agent:
-    it runs on the host as ``PYTHON -c SOURCE``, its request as JSON on stdin."""
+    it runs on the host as ``PYTHON -c SOURCE``, its request as JSON on stdin. SAFE_PATH comes
+    first: nothing it imports may come from the working directory."""
     from importlib import resources
 
-    return resources.files("gpufleet.remote").joinpath(WAIT_HTTP_FILE).read_text(encoding="utf-8")
+    return SAFE_PATH + "\n" + resources.files("gpufleet.remote").joinpath(
+        WAIT_HTTP_FILE).read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- execution

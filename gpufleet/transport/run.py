@@ -116,7 +116,7 @@ def run_local(argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
     try:
         proc = subprocess.Popen(
             list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, close_fds=True)
+            start_new_session=True, close_fds=True, cwd="/")
     except FileNotFoundError:
         return RawRun(127, b"", f"{argv[0]}: not found".encode())
     except PermissionError:

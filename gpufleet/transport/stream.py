@@ -271,7 +271,7 @@ class ProcessStream(PipeStream):
         try:
             self.proc = subprocess.Popen(
                 list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+                stderr=subprocess.PIPE, start_new_session=True, close_fds=True, cwd="/")
         except OSError as exc:
             if as_run:
                 raise

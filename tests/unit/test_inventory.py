@@ -797,3 +797,30 @@ def test_the_requests_carry_agent_cache_as_data() -> None:
     inv = parse("hosts:\n  a: {connection: local, agent_cache: false}\n"
                 "  b: {connection: local}\n")
     assert [snapshot_request(h)["agent_cache"] for h in inv.hosts] == [False, True]
+
+
+def test_a_found_inventory_others_could_write_is_refused(tmp_path: Path) -> None:
+    """./fleet.yaml is read only when no one else could have written or swapped it."""
+    from gpufleet.config.inventory import find_inventory
+
+    home = tmp_path / "home"
+    home.mkdir()
+    cwd = tmp_path / "shared"
+    cwd.mkdir()
+    fleet = cwd / "fleet.yaml"
+    fleet.write_text("hosts: {a: {address: 127.0.0.1}}\n")
+    os.chmod(cwd, 0o755)
+    assert find_inventory(env={}, cwd=cwd, home=home) == fleet
+    os.chmod(fleet, 0o666)
+    with pytest.raises(InventoryError, match="writable by group or others"):
+        find_inventory(env={}, cwd=cwd, home=home)
+    os.chmod(fleet, 0o644)
+    os.chmod(cwd, 0o777)
+    with pytest.raises(InventoryError, match="directory others can write"):
+        find_inventory(env={}, cwd=cwd, home=home)
+    os.chmod(cwd, 0o1777)  # sticky, like /tmp: only the owner can replace the file
+    assert find_inventory(env={}, cwd=cwd, home=home) == fleet
+    os.chown(fleet, 65534, 65534)
+    with pytest.raises(InventoryError, match="owned by uid 65534"):
+        find_inventory(env={}, cwd=cwd, home=home)
+    assert find_inventory(str(fleet), env={}, cwd=cwd, home=home) == fleet  # named: theirs

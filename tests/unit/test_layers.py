@@ -237,7 +237,10 @@ def test_the_pieces_share_one_namespace_without_clashes() -> None:
 def test_wait_http_is_sent_from_its_file() -> None:
     from gpufleet.runbook.steps import wait_http_source
 
+    from gpufleet.remote import SAFE_PATH
+
     source = wait_http_source()
-    assert source == (PACKAGE / "remote" / "wait_http.py").read_text(encoding="utf-8")
+    assert source == SAFE_PATH + "\n" + (PACKAGE / "remote" / "wait_http.py").read_text(
+        encoding="utf-8")
     # `python -c` runs it as __main__; importing it (as the test above does not) runs nothing
     assert 'if __name__ == "__main__":' in source
