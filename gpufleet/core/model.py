@@ -21,11 +21,15 @@ Agent snapshot document (version 1), the contract between agent and controller::
      "holders_vanished": [pid],
      "fd_unreadable": [{"pid", "comm", "reason"}],
      "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
-                   "cmdline", "cgroup", "unit", "container", "session", "pgid",
-                   "kernel_thread", "wchan", "relation"}},
+                   "cmdline", "cgroup", "unit", "user_unit", "user_unit_uid", "container",
+                   "session", "pgid", "kernel_thread", "wchan", "relation"}},
      "warnings": [str]}
 
 ``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
+
+``unit`` is the systemd unit systemd itself says owns the process (its ControlGroup is that
+part of the cgroup path), never a name read from the path alone; ``user_unit`` and
+``user_unit_uid`` name a unit of a user's own systemd (under ``user@UID.service``).
 
 ``mapped`` (added later; older agents omit it) is which NVIDIA device files the holder has
 *mapped* (/proc/PID/maps), the evidence that tells a CUDA context (maps /dev/nvidiaN and
@@ -86,6 +90,8 @@ class ProcessInfo:
     cmdline: str
     cgroup: Optional[str] = None
     unit: Optional[str] = None
+    user_unit: Optional[str] = None
+    user_unit_uid: Optional[int] = None
     container: Optional[str] = None
     session: Optional[int] = None
     pgid: Optional[int] = None
@@ -397,6 +403,8 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
         cmdline=str(raw.get("cmdline") or ""),
         cgroup=raw.get("cgroup"),
         unit=raw.get("unit"),
+        user_unit=raw.get("user_unit"),
+        user_unit_uid=_opt_int(raw.get("user_unit_uid")),
         container=raw.get("container"),
         session=_opt_int(raw.get("session")),
         pgid=_opt_int(raw.get("pgid")),

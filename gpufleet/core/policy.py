@@ -159,6 +159,19 @@ def service_unit(proc: ProcessInfo) -> Optional[str]:
     return unit
 
 
+def user_unit_reason(proc: ProcessInfo) -> Optional[str]:
+    """A unit of a user's own systemd (under ``user@UID.service``) is that user's, never the
+    system's: stopping a system unit of the same name would stop something else. As for the
+    system's units, only a service is its processes' owner (a scope, such as a terminal's,
+    restarts nothing). gpufleet stops no user units itself; it says how."""
+    if not proc.user_unit or proc.user_unit_uid is None or \
+            not proc.user_unit.endswith(".service"):
+        return None
+    uid = proc.user_unit_uid
+    return (f"belongs to {proc.user_unit} of uid {uid}'s own systemd (a user unit, not the "
+            f"system's): stop it with systemctl --user -M {uid}@ stop {proc.user_unit}")
+
+
 def foreign_container(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
     """The container the process runs in, when it is not the agent's own."""
     if not proc.container:
@@ -215,6 +228,9 @@ def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str,
     container = foreign_container(proc, ctx)
     if container is not None:
         return CONTAINER, f"runs in container {container}; stop the container"
+    user_unit = user_unit_reason(proc)
+    if user_unit is not None:
+        return UNIT, user_unit
     unit = service_unit(proc)
     if unit is not None and not ctx.stop_units:
         return UNIT, f"belongs to {unit}; stop the unit or pass --stop-units"

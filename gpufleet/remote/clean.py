@@ -32,11 +32,10 @@ from .parse import (  # joined
     parse_stat,
     signal,
 )
-from .procfs import PROC, read_stat, scan_fds, self_context  # joined
+from .procfs import PROC, SYSTEMCTL_FALLBACKS, read_stat, scan_fds, self_context  # joined
 from .nvml import memory_used, read_bounded  # joined
 from .snapshot import gpu_source, nvml_timeout, snapshot  # joined
 
-SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")
 DEFAULT_LOCK = "/tmp/gpufleet-clean.lock"
 
 

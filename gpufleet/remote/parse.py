@@ -504,14 +504,55 @@ def parse_cgroup(text):
     return v2 if v2 is not None else systemd
 
 
-def unit_of(path):
-    """The systemd unit owning a cgroup path: its last component ending in .service/.scope."""
-    if not path:
-        return None
-    for comp in reversed(path.split("/")):
-        if comp.endswith(".service") or comp.endswith(".scope"):
-            return comp
+def _unit_name(comp):
+    return comp.endswith(".service") or comp.endswith(".scope")
+
+
+def _user_manager_uid(comp):
+    """N of ``user@N.service`` (the per-user systemd, whose subtree that user may write), or
+    None."""
+    if comp.startswith("user@") and comp.endswith(".service") and comp[5:-8].isdigit():
+        return int(comp[5:-8])
     return None
+
+
+def cgroup_units(path):
+    """What a cgroup path CLAIMS about systemd units, for systemd to confirm (confirm_units):
+    ``([(unit, its cgroup path), ...] outermost first, (user unit, uid) or None)``.
+
+    The kernel writes the path, but a user may create cgroups below the subtree delegated to
+    it (``user@UID.service``, or a system unit with Delegate=), naming them anything: a name
+    read from the path is only a claim. Claims stop at the first ``user@UID.service``: below
+    it every name is that user's own (its user unit, the first non-slice component there)."""
+    claims, user_unit = [], None
+    if not path:
+        return claims, user_unit
+    comps = [c for c in path.split("/") if c]
+    for i, comp in enumerate(comps):
+        if _unit_name(comp):
+            claims.append((comp, "/" + "/".join(comps[:i + 1])))
+        uid = _user_manager_uid(comp)
+        if uid is not None:
+            below = [c for c in comps[i + 1:] if not c.endswith(".slice")]
+            if below and _unit_name(below[0]):
+                user_unit = (below[0], uid)
+            break
+    return claims, user_unit
+
+
+def parse_systemctl_show(text):
+    """``systemctl show -p Id -p ControlGroup -- UNIT...`` -> {unit: its ControlGroup, or ""
+    for a unit systemd does not run}."""
+    out = {}
+    for block in text.split("\n\n"):
+        fields = {}
+        for line in block.splitlines():
+            key, sep, value = line.partition("=")
+            if sep:
+                fields[key] = value
+        if fields.get("Id"):
+            out[fields["Id"]] = fields.get("ControlGroup", "")
+    return out
 
 
 def _run_end(text, start, chars):
@@ -567,13 +608,39 @@ def _hex64(text):
     return None
 
 
+#: Top-level cgroups of the runtimes' cgroupfs drivers (only root creates them).
+_RUNTIME_ROOTS = ("docker", "lxc", "containerd")
+
+
+def runtime_part(path):
+    """The part of a cgroup path a container runtime made: the slices from the root and the
+    first component after them (systemd's driver: ``/system.slice/docker-ID.scope``,
+    ``/kubepods.slice/.../cri-containerd-ID.scope``), or a runtime's own top-level directory
+    and the one after it (cgroupfs: ``/docker/ID``, ``/lxc/web``, ``/lxc.payload.web``).
+    Anything deeper, and anything under ``user@UID.service``, a user may have named."""
+    comps = [c for c in path.split("/") if c]
+    if not comps:
+        return ""
+    head = comps[0]
+    if head in _RUNTIME_ROOTS or head.startswith("lxc.payload"):
+        return "/" + "/".join(comps[:2])
+    i = 0
+    while i < len(comps) and comps[i].endswith(".slice"):
+        i += 1
+    return "/" + "/".join(comps[:i + 1])
+
+
 def container_of(path):
-    """A short container name from a cgroup path ("docker:0123456789ab", "k8s:...", "lxc:web")."""
+    """A short container name from a cgroup path ("docker:0123456789ab", "k8s:...", "lxc:web"),
+    read only from the part a runtime made (runtime_part): a user's own scope named
+    ``docker-<hex>.scope`` is no container."""
     if not path:
         return None
-    if "kubepods" in path:
-        ident = _hex64(path.rsplit("/", 1)[-1]) or _hex64(path)
+    comps = [c for c in path.split("/") if c]
+    if comps and comps[0] in ("kubepods", "kubepods.slice"):
+        ident = _hex64(comps[-1]) or _hex64(path)
         return "k8s:" + ident[:12] if ident else "kubepods"
+    path = runtime_part(path)
     for find, marks, chars, min_len, suffix, kind in _CONTAINER_MARKS:
         ident = _ident_after(path, find, marks, chars, min_len, suffix)
         if ident:

@@ -6,7 +6,7 @@ is refused is reported with its true reason, never guessed.
 import os
 import pwd
 
-from .jobs import read_bytes, read_bytes_bounded, read_text  # joined
+from .jobs import read_bytes, read_bytes_bounded, read_text, run_cmd, which  # joined
 from .parse import (  # joined
     CMDLINE_MAX,
     ParseError,
@@ -20,7 +20,8 @@ from .parse import (  # joined
     parse_proc_information,
     parse_stat,
     parse_status_uid,
-    unit_of,
+    cgroup_units,
+    parse_systemctl_show,
 )
 
 PROC = "/proc"
@@ -234,7 +235,10 @@ def process_entry(pid, ctx, proc=PROC):
         "comm": comm if comm is not None else st["comm"],
         "cmdline": format_cmdline(raw) if raw is not None else "",
         "cgroup": cgroup,
-        "unit": unit_of(cgroup),
+        "unit": None,  # systemd's answer, confirm_units
+        "unit_claims": cgroup_units(cgroup)[0],
+        "user_unit": None,
+        "user_unit_uid": None,
         "container": container_from_cgroup_text(cgroup_text),
         "session": st["session"],
         "pgid": st["pgid"],
@@ -243,6 +247,47 @@ def process_entry(pid, ctx, proc=PROC):
         "relation": relation,
         "threads": st["num_threads"],  # > 1 with state Z: still tearing down, still holding
     }
+
+
+SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")
+SYSTEMCTL_TIMEOUT_S = 3.0
+
+
+def confirm_units(processes, req, deadline, warnings):
+    """Each process's unit as systemd itself says: the innermost unit its cgroup path claims
+    (cgroup_units) whose ControlGroup, asked of systemd, is exactly that part of the path.
+    A user can create a cgroup named ``cron.service`` under its own ``user@UID.service``; the
+    system's cron.service has another ControlGroup, so the claim is not confirmed. Under a
+    confirmed ``user@UID.service`` the first unit below is that user's own (user_unit)."""
+    names = sorted(set(n for e in processes.values() for n, _ in e.get("unit_claims") or ()))
+    if not names:
+        return
+    systemctl = req.get("systemctl") or which("systemctl", SYSTEMCTL_FALLBACKS)
+    groups, why = {}, None
+    if systemctl is None:
+        why = "systemctl not found"
+    else:
+        res = run_cmd([systemctl, "show", "--property=Id", "--property=ControlGroup", "--"]
+                      + names, min(SYSTEMCTL_TIMEOUT_S, deadline.remaining()), deadline,
+                      "systemctl show")
+        if res.error or res.rc != 0:
+            why = res.error or (res.err or "").strip()[:200] or "exit %s" % res.rc
+        else:
+            groups = parse_systemctl_show(res.out)
+    unconfirmed = []
+    for entry in processes.values():
+        claims = entry.pop("unit_claims", None) or []
+        ok = [(n, cg) for n, cg in claims if groups.get(n) == cg]
+        if ok:
+            entry["unit"] = ok[-1][0]
+            user = cgroup_units(entry.get("cgroup"))[1]
+            if user is not None and entry["unit"] == "user@%d.service" % user[1]:
+                entry["user_unit"], entry["user_unit_uid"] = user
+        elif claims:
+            unconfirmed.append(entry["pid"])
+    if why is not None and unconfirmed:
+        warnings.append("systemd could not confirm the units of PID(s) %s (%s): they are "
+                        "treated as no unit's" % (", ".join(str(p) for p in unconfirmed[:10]), why))
 
 
 def self_context(proc=PROC):

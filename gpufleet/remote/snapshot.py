@@ -31,6 +31,7 @@ from .parse import (  # joined
 from .procfs import (  # joined
     DEV,
     PROC,
+    confirm_units,
     container_facts,
     denied_reasons,
     denied_warning,
@@ -121,6 +122,7 @@ def snapshot(req, deadline, proc=PROC):
         a["gpu_index"] = by_uuid.get(a["gpu_uuid"])
     processes, vanished = _settle_holders(holders, seen_start, apps, own, ctx, jobs,
                                           warnings, proc)
+    confirm_units(processes, req, deadline, warnings)
     facts = _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc)
     facts.update(gpu_source=source, gpu_source_reason=reason)
     smi_doc["seconds"] = round(smi_doc["seconds"], 3)

@@ -190,6 +190,8 @@ def _process_doc(snapshot: Snapshot, pid: int, fallback: str, used_mib: Optional
         "state": proc.state if proc else None,
         "used_mib": used_mib,
         "unit": proc.unit if proc else None,
+        "user_unit": proc.user_unit if proc else None,
+        "user_unit_uid": proc.user_unit_uid if proc else None,
         "container": proc.container if proc else None,
         "starttime": proc.starttime if proc else None,
         "visible": proc is not None,

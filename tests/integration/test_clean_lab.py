@@ -11,7 +11,6 @@ import shlex
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Optional
 
 import pytest
 
+from cgroup_helpers import CgroupTree, cgroups, systemd_knows  # noqa: F401 (fixture)
 from cli_helpers import (
     GPUFLEET,
     REPO_ROOT,
@@ -283,55 +283,19 @@ def test_clean_never_signals_its_own_ancestors(make_host: Any) -> None:
 # --- policy: units, protection ------------------------------------------------------------------
 
 
-def _writable_cgroup_root() -> tuple[Optional[str], str]:
-    """A cgroup hierarchy where the lab can make a systemd-like path: cgroup2 first, else v1
-    name=systemd (what parse_cgroup reads). (path, why not) -- path None when impossible."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError as exc:
-        return None, str(exc)
-    v2 = [m.split()[1] for m in mounts if m.split()[2] == "cgroup2"]
-    v1 = [m.split()[1] for m in mounts if m.split()[2] == "cgroup" and "name=systemd" in m.split()[3]]
-    why = "no cgroup2 or name=systemd hierarchy mounted"
-    for root in v2 + v1:
-        probe = os.path.join(root, "gpufleet-probe-%s" % uuid.uuid4().hex[:8])
-        try:
-            os.mkdir(probe)
-            os.rmdir(probe)
-            return root, ""
-        except OSError as exc:
-            why = "mkdir under %s: %s" % (root, exc.strerror)
-    return None, why
-
-
 @pytest.fixture
-def unit_cgroup() -> Any:
-    """A real cgroup named like systemd's system.slice/vllm-minimax.service, removed after."""
-    root, why = _writable_cgroup_root()
-    if root is None:
-        pytest.skip("cannot create a cgroup here (%s): a unit-owned holder needs a real cgroup "
-                    "path; the systemd cgroup path is simulated in unit tests only" % why)
-    base = os.path.join(root, "gpufleet-test-%s" % uuid.uuid4().hex[:8])
-    leaf = os.path.join(base, "system.slice", "vllm-minimax.service")
-    os.makedirs(leaf)
-    made = [leaf, os.path.dirname(leaf), base]
-    yield leaf
-    for d in made:  # the host (and so every process in leaf) is stopped by then
-        for _ in range(100):
-            try:
-                os.rmdir(d)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.05)
+def unit_cgroup(cgroups: CgroupTree) -> Any:
+    """A real cgroup named like systemd's system.slice/vllm-minimax.service."""
+    return cgroups.make("system.slice/vllm-minimax.service")
 
 
 def test_unit_owned_holder_is_refused_without_stop_units(lab: Any, make_host: Any, home: Path,
-                                                        unit_cgroup: str, request: Any) -> None:
-    host = make_host("minimax-node", gpus=2)
+                                                        cgroups: Any, unit_cgroup: str,
+                                                        request: Any) -> None:
+    host = make_host("minimax-node", gpus=2, path_prefix="/root/bin")
     # stop the host before the cgroup fixture removes the directory (finalizers run LIFO)
     request.addfinalizer(host.stop)
+    systemd_knows(host, "vllm-minimax", cgroups.control_group(unit_cgroup), gpus=[0], mib=5000)
     served = host.spawn_holder(gpus=[0], mib=5000, title="vllm-minimax")
     loose = host.spawn_holder(gpus=[1], mib=1000, title="loose")
     Path(unit_cgroup, "cgroup.procs").write_text(str(host.outer_pid(served)))
@@ -641,14 +605,16 @@ def test_unreachable_host_is_a_row_and_the_others_are_cleaned(lab: Any, make_hos
 
 
 def test_stop_units_stops_the_unit_then_the_memory_is_verified(lab: Any, make_host: Any, home: Path,
-                                                               unit_cgroup: str, request: Any) -> None:
+                                                               cgroups: Any, unit_cgroup: str,
+                                                               request: Any) -> None:
     """--stop-units with the lab's fake systemctl (no systemd in the lab: the fake is first on
     the session PATH; its `stop` ends the unit's processes, as systemd would)."""
     from fake_systemctl import install_systemctl
 
     host = make_host("minimax-unit", gpus=2, path_prefix="/root/bin")
     request.addfinalizer(host.stop)
-    install_systemctl(host, {"vllm-minimax": {"gpus": [0], "mib": 5000, "title": "vllm-minimax"}})
+    install_systemctl(host, {"vllm-minimax": {"gpus": [0], "mib": 5000, "title": "vllm-minimax",
+                                              "cgroup": cgroups.control_group(unit_cgroup)}})
     assert host.exec(["/root/bin/systemctl", "start", "vllm-minimax.service"]).returncode == 0
     served = json.loads(host.path("/root/units/vllm-minimax.service.state").read_text())["pids"][0]
     Path(unit_cgroup, "cgroup.procs").write_text(str(host.outer_pid(served)))

@@ -105,11 +105,26 @@ def stop(unit):
     return 0
 
 
+def show(units):
+    """systemd's answer on which cgroup a unit owns: the spec's "cgroup" (the path as
+    /proc/PID/cgroup shows it), empty for a unit it does not run, as systemd prints them."""
+    blocks = []
+    for u in units:
+        sp = spec(u) or {}
+        blocks.append("Id=%s\nControlGroup=%s\n" % (u, sp.get("cgroup", "") if active(u) or
+                                                      sp.get("cgroup_always") else ""))
+    sys.stdout.write("\n".join(blocks))
+    return 0
+
+
 def main(argv):
-    words = [a for a in argv if a not in ("--no-ask-password", "--user", "--")]
+    words = [a for a in argv if a not in ("--no-ask-password", "--user", "--")
+             and not a.startswith("--property=")]
     verb, units = words[0], words[1:]
     with open(os.path.join(UNITS, "calls.log"), "a") as f:
         f.write(" ".join(argv) + "\n")
+    if verb == "show":
+        return show(units)
     if verb == "is-active":
         states = ["active" if active(u) else "inactive" for u in units]
         print("\n".join(states))
@@ -130,7 +145,9 @@ sys.exit(main(sys.argv[1:]))
 
 
 def install_systemctl(host: Any, units: dict[str, dict]) -> str:
-    """The fake systemctl and its unit specs, in the host's private /root; returns its path."""
+    """The fake systemctl and its unit specs, in the host's private /root; returns its path.
+    A spec's "cgroup" is the unit's ControlGroup as ``systemctl show`` gives it (while the
+    unit runs, or always with "cgroup_always": a unit whose processes the test started)."""
     units_dir = host.path("/root/units")
     units_dir.mkdir(parents=True, exist_ok=True)
     for name, sp in units.items():

@@ -314,16 +314,17 @@ def test_cgroup_recorded_lines():
         text = fixture(name)
         path = agent.parse_cgroup(text)
         assert path == text.strip()[3:]
-        assert agent.unit_of(path) is None
+        assert agent.cgroup_units(path) == ([], None)
         assert agent.container_from_cgroup_text(text) is None
 
 
-# Not recorded: cgroup paths in the formats systemd, docker, kubelet and LXC write.
+# Not recorded: cgroup paths in the formats systemd, docker, kubelet and LXC write. The unit
+# is the innermost one the path claims (systemd confirms it on the host: confirm_units).
 CGROUP_CASES = [
     ("0::/system.slice/vllm-minimax.service\n", "vllm-minimax.service", None),
     ("0::/user.slice/user-1000.slice/session-3.scope\n", "session-3.scope", None),
     ("0::/user.slice/user-1000.slice/user@1000.service/app.slice/app-tmux-42.scope\n",
-     "app-tmux-42.scope", None),
+     "user@1000.service", None),
     ("0::/system.slice/docker-4f3a5b6c7d8e9f00112233445566778899aabbccddeeff001122334455667788"
      ".scope\n", "docker-4f3a5b6c7d8e9f00112233445566778899aabbccddeeff001122334455667788.scope",
      "docker:4f3a5b6c7d8e"),
@@ -342,8 +343,44 @@ CGROUP_CASES = [
 
 @pytest.mark.parametrize("text,unit,container", CGROUP_CASES)
 def test_cgroup_unit_and_container(text, unit, container):
-    assert agent.unit_of(agent.parse_cgroup(text)) == unit
+    claims, _ = agent.cgroup_units(agent.parse_cgroup(text))
+    assert (claims[-1][0] if claims else None) == unit
     assert agent.container_from_cgroup_text(text) == container
+
+
+# A user may create cgroups only below the subtree systemd delegates to it; whatever it names
+# there is its own: never a system unit, never a container.
+USER_MADE = "/user.slice/user-65534.slice/user@65534.service/"
+
+
+def test_cgroup_claims_stop_at_the_user_manager():
+    claims, user = agent.cgroup_units(USER_MADE + "app.slice/cron.service")
+    assert claims == [("user@65534.service",
+                       "/user.slice/user-65534.slice/user@65534.service")]
+    assert user == ("cron.service", 65534)
+    claims, user = agent.cgroup_units("/system.slice/ci.service/payload/cron.service")
+    assert claims == [("ci.service", "/system.slice/ci.service"),
+                      ("cron.service", "/system.slice/ci.service/payload/cron.service")]
+    assert user is None
+
+
+@pytest.mark.parametrize("path", [
+    USER_MADE + "app.slice/docker-" + "ab" * 32 + ".scope",
+    USER_MADE + "user.slice/docker-" + "ab" * 32 + ".scope",
+    USER_MADE + "kubepods.slice/cri-containerd-" + "ab" * 32 + ".scope",
+    USER_MADE + "lxc/web",
+    "/system.slice/ci.service/docker-" + "ab" * 32 + ".scope",
+    "/user.slice/user-65534.slice/session-4.scope/docker/" + "ab" * 32,
+])
+def test_a_container_name_a_user_could_make_is_no_container(path):
+    assert agent.container_of(path) is None
+
+
+def test_systemctl_show_blocks():
+    text = ("Id=cron.service\nControlGroup=/system.slice/cron.service\n\n"
+            "Id=gone.service\nControlGroup=\n")
+    assert agent.parse_systemctl_show(text) == {"cron.service": "/system.slice/cron.service",
+                                                "gone.service": ""}
 
 
 def test_parse_cgroup_prefers_v2_then_systemd():
@@ -467,7 +504,8 @@ def test_process_entry_fake_proc(tmp_path):
     assert e["starttime"] == 1234567 and e["session"] == 300 and e["pgid"] == 412
     assert e["uid"] == 0 and e["user"] == "root"
     assert e["cmdline"].startswith("python3 /tmp/hold.py VLLM::Worker")
-    assert e["unit"] == "vllm-minimax.service" and e["container"] is None
+    assert e["unit"] is None and e["container"] is None  # until systemd confirms it
+    assert e["unit_claims"] == [("vllm-minimax.service", "/system.slice/vllm-minimax.service")]
     assert e["cgroup"] == "/system.slice/vllm-minimax.service"
     assert e["wchan"] == "futex_wait" and e["kernel_thread"] is False
     assert e["relation"] == "session"
@@ -523,3 +561,42 @@ def test_denied_warning_names_whose_files_could_not_be_read(tmp_path) -> None:
     assert text.startswith("cannot read the open files of 2 process(es): 1 (docker-init), 77 (sshd)")
     many = agent.denied_warning(list(range(1, 9)), proc=str(tmp_path))
     assert "and 3 more" in many
+
+
+SYSTEMD = """#!/bin/sh
+# systemd's answer: cron.service and user@65534.service run where systemd put them
+for a in "$@"; do
+  case "$a" in
+    cron.service) printf 'Id=cron.service\\nControlGroup=/system.slice/cron.service\\n\\n';;
+    user@65534.service) printf 'Id=%s\\nControlGroup=%s\\n\\n' "$a" \\
+        /user.slice/user-65534.slice/user@65534.service;;
+    *.service|*.scope) printf 'Id=%s\\nControlGroup=\\n\\n' "$a";;
+  esac
+done
+"""
+
+
+def test_confirm_units_trusts_systemd_not_the_path(tmp_path):
+    systemctl = tmp_path / "systemctl"
+    systemctl.write_text(SYSTEMD)
+    systemctl.chmod(0o755)
+    procs = {}
+    for pid, path in [(1, "/system.slice/cron.service"),
+                      (2, USER_MADE + "app.slice/cron.service"),
+                      (3, "/system.slice/ci.service/payload/cron.service"),
+                      (4, "/user.slice/user-1000.slice/session-2.scope")]:
+        procs[str(pid)] = {"pid": pid, "cgroup": path, "unit": None,
+                           "unit_claims": agent.cgroup_units(path)[0],
+                           "user_unit": None, "user_unit_uid": None}
+    warnings = []
+    agent.confirm_units(procs, {"systemctl": str(systemctl)}, agent.Deadline(10), warnings)
+    got = {int(k): (e["unit"], e["user_unit"], e["user_unit_uid"]) for k, e in procs.items()}
+    assert got == {1: ("cron.service", None, None),
+                   2: ("user@65534.service", "cron.service", 65534),
+                   3: (None, None, None),  # ci.service is not running; cron.service is elsewhere
+                   4: (None, None, None)}
+    assert warnings == [] and all("unit_claims" not in e for e in procs.values())
+    agent.confirm_units(procs | {"5": {"pid": 5, "cgroup": "/system.slice/x.service",
+                                       "unit_claims": [("x.service", "/system.slice/x.service")]}},
+                        {"systemctl": str(tmp_path / "missing")}, agent.Deadline(10), warnings)
+    assert len(warnings) == 1 and "could not confirm" in warnings[0]

@@ -542,3 +542,19 @@ def test_recorded_probe3_when_the_listing_is_missing_only_contexts_are_holders()
         438: policy.ROLE_CLIENT, 440: policy.ROLE_HOLDER, 461: policy.ROLE_HOLDER,
         464: policy.ROLE_CLIENT, 466: policy.ROLE_CLIENT}
     assert "nvidia-uvm" in roles[440].reason
+
+
+def test_a_user_service_is_refused_with_the_command_and_never_stopped(train: Snapshot,
+                                                                       ctx: PolicyContext) -> None:
+    """A unit under user@UID.service is that user's: no --stop-units makes gpufleet stop it
+    (a system unit of that name is something else); a user's scope restricts nothing."""
+    proc = next(p for p in train.processes.values() if policy.may_signal(p, ctx))
+    mine = dataclasses.replace(proc, unit="user@65534.service", user_unit="cron.service",
+                               user_unit_uid=65534)
+    for c in (ctx, dataclasses.replace(ctx, stop_units=True)):
+        found = signal_refusal(mine, c)
+        assert found is not None and found[0] == policy.UNIT
+        assert "systemctl --user -M 65534@ stop cron.service" in found[1]
+        assert policy.service_unit(mine) is None
+    scope = dataclasses.replace(mine, user_unit="app-tmux-42.scope")
+    assert policy.may_signal(scope, ctx)

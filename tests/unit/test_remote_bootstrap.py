@@ -56,7 +56,7 @@ SINGLE_FILE_FUNCTIONS = (
     "python_too_old", "query_gpus", "query_used", "read_bytes", "read_bytes_bounded", "read_stat",
     "read_text", "refusal", "reset_gpus", "reset_refusal", "run_cmd", "scan_fds", "self_context",
     "send_signal", "smi_failure", "snapshot", "split_row", "stop_units", "stuck_thread",
-    "unit_of", "user_name", "valid_unit", "wait_exit", "wait_memory", "which",
+    "user_name", "valid_unit", "wait_exit", "wait_memory", "which",
 )
 SINGLE_FILE_CONSTANTS = (
     "AGENT_VERSION", "APP_FIELDS", "CMDLINE_MAX", "CUDA_RE", "DEFAULT_LOCK", "DEV",
