@@ -21,11 +21,15 @@ Agent snapshot document (version 1), the contract between agent and controller::
      "holders_vanished": [pid],
      "fd_unreadable": [{"pid", "comm", "reason"}],
      "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
-                   "cmdline", "cgroup", "unit", "user_unit", "user_unit_uid", "container",
-                   "session", "pgid", "kernel_thread", "wchan", "relation"}},
+                   "cmdline", "exe", "exe_root", "cgroup", "unit", "user_unit",
+                   "user_unit_uid", "container", "session", "pgid", "kernel_thread", "wchan", "relation"}},
      "warnings": [str]}
 
 ``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
+
+``exe`` is the kernel's /proc/PID/exe link and ``exe_root`` whether the file it runs belongs
+to root and no one else may write it (null: not readable); a protected name counts only with
+that evidence (core/policy.py).
 
 ``unit`` is the systemd unit systemd itself says owns the process (its ControlGroup is that
 part of the cgroup path), never a name read from the path alone; ``user_unit`` and
@@ -89,6 +93,8 @@ class ProcessInfo:
     comm: str
     cmdline: str
     cgroup: Optional[str] = None
+    exe: Optional[str] = None
+    exe_root: Optional[bool] = None
     unit: Optional[str] = None
     user_unit: Optional[str] = None
     user_unit_uid: Optional[int] = None
@@ -402,6 +408,8 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
         comm=str(raw.get("comm") or ""),
         cmdline=str(raw.get("cmdline") or ""),
         cgroup=raw.get("cgroup"),
+        exe=raw.get("exe") if isinstance(raw.get("exe"), str) else None,
+        exe_root=raw.get("exe_root") if isinstance(raw.get("exe_root"), bool) else None,
         unit=raw.get("unit"),
         user_unit=raw.get("user_unit"),
         user_unit_uid=_opt_int(raw.get("user_unit_uid")),

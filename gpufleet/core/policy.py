@@ -113,19 +113,72 @@ def _is_named(proc: ProcessInfo, name: str) -> bool:
     return False
 
 
-def is_sshd(proc: ProcessInfo) -> bool:
-    """sshd by comm, or by a cmdline that starts with sshd (its title: 'sshd: alice@pts/0')."""
+# The executables a protected name may run as (the kernel's /proc/PID/exe, symlinks resolved:
+# /usr/bin/X is a link to Xorg).
+EXE_NAMES: Mapping[str, frozenset[str]] = {"X": frozenset({"Xorg"}),
+                                           "Xorg": frozenset({"Xorg"})}
+
+
+def exe_basename(proc: ProcessInfo) -> Optional[str]:
+    """The executable's file name, when that file is root's and no one else may write it (the
+    agent's exe evidence); None otherwise or when not known."""
+    if not proc.exe_root or not proc.exe:
+        return None
+    path = proc.exe[:-len(" (deleted)")] if proc.exe.endswith(" (deleted)") else proc.exe
+    return os.path.basename(path)
+
+
+def runs_as(proc: ProcessInfo, name: str, exe_names: frozenset[str]) -> Optional[bool]:
+    """Whether a process that carries a protected ``name`` really is that program: True when
+    its executable is root's binary of that name, False when the evidence says otherwise (a
+    user's python titled "sshd: alice@pts/3"), None when there is no evidence (an older agent,
+    or not readable): then the name alone protects, as the safe side."""
+    if proc.exe is None or proc.exe_root is None:
+        return None
+    return exe_basename(proc) in exe_names
+
+
+def claims_sshd(proc: ProcessInfo) -> bool:
+    """The NAME says sshd: comm, or a title starting with sshd ('sshd: alice@pts/0')."""
     if proc.comm in SSHD_COMMS:
         return True
     cmd = proc.cmdline
     return cmd.startswith("sshd") or cmd.startswith("/usr/sbin/sshd")
 
 
-def protected_daemon(proc: ProcessInfo) -> Optional[str]:
-    """The protected daemon this process is, by name (used only to protect)."""
+def is_sshd(proc: ProcessInfo) -> bool:
+    """sshd on evidence: it claims the name and runs the host's sshd binary (OpenSSH >= 9.8's
+    sshd-session and sshd-auth too). A per-session sshd runs as the user it serves, so who
+    owns the process proves nothing; the executable does."""
+    return claims_sshd(proc) and runs_as(proc, "sshd", SSHD_COMMS) is not False
+
+
+def claimed_daemon(proc: ProcessInfo) -> Optional[str]:
+    """The protected daemon this process NAMES itself as (comm or argv[0]), evidence aside."""
     for name in PROTECTED_DAEMONS:
         if _is_named(proc, name):
             return name
+    return None
+
+
+def protected_daemon(proc: ProcessInfo) -> Optional[str]:
+    """The protected daemon this process is: its name, and its executable root's binary of
+    that name (runs_as). Used only to protect."""
+    name = claimed_daemon(proc)
+    if name is None:
+        return None
+    exe_names = EXE_NAMES.get(name, frozenset({name}))
+    return name if runs_as(proc, name, exe_names) is not False else None
+
+
+def false_claim(proc: ProcessInfo) -> Optional[str]:
+    """The protected name a process claims without the evidence (shown in the plan: "claims
+    to be sshd"), or None."""
+    if claims_sshd(proc) and not is_sshd(proc):
+        return "sshd"
+    name = claimed_daemon(proc)
+    if name is not None and protected_daemon(proc) is None:
+        return name
     return None
 
 
@@ -300,7 +353,17 @@ class HolderRole:
 
 
 def client_name(proc: ProcessInfo) -> Optional[str]:
-    """The GPU monitor/exporter this process is by name (comm, argv[0..2], `python -m X`)."""
+    """The GPU monitor/exporter this process is by name (comm, argv[0..2], `python -m X`),
+    unless its executable says otherwise: a binary monitor (nvtop, nvidia-smi, dcgm-exporter)
+    runs root's binary of that name. A Python monitor (nvitop, gpustat) runs python, which
+    proves nothing: for it the name does not protect, and its maps decide (holder_role)."""
+    known = _client_by_name(proc)
+    if known is None or runs_as(proc, known, frozenset({known})) is False:
+        return None
+    return known
+
+
+def _client_by_name(proc: ProcessInfo) -> Optional[str]:
     words = proc.cmdline.split()[:3]
     names = [proc.comm] + [os.path.basename(w) for w in words[:2]]
     if len(words) == 3 and words[1] == "-m":

@@ -197,6 +197,22 @@ def user_name(uid):
     return _USERS[uid]
 
 
+def exe_evidence(pid, proc=PROC):
+    """(executable path, root's) of a process: the kernel's /proc/PID/exe link, and whether the
+    file it runs (stat through the link: the very inode, in any mount namespace) belongs to
+    root and is writable by no one else -- a binary only root could have put there. A user can
+    title a process anything ("sshd: alice@pts/3"); it cannot make its executable root's
+    sshd. (None, None): not readable here (another user's process for a non-root agent, a
+    zombie, a kernel thread)."""
+    link = "%s/%d/exe" % (proc, pid)
+    try:
+        path = os.readlink(link)
+        st = os.stat(link)
+    except OSError:
+        return None, None
+    return path, st.st_uid == 0 and not st.st_mode & 0o022
+
+
 def process_entry(pid, ctx, proc=PROC):
     """Everything the controller needs to name, attribute and judge one process; None if gone."""
     base = "%s/%d/" % (proc, pid)
@@ -217,6 +233,7 @@ def process_entry(pid, ctx, proc=PROC):
     cgroup_text = read_text(base + "cgroup") or ""
     cgroup = parse_cgroup(cgroup_text)
     wchan = (read_text(base + "wchan") or "").strip()
+    exe, exe_root = exe_evidence(pid, proc)
     if pid == ctx.get("self_pid"):
         relation = "self"
     elif pid in ctx.get("ancestors", ()):
@@ -234,6 +251,8 @@ def process_entry(pid, ctx, proc=PROC):
         "user": user_name(uid),
         "comm": comm if comm is not None else st["comm"],
         "cmdline": format_cmdline(raw) if raw is not None else "",
+        "exe": exe,
+        "exe_root": exe_root,
         "cgroup": cgroup,
         "unit": None,  # systemd's answer, confirm_units
         "unit_claims": cgroup_units(cgroup)[0],

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from gpufleet.core import policy
 from gpufleet.core.model import Snapshot, ledger
 from gpufleet.core.plan.evidence import Evidence
 from gpufleet.core.plan.types import PlanScope, Target
@@ -80,6 +81,13 @@ def target_notes(inp: NoteInputs) -> list[str]:
             "include_spanning: PIDs " + ", ".join(str(t.pid) for t in spanning)
             + " also hold memory on GPUs outside the scope; it is freed too")
     notes.extend(inp.family_notes)
+    for t in inp.targets:
+        claim = policy.false_claim(inp.snapshot.processes[t.pid])
+        if claim is not None:
+            exe = inp.snapshot.processes[t.pid].exe or "?"
+            notes.append(f"PID {t.pid} claims to be {claim}, but its executable is {exe}, not "
+                         f"root's {claim}: it is signalled like any process that holds GPU "
+                         "memory")
     # Siblings are not a parent's children: ending a target does not signal them, but a job
     # (process group) often dies as one. Say so rather than guess application behaviour.
     procs, listed = inp.snapshot.processes, inp.ev.listed
