@@ -2,7 +2,7 @@
 
 Each connection is a thread; without bounds, 400 half-sent requests held 400 threads for good.
 Against the real server on a loopback port (the server class in this process, where its
-threads can be counted): clients that connect and send
+threads can be counted, and the `gpufleet serve` command): clients that connect and send
 nothing, clients that send part of a request and stall or dribble it a byte at a time, and a
 kept-alive client that goes idle are all disconnected within the request timeout (short here:
 the suite stays fast; the bounds have seconds of slack), connections past the cap are refused
@@ -11,18 +11,20 @@ Network traffic: 127.0.0.1 only. Every socket is closed, every loop bounded in t
 """
 from __future__ import annotations
 
+import re
 import select
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
 
-from cli_helpers import wait_for
+from cli_helpers import assert_one_line_error, home, run_gpufleet, wait_for  # noqa: F401
 from gpufleet.core.metrics import ExportOptions
 from gpufleet.ops import serve
-from test_prometheus_lab import get
+from test_prometheus_lab import get, start_serve
 
 SLACK_S = 4.0  # on top of the configured timeout: a loaded 2-core runner is slow, never this slow
 
@@ -219,3 +221,67 @@ def test_a_client_that_never_reads_its_answer_is_cut_at_the_write_timeout(server
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         wait_for(lambda: threading.active_count() > base, 10, "the connection's thread")
         wait_for(lambda: threading.active_count() <= base, 1.0 + SLACK_S, "the write timeout")
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def refused_inventory(tmp_path: Path) -> Iterator[Path]:
+    """A one-host inventory whose port refuses at once (bound, never listened on)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        inv = tmp_path / "fleet.yaml"
+        inv.write_text("hosts:\n  gone:\n    address: 127.0.0.1\n    port: %d\n"
+                       "    connect_timeout: 2\n" % taken.getsockname()[1])
+        yield inv
+
+
+def test_gpufleet_serve_refuses_past_its_cap_and_drops_idle_clients(home: Path,
+                                                                    refused_inventory: Path
+                                                                    ) -> None:
+    started, base_url = start_serve(home, refused_inventory, "--max-age", "3600",
+                                    "--request-timeout", "1", "--max-connections", "4")
+    clients = Clients(int(base_url.rsplit(":", 1)[1]))
+    try:
+        wait_for(lambda: get(base_url + "/metrics")[0] == 200, 60, "the first refresh")
+        time.sleep(0.5)  # the refresh's own threads have ended
+        base = threads_of(started.pid)
+        idle = [clients.open() for _ in range(4)]
+        wait_for(lambda: threads_of(started.pid) >= base + 4, 10, "4 connection threads")
+        extra = [clients.open() for _ in range(6)]
+        closed, got = wait_closed(extra, 1.0 + SLACK_S)
+        assert all(got[s].startswith(b"HTTP/1.1 503 ") for s in extra), list(got.values())
+        assert threads_of(started.pid) <= base + 4, threads_of(started.pid) - base
+        closed, _ = wait_closed(idle, 1.0 + SLACK_S)
+        assert len(closed) == len(idle), f"{len(idle) - len(closed)} of 4 idle clients kept"
+        code, body = get(base_url + "/metrics")
+        assert code == 200 and b'gpufleet_up{Hostname="",host="gone",reason="refused"} 0' in body
+    finally:
+        clients.close()
+        assert started.stop() == 0
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--request-timeout", "0"], "--request-timeout '0': must be a positive number"),
+    (["--request-timeout", "soon"], "--request-timeout 'soon': not a number"),
+    (["--max-connections", "0"], "--max-connections '0': expected a whole number"),
+    (["--max-connections", "many"], "--max-connections 'many': expected a whole number"),
+])
+def test_bad_limits_are_one_line_and_exit_2(home: Path, refused_inventory: Path, args: list,
+                                            fragment: str) -> None:
+    run = run_gpufleet(home, refused_inventory, "serve", "--listen", "127.0.0.1:0", *args,
+                       timeout=60)
+    assert_one_line_error(run, fragment)
+
+
+def test_the_commands_defaults_are_the_documented_limits() -> None:
+    """--request-timeout 5 and --max-connections 64 (click's defaults, kept as text so the
+    command's module loads without ops.serve) are ops.serve's Limits()."""
+    from gpufleet.cli.export_cmd import serve as command
+
+    defaults = {p.name: p.default for p in command.params}
+    limits = serve.parse_limits(defaults["request_timeout"], defaults["max_connections"])
+    assert limits == serve.Limits() == serve.Limits(5.0, 64, 100, 30.0)
