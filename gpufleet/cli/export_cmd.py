@@ -89,29 +89,38 @@ def export(app: AppContext, hosts, groups, tags, all_, textfile: Optional[str], 
               help="Address to serve on (loopback unless told otherwise; port 0: any free port).")
 @click.option("--max-age", "max_age", default="15", show_default=True, metavar="SECONDS",
               help="The snapshot served is never older than this (set it to the scrape interval).")
+@click.option("--request-timeout", "request_timeout", default="5", show_default=True,
+              metavar="SECONDS",
+              help="A client's request must arrive whole within this, and a kept-alive "
+                   "connection may idle no longer: then it is closed.")
+@click.option("--max-connections", "max_connections", default="64", show_default=True,
+              metavar="N", help="HTTP connections at once; one more gets a 503 and is closed.")
 @metric_options
 @click.pass_obj
-def serve(app: AppContext, hosts, groups, tags, all_, listen: str, max_age: str, model_label: str,
-          per_process: bool, process_labels: str, max_processes: str,
-          audit_log: Optional[str]) -> int:
+def serve(app: AppContext, hosts, groups, tags, all_, listen: str, max_age: str,
+          request_timeout: str, max_connections: str, model_label: str, per_process: bool,
+          process_labels: str, max_processes: str, audit_log: Optional[str]) -> int:
     """Serve /metrics and /healthz for Prometheus; refreshed in the background over one
     persistent SSH session per host, so a scrape never waits for a host.
 
     Runs until SIGTERM or Ctrl-C (exit 0); exit 2 on usage errors (a bad --listen, an address
-    in use, a bad --max-age), before any host is contacted.
+    in use, a bad --max-age, --request-timeout or --max-connections), before any host is
+    contacted. Each HTTP connection is a thread: --request-timeout and --max-connections bound
+    what slow or idle clients can hold.
     """
-    from gpufleet.ops.serve import Exporter, Fleet, bind, parse_listen, parse_max_age
+    from gpufleet.ops.serve import Exporter, Fleet, bind, parse_limits, parse_listen, parse_max_age
 
     opts = export_options(model_label, per_process, process_labels, max_processes)
     parse_listen(listen)
     max_age_s = parse_max_age(max_age)
+    limits = parse_limits(request_timeout, max_connections)
     selected = app.select(hosts, groups, tags, all_)
     fleet = Fleet(selected, forks=app.forks)
     exporter = Exporter(fleet, opts, audit_log, max_age_s)
     # A scrape needs the GIL a few times; while a refresh parses 100+ documents in pure
     # Python, a 5 ms switch interval makes each of those waits up to 5 ms x runnable threads.
     sys.setswitchinterval(0.0005)
-    server = bind(listen, exporter)
+    server = bind(listen, exporter, limits)
     # What is loaded by now (modules, sessions: ~10^5 objects) lives as long as the process:
     # out of the collector's sight, a full collection during a refresh (they stop every
     # thread, scrapes too) walks only what the refresh allocates.
