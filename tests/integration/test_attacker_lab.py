@@ -102,3 +102,25 @@ def test_a_user_scope_named_like_a_container_is_no_container(
     assert [t["pid"] for t in doc["targets"]] == [holder], json.dumps(doc)[:2000]
     assert doc["verdict"] == "clean" and run.rc == 0, str(run)
     assert not host.alive(holder)
+
+
+def test_a_job_titled_like_sshd_is_no_sshd(lab: Any, make_host: Any, tmp_path: Path) -> None:
+    """A per-session sshd runs as the user it serves ("sshd: alice@pts/3"), so the title and
+    the owner prove nothing; the executable does. A user's GPU job with that title is a
+    target, and the plan says what it claims to be."""
+    host = make_host("sshd-claim", gpus=2)
+    job = host.spawn_holder(gpus=[1], mib=9000, title="sshd: alice@pts/3", user="nobody",
+                            via="exec")
+    assert host.comm(job).startswith("sshd")
+    inv = lab.inventory_yaml([host])
+
+    plan = run_gpufleet(tmp_path, inv, "clean", "--gpus", "1", "--dry-run", *FAST)
+    assert plan.rc == 0, str(plan)
+    assert "claims to be sshd" in plan.stdout, plan.stdout
+    assert "sshd (never signalled)" not in plan.stdout
+
+    run = run_gpufleet(tmp_path, inv, "clean", "--gpus", "1", "--yes", "--json", *FAST)
+    doc = run.host("sshd-claim")
+    assert [t["pid"] for t in doc["targets"]] == [job], json.dumps(doc)[:2000]
+    assert doc["verdict"] == "clean" and run.rc == 0, str(run)
+    assert not host.alive(job) and host.gpu_used()[1] == 0

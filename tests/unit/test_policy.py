@@ -558,3 +558,32 @@ def test_a_user_service_is_refused_with_the_command_and_never_stopped(train: Sna
         assert policy.service_unit(mine) is None
     scope = dataclasses.replace(mine, user_unit="app-tmux-42.scope")
     assert policy.may_signal(scope, ctx)
+
+
+def test_protected_names_need_the_binary(train: Snapshot, ctx: PolicyContext) -> None:
+    """sshd and the daemons are protected on evidence: the executable is root's binary of that
+    name. A claim without it is a target; no evidence at all (an older agent) keeps the name's
+    protection."""
+    base = next(p for p in train.processes.values() if policy.may_signal(p, ctx))
+    cases = [
+        ("sshd: alice@pts/3", "sshd", "/usr/sbin/sshd", True, False),
+        ("sshd-session: alice@pts/3", "sshd-session", "/usr/lib/openssh/sshd-session", True,
+         False),
+        ("sshd: alice@pts/3", "sshd", "/usr/bin/python3.11", True, True),
+        ("sshd: alice@pts/3", "sshd", "/home/alice/sshd", False, True),  # alice's own copy
+        ("sshd: alice@pts/3", "sshd", None, None, False),  # no evidence: the name protects
+        ("nvidia-persistenced --user nvidia", "nvidia-persiste",
+         "/usr/bin/nvidia-persistenced", True, False),
+        ("nvidia-persistenced", "nvidia-persiste", "/usr/bin/python3", True, True),
+        ("/usr/bin/X :0", "Xorg", "/usr/lib/xorg/Xorg", True, False),
+        ("/usr/sbin/sshd -D (deleted)", "sshd", "/usr/sbin/sshd (deleted)", True, False),
+    ]
+    for cmdline, comm, exe, root, target in cases:
+        p = dataclasses.replace(base, cmdline=cmdline, comm=comm, exe=exe, exe_root=root)
+        assert policy.may_signal(p, ctx) is target, (cmdline, exe, root)
+        assert (policy.false_claim(p) is not None) is target, (cmdline, exe, root)
+    nvtop = dataclasses.replace(base, comm="nvtop", cmdline="nvtop", exe="/usr/bin/nvtop",
+                                exe_root=True)
+    assert policy.client_name(nvtop) == "nvtop"
+    fake = dataclasses.replace(nvtop, exe="/usr/bin/python3.11")
+    assert policy.client_name(fake) is None
