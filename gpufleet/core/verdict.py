@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Union
 
 from gpufleet.core import policy
+from gpufleet.core.hostlock import lock_failure
 from gpufleet.core.model import Snapshot, SnapshotError, ledger, parse_snapshot
 from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.plan import Plan, Refusal, Target
@@ -95,8 +96,9 @@ def _state(raw: Optional[str]) -> str:
 def _problems(clean: Mapping[str, Any]) -> list[str]:
     """What went wrong in the agent's own steps, quoted from its document."""
     out = []
-    if clean.get("lock") == "busy":
-        out.append("another gpufleet clean holds this host's lock; nothing was signalled")
+    lock = lock_failure(clean)
+    if lock is not None:
+        out.append(lock)
     for unit in clean.get("units_stopped") or ():
         if not unit.get("ok"):
             out.append(f"stopping {unit.get('unit')} failed: {unit.get('error') or '?'}")
@@ -130,7 +132,7 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Clea
     blockers = _reset_blockers(after, ctx)
 
     bad = [o for o in outcomes if not o.ok]
-    if not bad and not (clean.get("lock") == "busy"):
+    if not bad and lock_failure(clean) is None:
         return CleanVerdict(plan.host, CLEAN, "", freed, left, tuple(outcomes),
                             tuple(survivors), tuple(unattributed), not blockers,
                             tuple(blockers), tuple(problems))

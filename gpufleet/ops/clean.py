@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.config.selection import parse_gpu_list
+from gpufleet.core.hostlock import lock_failure
 from gpufleet.core.model import HostResult, Snapshot, parse_snapshot
 from gpufleet.core.plan import Plan, make_plan, to_request
 from gpufleet.core.results import Failure, HostOutcome
@@ -221,9 +222,11 @@ def finish_clean(host: Host, planned: HostClean, reply: AgentReply, opts: CleanO
     doc = reply.doc
     planned.agent_doc = doc
     _record_signals(host, planned, opts)
-    if doc.get("lock") == "busy":
-        planned.fail(Failure(errors.BUSY, "another gpufleet clean holds this host's lock; "
-                             "nothing was signalled"), verdict="busy")
+    lock = lock_failure(doc)
+    if lock is not None:  # busy (who holds it) or refused (why it could be another's)
+        busy = doc.get("lock") == "busy"
+        planned.fail(Failure(errors.BUSY if busy else errors.COMMAND, lock),
+                     verdict="busy" if busy else "error")
         _record_verdict(host, planned, opts)
         return planned
     try:

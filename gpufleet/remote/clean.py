@@ -35,8 +35,7 @@ from .parse import (  # joined
 from .procfs import PROC, SYSTEMCTL_FALLBACKS, read_stat, scan_fds, self_context  # joined
 from .nvml import memory_used, read_bounded  # joined
 from .snapshot import gpu_source, nvml_timeout, snapshot  # joined
-
-DEFAULT_LOCK = "/tmp/gpufleet-clean.lock"
+from .lock import lock_for_clean  # joined
 
 
 UNIT_RE = LazyRe(
@@ -91,42 +90,6 @@ def reset_refusal(is_root, in_container, wsl2, holder_pids):
     if holder_pids:
         return "held by PID %s" % ", ".join(str(p) for p in sorted(holder_pids))
     return None
-
-
-def acquire_lock(path, wait_s, poll=0.1):
-    """flock on path, polled for up to wait_s; returns the fd or None (busy).
-
-    Opened read-only when it exists (flock needs no write access, and fs.protected_regular
-    refuses O_CREAT on another user's file in /tmp), created exclusively otherwise.
-    """
-    fd = None
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
-            break
-        except FileNotFoundError:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                break
-            except FileExistsError:
-                continue
-    if fd is None:
-        raise OSError(errno.EIO, "cannot open lock file %s" % path)
-    import fcntl  # a clean's only: not loaded by a snapshot's start
-
-    end = time.monotonic() + max(0.0, wait_s)
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except (OSError, IOError) as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                os.close(fd)
-                raise
-        if time.monotonic() + poll > end:
-            os.close(fd)
-            return None
-        time.sleep(poll)
 
 
 class Auditor(object):
@@ -585,18 +548,10 @@ def clean(req, deadline, res, proc=PROC):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
         except (ValueError, OSError, AttributeError):
             pass
-    lock_path = req.get("lock_path") or DEFAULT_LOCK
     wait_s = min(float(req.get("lock_wait_s", req["timeout_s"])), max(0.0, deadline.remaining()))
-    try:
-        fd = acquire_lock(lock_path, wait_s)
-    except (OSError, IOError) as exc:
-        res["lock"] = "busy"  # not acquired: do nothing, say why
-        res["error"] = "lock %s: %s" % (lock_path, exc)
+    fd = lock_for_clean(req, wait_s, res, proc)
+    if fd is None:  # busy or refused: nothing is done, res says why
         return res
-    if fd is None:
-        res["lock"] = "busy"
-        return res
-    res["lock"] = "acquired"
     try:
         _clean_locked(req, deadline, res, t0, proc)
     finally:

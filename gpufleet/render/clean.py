@@ -119,6 +119,7 @@ def host_document(r: Any) -> dict[str, Any]:
         "shm_removed": list(doc.get("shm_removed") or []),
         "reset": list(doc.get("reset") or []),
         "memory_wait": doc.get("memory_wait"),
+        "lock_holder": doc.get("lock_holder"),  # busy: {pid, uid, user, cmdline, open}
         "before": _mem(before_snap, scope),
         "after": _mem(r.after, scope),
         "freed_mib": detail.get("freed_mib"),

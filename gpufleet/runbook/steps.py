@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
+from gpufleet.core.hostlock import lock_failure
 from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snapshot
 from gpufleet.runbook.model import Step
 from gpufleet.runbook.checks import (StepFailed, _chosen, check_conditions, gpu_metrics,
@@ -218,8 +219,9 @@ def _step_clear_shm(ctx: _HostRun, step: Step, end: float) -> str:
     if not reply.ok or reply.doc is None:
         raise StepFailed(f"agent failed: {reply.error or '?'}")
     doc = reply.doc
-    if doc.get("lock") == "busy":
-        raise StepFailed("another gpufleet clean holds this host's lock; nothing removed")
+    lock = lock_failure(doc, "nothing removed")
+    if lock is not None:
+        raise StepFailed(lock)
     if doc.get("error"):
         raise StepFailed(f"agent: {doc['error']}")
     try:

@@ -102,7 +102,8 @@ def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any
 def test_three_operators_clean_one_host_at_once(lab: Any, make_host: Any, home: Path,
                                                 tmp_path: Path) -> None:
     """Operator 1 is mid-sequence (TERM sent, grace running). Operator 2 (timeout 1 s) finds
-    the host's clean lock taken: nothing signalled, said so. Operator 3 waits for the lock,
+    the host's clean lock taken: nothing signalled, said so, and by whom (operator 1's agent,
+    not operator 3's, which only waits for it). Operator 3 waits for the lock,
     then finds its target already gone: reported 'gone', never signalled twice."""
     host = make_host("shared-host", gpus=1)
     stubborn = host.spawn_holder(gpus=[0], mib=1500, title="stubborn", ignore_term=True)
@@ -124,7 +125,10 @@ def test_three_operators_clean_one_host_at_once(lab: Any, make_host: Any, home: 
     assert r1.rc == 0 and one["verdict"] == "clean", str(r1)
     assert signals(one["signals"]) == [(stubborn, "TERM", "sent"), (stubborn, "KILL", "sent")]
     assert r2.rc == 1 and two["verdict"] == "busy", str(r2)
-    assert two["error"] == "another gpufleet clean holds this host's lock; nothing was signalled"
+    # who holds it: operator 1's agent (its bootstrap's command line), by PID and user
+    assert two["error"].startswith("another gpufleet clean holds this host's lock: PID "), two
+    assert ", user root, command \"python3 -S -E -s -c import sys;" in two["error"], two
+    assert two["error"].endswith("; nothing was signalled") and "\n" not in two["error"]
     assert two["signals"] == []
     assert [t["pid"] for t in two["targets"]] == [stubborn]  # it had planned to, then stood back
     assert r3.rc == 0 and three["verdict"] == "clean", str(r3)

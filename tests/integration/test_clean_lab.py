@@ -458,42 +458,6 @@ def test_pid_reused_between_plan_and_signal_is_not_signalled(lab: Any, make_host
     assert out.verdict == "dirty" and "started during the clean" in out.reason
 
 
-LOCKER = r"""
-import fcntl, os, sys, time
-fd = os.open("/tmp/gpufleet-clean.lock", os.O_RDWR | os.O_CREAT, 0o644)
-fcntl.flock(fd, fcntl.LOCK_EX)
-with open("/tmp/locker.pid.tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.rename("/tmp/locker.pid.tmp", "/tmp/locker.pid")
-time.sleep(300)
-"""
-
-
-def test_a_clean_finding_the_host_lock_held_reports_busy_and_signals_nothing(
-        lab: Any, make_host: Any, home: Path) -> None:
-    host = make_host("locked-box", gpus=1)
-    job = host.spawn_holder(gpus=[0], mib=1000, title="job")
-    host.ssh("setsid -f python3 -c %s </dev/null >/dev/null 2>&1" % shlex.quote(LOCKER), check=True)
-    wait_for(lambda: host.path("/tmp/locker.pid").exists(), what="lock taken")
-    locker = int(host.path("/tmp/locker.pid").read_text())
-    inv = lab.inventory_yaml([host])
-
-    run = clean(home, inv, "--yes", "--json", "--grace", "0.5", "--timeout", "1")
-    assert run.rc == 1, str(run)
-    assert_no_traceback(run)
-    doc = run.host("locked-box")
-    assert doc["verdict"] == "busy" and doc["ok"] is False
-    assert "lock" in doc["error"] and "nothing was signalled" in doc["error"]
-    assert doc["signals"] == []
-    assert host.alive(job) and host.gpu_used() == [1000]
-
-    assert host.kill(locker) and host.wait_gone(locker)
-    again = clean(home, inv, "--yes", "--json", *FAST)
-    assert again.rc == 0, str(again)
-    assert again.host("locked-box")["verdict"] == "clean"
-    assert not host.alive(job)
-
-
 def test_two_concurrent_cleans_are_serialised_and_both_end(lab: Any, make_host: Any,
                                                            home: Path) -> None:
     host = make_host("contended", gpus=2)

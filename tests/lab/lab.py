@@ -630,7 +630,8 @@ class Lab:
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o755)
         self.user = user
-        _ensure_user(user)
+        pw = _ensure_user(user)
+        self._runtime_ids = (pw.pw_uid, pw.pw_gid)
         self.client_key = self.dir / "client_ed25519"
         self._keygen(self.client_key, "gflab-client")
         self.client_pub = (self.dir / "client_ed25519.pub").read_text().strip()
@@ -757,6 +758,7 @@ class Lab:
                 "name": name, "port": port, "config": cfg, "wsl2": wsl2, "minors": minors,
                 "nvidia_smi": nvidia_smi, "python3": python3, "smi_python": self._smi_python,
                 "nvml": nvml, "kmsg": None if kmsg is None else "".join(kmsg), "sshd": SSHD,
+                "runtime_ids": list(self._runtime_ids),
                 "path": (path_prefix + ":" if path_prefix else "") + DEFAULT_PATH, "log": str(hostdir / "sshd.log"), "keep": _keep_dirs() + [os.path.realpath(k) for k in keep],
                 "sshd_config": self._sshd_config(port)
                 + ("ListenAddress %s\n" % listen if listen else "") + sshd_extra.strip() + "\n",

@@ -4,7 +4,9 @@ Started by lab.py as ``unshare -m -p -f -u --mount-proc --kill-child python3 lab
 (root), so it runs in fresh mount, PID and UTS namespaces. Why each piece:
 
 * a tmpfs on /run: per-host /run/fakegpu (the fake driver's state), /run/sshd (privsep dir)
-  and /run/gflab (scripts, keys, sshd_config, copied in: the lab's own temp dir may be hidden);
+  and /run/gflab (scripts, keys, sshd_config, copied in: the lab's own temp dir may be hidden),
+  and the lab user's runtime directory /run/user/<uid> (0700, its own: logind makes one on a
+  real host; a non-root agent keeps its clean lock there);
 * a tmpfs on /dev with bind mounts of null, zero, full, random, urandom, tty, a new devpts,
   a fresh /dev/shm and REGULAR files standing in for /dev/nvidiaN, nvidiactl, nvidia-uvm (or
   /dev/dxg on a WSL2 host): holders open them, gpufleet finds them in /proc/PID/fd;
@@ -280,6 +282,11 @@ def setup(spec, files):
     os.mkdir("/run/fakegpu/procs")
     os.chmod("/run/fakegpu/procs", 0o777)
     os.chmod("/run/lock", 0o1777)
+    if spec.get("runtime_ids"):  # the lab user's runtime directory, as logind makes it
+        uid, gid = spec["runtime_ids"]
+        os.mkdir("/run/user", 0o755)
+        os.mkdir("/run/user/%d" % uid, 0o700)
+        os.chown("/run/user/%d" % uid, uid, gid)
     write("/run/fakegpu/config.json", json.dumps(spec["config"], indent=1), 0o666)
     for name, data in files.items():
         write("/run/gflab/" + name, data, 0o600 if name.endswith("_key") else 0o644)

@@ -536,16 +536,19 @@ def test_parse_request_defaults_and_errors():
             agent.parse_request(bad)
 
 
-def test_lock_busy_then_acquired(tmp_path):
+def test_lock_busy_names_its_holder_then_is_acquired(tmp_path):
     path = str(tmp_path / "lock")
-    fd = agent.acquire_lock(path, 0.0)
-    assert fd is not None
+    fd, holder = agent.acquire_lock(path, 0.0)
+    assert fd is not None and holder is None
     try:
-        assert agent.acquire_lock(path, 0.25) is None  # another open file description
+        busy, holder = agent.acquire_lock(path, 0.25)  # another open file description
+        assert busy is None
+        assert holder["pid"] == os.getpid() and holder["uid"] == os.geteuid()
+        assert holder["open"] is True and holder["cmdline"]
     finally:
         os.close(fd)
-    fd2 = agent.acquire_lock(path, 0.0)
-    assert fd2 is not None
+    fd2, holder = agent.acquire_lock(path, 0.0)
+    assert fd2 is not None and holder is None
     with open(path) as other:
         with pytest.raises(OSError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -839,7 +840,9 @@ def test_clean_as_other_user_reports_permission_denied(tmp_path, children):
     if os.geteuid() != 0 or not os.access(system_python, os.X_OK):
         pytest.skip("needs root (to run the agent as nobody) and /usr/bin/python3")
     h = children.holder("roots-own")
-    lock = "/tmp/gpufleet-test-%d.lock" % os.getpid()
+    lock_dir = tempfile.mkdtemp(prefix="gpufleet-test-")  # 0700; nobody's own, as a lock's must be
+    os.chown(lock_dir, 65534, 65534)
+    lock = lock_dir + "/clean.lock"
     try:
         req = {"mode": "clean", "deadline_s": 20, "scope": [], "grace_s": 0.3,
                "timeout_s": 5, "poll_s": 0.05, "lock_path": lock, "operator": "t",
@@ -848,8 +851,8 @@ def test_clean_as_other_user_reports_permission_denied(tmp_path, children):
         doc = run_agent(req, python=system_python, user=65534, group=65534, extra_groups=[],
                         cwd="/tmp", env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
     finally:
-        if os.path.exists(lock):
-            os.unlink(lock)
+        shutil.rmtree(lock_dir)
+    assert doc["lock"] == "acquired", doc.get("error")
     assert [(s["signal"], s["outcome"]) for s in doc["signals"]] == \
         [("TERM", "permission denied")]
     assert h.poll() is None

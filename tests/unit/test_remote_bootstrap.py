@@ -42,7 +42,8 @@ def test_argv_is_exactly_the_design():
 # Every public function and class of gpufleet/remote/agent.py before it was split into pieces
 # (issue 11), and its public constants: the joined payload still defines them all (but the
 # patterns of the snapshot's hot paths, DEVICE_RE, GPU_DEVICE_RE, BUS_RE and INT_RE, which are
-# string tests now: tests/unit/test_agent_string_parsers.py).
+# string tests now: tests/unit/test_agent_string_parsers.py; and DEFAULT_LOCK, the lock in /tmp
+# that any user could hold: remote/lock.py's names below replace it).
 SINGLE_FILE_FUNCTIONS = (
     "AgentDeadline", "Auditor", "CmdResult", "Deadline", "Job", "ParseError", "acquire_lock",
     "ancestors_of", "attach_minors", "check_complete", "classify_survivor", "clean", "clean_shm",
@@ -59,11 +60,17 @@ SINGLE_FILE_FUNCTIONS = (
     "user_name", "valid_unit", "wait_exit", "wait_memory", "which",
 )
 SINGLE_FILE_CONSTANTS = (
-    "AGENT_VERSION", "APP_FIELDS", "CMDLINE_MAX", "CUDA_RE", "DEFAULT_LOCK", "DEV",
+    "AGENT_VERSION", "APP_FIELDS", "CMDLINE_MAX", "CUDA_RE", "DEV",
     "DRIVER_RE", "GPU_FIELDS", "GPU_KEYS", "INT_FIELDS",
     "INVALID_FIELD_RE", "MAPS_LIMIT", "MAPS_TIMEOUT_S", "OPTIONAL_GPU_FIELDS", "PF_KTHREAD",
     "PROC", "Q_HEADER_RE", "Q_KV_RE", "REQUIRED_GPU_FIELDS", "SHM_LEFTOVER_RE", "SMI_FALLBACKS",
     "SYSTEMCTL_FALLBACKS", "UNIT_RE",
+)
+# The host lock's piece (remote/lock.py): only its owner can create or open the lock.
+LOCK_NAMES = (
+    "HOLDER_CMDLINE_MAX", "LockRefused", "ROOT_LOCK", "USER_LOCK", "default_lock_path",
+    "has_open", "lock_for_clean", "lock_holder", "open_lock", "open_lock_dir",
+    "ownership_problem", "parse_lock_line", "runtime_dir", "wait_flock",
 )
 
 
@@ -79,6 +86,7 @@ def test_payload_compiles_and_defines_everything_the_single_file_did():
                 if isinstance(t, ast.Name)}
     assert sorted(set(SINGLE_FILE_FUNCTIONS) - defined) == []
     assert sorted(set(SINGLE_FILE_CONSTANTS) - assigned) == []
+    assert sorted(set(LOCK_NAMES) - defined - assigned) == []
 
 
 def test_payload_has_no_import_of_a_piece_left():

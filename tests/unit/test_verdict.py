@@ -240,6 +240,21 @@ def test_busy_lock_is_dirty_even_with_low_memory() -> None:
     assert v.verdict == "dirty" and "another gpufleet clean holds this host's lock" in v.reason
 
 
+def test_a_refused_lock_is_dirty_and_says_why_and_a_busy_one_who_holds_it() -> None:
+    before = parse_snapshot(doc("train-node"))
+    plan = make_plan(before, (0, 1, 2, 3))
+    after = after_doc("train-node", gone=VLLM)
+    refused = V.make_verdict(plan, clean_doc(after, lock="refused", lock_refused={
+        "kind": "unsafe_dir", "path": "/run/gpufleet",
+        "reason": "/run/gpufleet is owned by uid 65534, not by the agent's uid 0"}), before)
+    assert refused.verdict == "dirty" and refused.problems == (
+        "no safe clean lock: /run/gpufleet is owned by uid 65534, not by the agent's uid 0; "
+        "nothing was signalled",)
+    busy = V.make_verdict(plan, clean_doc(after, lock="busy", lock_holder={
+        "pid": 77, "uid": 0, "user": "root", "cmdline": "flock x sleep 9", "open": True}), before)
+    assert busy.verdict == "dirty" and "PID 77, user root" in busy.reason
+
+
 def test_as_dict_is_json() -> None:
     before = parse_snapshot(doc("agent-session"))
     v = V.make_verdict(make_plan(before, (0,)),
