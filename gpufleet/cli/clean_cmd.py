@@ -31,16 +31,24 @@ from gpufleet.render.common import to_json
 @click.option("--disable-units", is_flag=True, help="With --stop-units: also disable them.")
 @click.option("--shm", is_flag=True, help="Remove known leftover /dev/shm files that no process has open.")
 @click.option("--reset", is_flag=True, help="nvidia-smi --gpu-reset GPUs left with unattributed memory, when safe.")
+@click.option("--owner", "owners", multiple=True, metavar="PID|UNIT",
+              help="Also stop this owner of a target (a supervisor's PID, first; or its unit), "
+                   "as the plan names it (repeatable). Owners are never signalled otherwise.")
+@click.option("--settle", "settle_s", type=click.FloatRange(0, 600), default=None,
+              help="Seconds to watch for the GPU being retaken once the memory is back "
+                   "[default: 5 when a target has an owner that may restart it, else 0].")
 @click.option("--audit-log", default=None, metavar="PATH",
               help="Audit log (default ~/.local/state/gpufleet/audit.jsonl).")
 @click.pass_obj
 def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, yes: bool, as_json: bool,
           grace_s: float, timeout_s: float, tolerance_mib: int, protect, include_spanning: bool,
-          stop_units: bool, disable_units: bool, shm: bool, reset: bool, audit_log: Optional[str]) -> int:
+          stop_units: bool, disable_units: bool, shm: bool, reset: bool, owners: tuple[str, ...],
+          settle_s: Optional[float], audit_log: Optional[str]) -> int:
     """Free the GPUs in scope: TERM, grace, KILL; then wait until the memory is really back.
 
-    Exit 0 all clean (or the plan, with --dry-run); 1 any host dirty, unreachable or failed;
-    2 usage/inventory error or no --yes in a non-interactive run (nothing signalled).
+    Exit 0 all clean (or the plan, with --dry-run); 1 any host dirty, retaken (a target was
+    started again, or a new process took a GPU in scope), unreachable or failed; 2
+    usage/inventory error or no --yes in a non-interactive run (nothing signalled).
     """
     from gpufleet.cli.progress import HostProgress
     from gpufleet.config.selection import parse_gpu_list
@@ -54,7 +62,8 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     selected = app.select(hosts, groups, tags, all_)
     opts = CleanOptions(gpus=gpus, grace_s=grace_s, timeout_s=timeout_s, tolerance_mib=tolerance_mib,
                         protect=tuple(protect), include_spanning=include_spanning, stop_units=stop_units,
-                        disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log)
+                        disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log,
+                        owners=tuple(owners), settle_s=settle_s)
     phase: list[HostProgress] = []  # the progress line (stderr, terminal only) of the fan-out now
 
     def progress(items: Sequence[Any], label: str) -> HostProgress:

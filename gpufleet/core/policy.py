@@ -521,3 +521,146 @@ def unreadable_could_matter(snapshot: Snapshot, threshold_mib: int) -> bool:
     every run, with every GPU's memory accounted for, is a warning that cries wolf."""
     unexplained = unexplained_mib(snapshot, (), threshold_mib)
     return unexplained is None or bool(unexplained)
+
+
+# ------------------------------------------------------------------ owners (never signalled by default)
+#
+# Killing a process that something restarts frees its memory for a second: a supervisor
+# (supervisord respawns about 1 s after SIGKILL), a shell loop, torchrun's elastic agent, ray's
+# raylet, a systemd unit, a container runtime or a Kubernetes pod start it again, and the
+# memory comes back (measured on an H200: a restarted torch child is listed by NVML 3.5-4.0 s
+# after its predecessor's SIGKILL, tests/fixtures/real-h200/clean-cases/). So the plan names
+# each target's owner, from evidence, and the clean watches for the GPU being retaken. An owner
+# is never signalled unless the operator names it (clean --owner).
+
+OWNER_UNIT = "unit"
+OWNER_USER_UNIT = "user-unit"
+OWNER_CONTAINER = "container"
+OWNER_POD = "pod"
+OWNER_SLURM = "slurm-job"
+OWNER_SUPERVISOR = "supervisor"  # a parent that restarts it, on evidence
+OWNER_PARENT = "parent"  # a live parent with no evidence that it restarts anything
+
+# Programs whose job is to restart what they started (names ADD evidence of restarting; they
+# never make anything a target).
+SUPERVISOR_NAMES = frozenset({
+    "supervisord", "runsv", "runsvdir", "s6-supervise", "containerd-shim",
+    "containerd-shim-runc-v2", "conmon", "raylet", "pm2", "circusd", "gunicorn",
+})
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ash", "ksh", "busybox"})
+SHELL_LOOPS = ("while ", "while:", "until ", "for ")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whatever may start a target again, and what the operator can do about it."""
+
+    kind: str
+    name: str  # "vllm.service", "PID 134 sh", "docker:0123456789ab", "pod 1234-..."
+    pid: Optional[int] = None
+    starttime: Optional[int] = None
+    restarts: Optional[bool] = None  # True on evidence; None: not known
+    evidence: str = ""
+    action: str = ""
+
+
+def _script_restarts(parent: ProcessInfo, child: ProcessInfo) -> bool:
+    """A ``sh -c SCRIPT`` whose script is a loop that runs the child's program."""
+    words = parent.cmdline.split(" ", 2)
+    if len(words) < 3 or os.path.basename(words[0]) not in SHELLS or words[1] != "-c":
+        return False
+    script = words[2]
+    if not any(loop in script for loop in SHELL_LOOPS):
+        return False
+    names = {child.comm, _argv0(child)} | {os.path.basename(w) for w in child.cmdline.split()[:2]}
+    return any(n and n in script for n in names)
+
+
+def _supervisor_evidence(parent: ProcessInfo, child: ProcessInfo) -> Optional[str]:
+    """Why ``parent`` restarts ``child``, or None when nothing says it does."""
+    names = {parent.comm, _argv0(parent), exe_basename(parent) or ""}
+    known = sorted(n for n in names if n in SUPERVISOR_NAMES or n.startswith("containerd-shim"))
+    if known:
+        return f"{known[0]} restarts what it supervises"
+    if "torch.distributed.run" in parent.cmdline or _argv0(parent) == "torchrun":
+        return "torchrun's elastic agent restarts its workers"
+    if _script_restarts(parent, child):
+        return "its shell script is a loop that runs it again"
+    return None
+
+
+def _pod_uid(cgroup: Optional[str]) -> Optional[str]:
+    """The pod UID in a kubelet cgroup path (``/kubepods/burstable/pod<uid>/...`` or
+    ``.../kubepods-burstable-pod<uid>.slice/...``; systemd's driver writes its dashes as _)."""
+    comps = [c for c in (cgroup or "").split("/") if c]
+    if not comps or not comps[0].startswith("kubepods"):
+        return None
+    for comp in comps:
+        name = comp[:-len(".slice")] if comp.endswith(".slice") else comp
+        if name.startswith("pod"):
+            return name[3:].replace("_", "-") or None
+        if "-pod" in name:
+            return name[name.rindex("-pod") + 4:].replace("_", "-") or None
+    return None
+
+
+def _slurm_job(cgroup: Optional[str]) -> Optional[str]:
+    for comp in (cgroup or "").split("/"):
+        if comp.startswith("job_") and comp[4:].isdigit():
+            return comp[4:]
+    return None
+
+
+def owner_of(proc: ProcessInfo, processes: Mapping[int, ProcessInfo],
+             targets: frozenset[int] = frozenset()) -> Optional[Owner]:
+    """THE rule for what may start ``proc`` again, from evidence: its systemd unit (systemd's
+    own answer), a user's unit, a Kubernetes pod, a container, a Slurm job, or the nearest
+    live ancestor that is no target, not PID 1, not sshd and not the agent's own session:
+    an owner that restarts it when its program or script says so (SUPERVISOR_NAMES, torchrun,
+    a shell loop that runs it), else only its parent (an interactive shell that started a
+    job does not restart it). None: nothing but init is above it."""
+    unit = service_unit(proc)
+    if unit is not None:
+        return Owner(OWNER_UNIT, unit, restarts=None, evidence="systemd says it owns the process",
+                     action=f"stop the unit ({unit}) or pass --stop-units")
+    if proc.user_unit and proc.user_unit_uid is not None and proc.user_unit.endswith(".service"):
+        uid = proc.user_unit_uid
+        return Owner(OWNER_USER_UNIT, f"{proc.user_unit} (uid {uid})", restarts=None,
+                     evidence="a unit of the user's own systemd",
+                     action=f"systemctl --user -M {uid}@ stop {proc.user_unit}")
+    pod = _pod_uid(proc.cgroup) if (proc.container or "").startswith(("k8s", "kubepods")) else None
+    if pod is not None:
+        return Owner(OWNER_POD, f"pod {pod} ({proc.container})", restarts=True,
+                     evidence="Kubernetes restarts a pod's containers",
+                     action="delete or scale down the pod (kubectl)")
+    if proc.container:
+        return Owner(OWNER_CONTAINER, proc.container, restarts=None,
+                     evidence="the container runtime may restart it (its restart policy)",
+                     action=f"stop the container ({proc.container})")
+    job = _slurm_job(proc.cgroup)
+    if job is not None:
+        return Owner(OWNER_SLURM, f"Slurm job {job}", restarts=None,
+                     evidence="the process is in the job's cgroup",
+                     action=f"scancel {job}")
+    return _parent_owner(proc, processes, targets)
+
+
+def _parent_owner(proc: ProcessInfo, processes: Mapping[int, ProcessInfo],
+                  targets: frozenset[int]) -> Optional[Owner]:
+    child, seen = proc, {proc.pid}
+    parent = processes.get(proc.ppid) if proc.ppid is not None else None
+    while parent is not None and parent.pid in targets and parent.pid not in seen:
+        seen.add(parent.pid)
+        child = parent
+        parent = processes.get(parent.ppid) if parent.ppid is not None else None
+    if parent is None or parent.pid <= 1 or parent.relation in RELATIONS or is_sshd(parent) \
+            or is_kernel_thread(parent):
+        return None
+    name = f"PID {parent.pid} {parent.name}"
+    why = _supervisor_evidence(parent, child)
+    if why is not None:
+        return Owner(OWNER_SUPERVISOR, name, parent.pid, parent.starttime, True, why,
+                     f"stop it, or pass --owner {parent.pid} to include it")
+    return Owner(OWNER_PARENT, name, parent.pid, parent.starttime, None,
+                 "its parent; nothing says it restarts it",
+                 f"if it starts {child.name} again, stop it or pass --owner {parent.pid}")

@@ -11,7 +11,7 @@ can be gone while the driver still holds its memory, and a zombie holds none (me
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from gpufleet.core import policy
 from gpufleet.core.hostlock import lock_failure
@@ -21,6 +21,7 @@ from gpufleet.core.plan import Plan, Refusal, Target
 
 CLEAN = "clean"
 DIRTY = "dirty"
+RETAKEN = "retaken"  # a target was started again, or a new process took the GPU: exit 1
 
 # Survivor kinds.
 SURVIVED = "survived"  # a target still alive (same pid and start time)
@@ -67,7 +68,7 @@ class Unattributed:
 
 @dataclass(frozen=True)
 class CleanVerdict:
-    """One host's clean/dirty verdict (``verdict`` is CLEAN or DIRTY), with the evidence."""
+    """One host's verdict (``verdict`` is CLEAN, DIRTY or RETAKEN), with the evidence."""
 
     host: str
     verdict: str
@@ -132,6 +133,11 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Clea
     blockers = _reset_blockers(after, ctx)
 
     bad = [o for o in outcomes if not o.ok]
+    retakes = [r for r in (clean.get("settle") or {}).get("retaken") or () if isinstance(r, dict)]
+    if retakes:
+        return CleanVerdict(plan.host, RETAKEN, retaken_reason(plan, retakes), freed, left,
+                            tuple(outcomes), tuple(survivors), tuple(unattributed),
+                            not blockers, tuple(blockers), tuple(problems))
     if not bad and lock_failure(clean) is None:
         return CleanVerdict(plan.host, CLEAN, "", freed, left, tuple(outcomes),
                             tuple(survivors), tuple(unattributed), not blockers,
@@ -140,6 +146,24 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Clea
     return CleanVerdict(plan.host, DIRTY, reason, freed, left, tuple(outcomes),
                         tuple(survivors), tuple(unattributed), not blockers, tuple(blockers),
                         tuple(problems))
+
+
+def retaken_reason(plan: Plan, retakes: Sequence[Mapping[str, Any]]) -> str:
+    """Who took the GPU back, started by whom, and what to do: one clause per new process."""
+    parts = []
+    for r in retakes:
+        who = f"PID {r.get('pid')} {r.get('name') or '?'}"
+        replaced = plan.target(r["replaces"]) if isinstance(r.get("replaces"), int) else None
+        owner = replaced.owner if replaced is not None else None
+        if r.get("how") == "restarted" and replaced is not None:
+            by = r.get("owner") or (owner.name if owner else "its owner")
+            action = owner.action if owner is not None else "stop its owner"
+            parts.append(f"{who} was started again by {by} in place of PID {replaced.pid}: "
+                         f"{action}")
+        else:
+            parts.append(f"{who} took a GPU in scope once the memory was free: find what "
+                         "started it (a supervisor, a unit, a scheduler) before loading a model")
+    return "retaken: " + "; ".join(parts)
 
 
 def _after_snapshot(clean: Mapping[str, Any]) -> Union[Snapshot, str]:

@@ -58,6 +58,8 @@ class CleanOptions:
     smi_timeout_s: float = 10.0  # the after-snapshot's nvidia-smi bound
     idle_s: float = 3600.0  # the agent waits this long for the clean request after its plan
     audit_extra: tuple[tuple[str, Any], ...] = ()  # more audit keys (a Slurm job id, its user)
+    owners: tuple[str, ...] = ()  # owners the operator names (PID or unit): planned first
+    settle_s: Optional[float] = None  # None: the plan's default (plan/owners.py)
 
 
 @dataclass
@@ -133,7 +135,7 @@ def plan_from_reply(host: Host, reply: AgentReply, opts: CleanOptions, started: 
             include_spanning=opts.include_spanning, stop_units=opts.stop_units,
             disable_units=opts.disable_units, unattributed_mib=int(host.unattributed_mib or 0),
             tolerance_mib=opts.tolerance_mib, is_sudo=bool(host.sudo), host=host.name,
-            job_uid=opts.job_uid)
+            job_uid=opts.job_uid, owners=opts.owners, settle_s=opts.settle_s)
     except UsageError as exc:
         return out.fail(Failure(errors.USAGE, str(exc)))
     out.verdict = "planned"

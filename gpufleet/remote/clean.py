@@ -36,6 +36,7 @@ from .procfs import PROC, SYSTEMCTL_FALLBACKS, read_stat, scan_fds, self_context
 from .nvml import memory_used, read_bounded  # joined
 from .snapshot import gpu_source, nvml_timeout, snapshot  # joined
 from .lock import lock_for_clean  # joined
+from .settle import restarts, settle  # joined
 
 
 UNIT_RE = LazyRe(
@@ -376,8 +377,10 @@ def memory_reader(req, scope, deadline, out):
     return (lambda: query_used(smi, req, deadline)), max(0.05, req["poll_s"])
 
 
-def wait_memory(req, scope, end, deadline):
-    """The verdict waits for memory, not for processes: poll memory.used per scope GPU."""
+def wait_memory(req, scope, end, deadline, retaken=None):
+    """The verdict waits for memory, not for processes: poll memory.used per scope GPU.
+    ``retaken()`` (the owners' restarts) is asked after each poll: a target started again
+    ends the wait at once, as waiting cannot bring that memory back."""
     t0 = time.monotonic()
     out = {"ok": False, "seconds": 0.0, "polls": 0, "used_mib": {}, "error": None}
     if not scope:
@@ -404,6 +407,10 @@ def wait_memory(req, scope, end, deadline):
                    if used.get(i) is None or used[i] > thresholds.get(str(i), default)]
         if not pending:
             out["ok"] = True
+            break
+        if retaken is not None and retaken():
+            out["error"] = "a target was started again: the GPU is retaken"
+            out["retaken"] = True
             break
         # Memory of processes the plan does not signal will not come back: once only that is
         # left, waiting longer cannot change the verdict.
@@ -585,7 +592,19 @@ def _clean_locked(req, deadline, res, t0, proc):
         res["warnings"].append(auditor.error)
 
     scope = [i for i in (req.get("scope") or []) if isinstance(i, int)]
-    res["memory_wait"] = wait_memory(req, scope, min(work_end, deadline.end - reserve), deadline)
+    since = ctx["starttime"] or 0  # a child that started after this agent is a restart
+    watch = res["settle"] = {"seconds": 0.0, "retaken": [], "listing": False}
+    known = set()
+    asked = [t for t in req.get("targets") or [] if isinstance(t, dict)]
+
+    def retaken():
+        watch["retaken"].extend(restarts(asked, since, known, proc))
+        return bool(watch["retaken"])
+
+    res["memory_wait"] = wait_memory(req, scope, min(work_end, deadline.end - reserve),
+                                     deadline, retaken if req.get("settle_s") else None)
+    if res["memory_wait"]["ok"] and not watch["retaken"]:
+        settle(req, scope, since, deadline, watch, proc)
 
     _record_survivors(targets, res, proc)
 

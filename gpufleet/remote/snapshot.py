@@ -31,6 +31,7 @@ from .parse import (  # joined
 from .procfs import (  # joined
     DEV,
     PROC,
+    ancestors_of,
     confirm_units,
     container_facts,
     denied_reasons,
@@ -333,10 +334,18 @@ def _pop_driver_versions(gpus):
     return driver
 
 
+#: How many generations above a holder the snapshot describes (a holder's family and the
+#: supervisor, shell loop or runtime shim above it).
+OWNER_DEPTH = 8
+
+
 def _settle_holders(holders, seen_start, apps, own, ctx, jobs, warnings, proc):
     """(processes, vanished): the details of every process worth listing; holders that are
     gone or reused since the scan are dropped from holders (vanished)."""
     wanted = set(holders) | set(a["pid"] for a in apps) | own | set(ctx["ancestors"])
+    # and who started them, up to init: a holder's owner is read from its parents (policy)
+    for pid in set(holders) | set(a["pid"] for a in apps):
+        wanted.update(ancestors_of(pid, proc)[:OWNER_DEPTH])
     # our own nvidia-smi children are not worth listing
     wanted -= _job_pids(jobs)
     processes = {}

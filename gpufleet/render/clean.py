@@ -25,10 +25,15 @@ def plan_text(plan: Plan) -> str:
     if plan.targets:
         rows = [[t.pid, _short(t.name, 28), format_gpu_ranges(t.gpus) or "-", t.evidence,
                  "root" if t.wave == 0 else f"child of {t.family_root}",
-                 "-" if t.used_mib is None else t.used_mib, _short(t.cmdline, 50)]
+                 "-" if t.used_mib is None else t.used_mib, _owner_cell(t),
+                 _short(t.cmdline, 40)]
                 for t in sorted(plan.targets, key=lambda t: (t.wave, t.pid))]
-        table = render_table(rows, ["SIGNAL PID", "NAME", "GPUS", "EVIDENCE", "ORDER", "MiB", "CMDLINE"])
+        table = render_table(rows, ["SIGNAL PID", "NAME", "GPUS", "EVIDENCE", "ORDER", "MiB",
+                                    "OWNER", "CMDLINE"])
         lines.extend("  " + line for line in table.splitlines())
+        if plan.settle_s > 0:
+            lines.append(f"  then watch for {plan.settle_s:g} s that nothing takes the GPUs back "
+                         "(a target has an owner that may start it again)")
     else:
         lines.append("  nothing to signal")
     for ref in plan.refused:
@@ -39,6 +44,14 @@ def plan_text(plan: Plan) -> str:
     for note in plan.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def _owner_cell(t: Any) -> str:
+    """Who may start the target again: '-' for nobody but init; '(restarts)' on evidence."""
+    o = t.owner
+    if o is None:
+        return "-"
+    return _short(o.name, 24) + (" (restarts)" if o.restarts else "")
 
 
 def _signalled(doc: Optional[dict]) -> int:

@@ -379,8 +379,13 @@ def test_request_is_the_documented_clean_request() -> None:
     assert req == {
         "mode": "clean", "deadline_s": 70.0, "nvidia_smi": None, "smi_timeout_s": 10.0,
         "scope": [0, 1],
-        "targets": [{"pid": 2260, "starttime": 31200, "wave": 0},
-                    {"pid": 2261, "starttime": 31201, "wave": 0}],
+        "targets": [{"pid": 2260, "starttime": 31200, "wave": 0, "name": "VLLM::Worker",
+                     "cmdline": "VLLM::Worker_TP0"},
+                    {"pid": 2261, "starttime": 31201, "wave": 0, "name": "VLLM::Worker",
+                     "cmdline": "VLLM::Worker_TP1"}],
+        "settle_s": 0.0,  # their unit is stopped: nothing left to restart them
+        "scope_uuids": [g.uuid for g in load("unit-vllm").gpus],
+        "listed_before": [2260, 2261],
         "units": [{"unit": "vllm-minimax.service", "disable": False}],
         "grace_s": 10.0, "timeout_s": 60.0, "poll_s": 0.1,
         "threshold_mib": {"0": 64, "1": 64},

@@ -587,3 +587,64 @@ def test_protected_names_need_the_binary(train: Snapshot, ctx: PolicyContext) ->
     assert policy.client_name(nvtop) == "nvtop"
     fake = dataclasses.replace(nvtop, exe="/usr/bin/python3.11")
     assert policy.client_name(fake) is None
+
+
+def _proc(pid: int, ppid: int, comm: str, cmdline: str, **kw) -> ProcessInfo:
+    return ProcessInfo(pid=pid, ppid=ppid, starttime=pid * 10, state="S", uid=0, user="root",
+                       comm=comm, cmdline=cmdline, **kw)
+
+
+@pytest.mark.parametrize("parent,kind,restarts", [
+    (("sh", "sh -c while :; do python3 train.py; sleep 1; done"), policy.OWNER_SUPERVISOR, True),
+    (("bash", "bash -c for i in 1 2 3; do python3 train.py; done"), policy.OWNER_SUPERVISOR, True),
+    (("sh", "sh -c python3 train.py"), policy.OWNER_PARENT, None),  # no loop: runs it once
+    (("sh", "sh -c while :; do other; done"), policy.OWNER_PARENT, None),  # loops another one
+    (("bash", "-bash"), policy.OWNER_PARENT, None),  # an interactive shell is a parent only
+    (("supervisord", "/usr/bin/python3 /usr/bin/supervisord -n"), policy.OWNER_SUPERVISOR, True),
+    (("python3", "/usr/bin/python3 -m torch.distributed.run --nproc-per-node 8 train.py"),
+     policy.OWNER_SUPERVISOR, True),
+    (("raylet", "/opt/ray/raylet --node-ip 10.0.0.1"), policy.OWNER_SUPERVISOR, True),
+])
+def test_the_owner_of_a_target_comes_from_its_parent(parent, kind, restarts) -> None:
+    comm, cmd = parent
+    procs = {1: _proc(1, 0, "systemd", "/sbin/init"), 50: _proc(50, 1, comm, cmd),
+             60: _proc(60, 50, "python3", "python3 train.py")}
+    owner = policy.owner_of(procs[60], procs)
+    assert owner is not None and (owner.kind, owner.pid, owner.restarts) == (kind, 50, restarts)
+    assert "--owner 50" in owner.action
+
+
+def test_no_owner_under_init_sshd_or_the_agents_session_and_targets_are_skipped() -> None:
+    procs = {1: _proc(1, 0, "systemd", "/sbin/init"),
+             40: _proc(40, 1, "sshd", "sshd: root@pts/0", exe="/usr/sbin/sshd", exe_root=True),
+             41: _proc(41, 40, "bash", "-bash", relation="ancestor"),
+             60: _proc(60, 1, "python3", "python3 train.py"),
+             61: _proc(61, 40, "python3", "python3 train.py"),
+             62: _proc(62, 41, "python3", "python3 train.py"),
+             70: _proc(70, 1, "sh", "sh -c while :; do VLLM::EngineCore; done"),
+             71: _proc(71, 70, "VLLM::EngineCor", "VLLM::EngineCore"),
+             72: _proc(72, 71, "VLLM::Worker", "VLLM::Worker")}
+    assert policy.owner_of(procs[60], procs) is None
+    assert policy.owner_of(procs[61], procs) is None
+    assert policy.owner_of(procs[62], procs) is None
+    # a family's members: the owner is the loop above the whole family
+    owner = policy.owner_of(procs[72], procs, frozenset({71, 72}))
+    assert owner is not None and owner.pid == 70 and owner.restarts
+
+
+def test_units_pods_containers_and_jobs_own_what_runs_in_them() -> None:
+    pod = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod12ab_34cd.slice/x.scope"
+    cases = [
+        (dict(unit="vllm.service"), policy.OWNER_UNIT, "vllm.service"),
+        (dict(unit="user@1000.service", user_unit="job.service", user_unit_uid=1000),
+         policy.OWNER_USER_UNIT, "job.service (uid 1000)"),
+        (dict(container="k8s:0123456789ab", cgroup=pod), policy.OWNER_POD,
+         "pod 12ab-34cd (k8s:0123456789ab)"),
+        (dict(container="docker:0123456789ab"), policy.OWNER_CONTAINER, "docker:0123456789ab"),
+        (dict(cgroup="/system.slice/slurmstepd.scope/job_4711/step_0/user/task_0"),
+         policy.OWNER_SLURM, "Slurm job 4711"),
+    ]
+    for extra, kind, name in cases:
+        proc = _proc(60, 1, "python3", "python3 train.py", **extra)
+        owner = policy.owner_of(proc, {60: proc})
+        assert owner is not None and (owner.kind, owner.name) == (kind, name), extra

@@ -30,6 +30,10 @@ each):
    each parent/child chain is its family root, signalled in wave 0; the rest follows in wave 1.
 5. notes (plan/notes.py); processes nvidia-smi lists but this PID namespace cannot see are
    reported as ``invisible``.
+6. owners (plan/owners.py): each target's owner (whatever may start it again: a unit, a
+   container, a pod, a Slurm job, a supervisor or shell loop above it), those the operator
+   names with --owner planned first, and the settle window the clean then watches for a
+   retake.
 
 The agent's request is built from the plan by ``to_request`` (plan/request.py).
 """
@@ -54,6 +58,7 @@ from gpufleet.core.plan.families import (
     unit_stops,
 )
 from gpufleet.core.plan.notes import NoteInputs, plan_notes, unreadable_fds_note
+from gpufleet.core.plan.owners import owner_notes, plan_owners, watch_fields
 from gpufleet.core.plan.request import to_request
 from gpufleet.core.plan.types import (
     AMBIGUOUS,
@@ -96,6 +101,8 @@ def make_plan(
     is_sudo: bool = False,
     host: Optional[str] = None,
     job_uid: Optional[int] = None,
+    owners: Iterable[str] = (),
+    settle_s: Optional[float] = None,
 ) -> Plan:
     """Decide what a clean of ``scope`` (None = every GPU) on this host would signal: the
     steps of the module docstring, in order. ``job_uid`` (a Slurm epilog): only that user's
@@ -121,20 +128,24 @@ def make_plan(
     settle_families(rules, stop_units)
     promote_roots(rules, snapshot)
     add_zombie_children(rules)
-    targets = assemble_targets(rules.dec, tree)
+    targets, owner_units, owner_refused = plan_owners(
+        snapshot, assemble_targets(rules.dec, tree), owners, ctx)
     notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
-                                  tuple(family_notes)))
+                                  tuple(family_notes))) + tuple(owner_notes(targets))
 
     refused = rules.dec.refused
+    for r in owner_refused:
+        refused[r.pid] = r
     for pid, reason in untrusted.items():  # a row is no evidence; family ties may still be
         if pid not in rules.dec.targets and (plan_scope.full or plan_scope.touches(listed_as[pid])):
             refused[pid] = Refusal(pid, tree.name(pid), reason, UNTRUSTED_ROW, listed_as[pid])
     return Plan(
         host=host, scope=plan_scope.indices, full_scope=plan_scope.full, targets=targets,
         refused=tuple(sorted(refused.values(), key=lambda r: r.pid)),
-        units_to_stop=unit_stops(targets, tree, stop_units, disable_units),
+        units_to_stop=unit_stops(targets, tree, stop_units, disable_units) + owner_units,
         invisible=ev.invisible, threshold_mib=after_thresholds(snapshot, plan_scope.indices, threshold, targets),
         notes=notes, clients=tuple(sorted(ev.clients.values(), key=lambda c: c.pid)),
+        **watch_fields(snapshot, plan_scope.indices, targets, settle_s, stop_units),
     )
 
 

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from gpufleet.core.plan.types import Plan
+from gpufleet.core.plan.types import Plan, Target
 from gpufleet.errors import UsageError
+
+
+def _target(t: Target, plan: Plan) -> dict[str, Any]:
+    """A target as the agent signals it, and the owner whose new child would be a restart
+    (its PID and start time: the agent watches that process's children, never a name)."""
+    out: dict[str, Any] = {"pid": t.pid, "starttime": t.starttime, "wave": t.wave,
+                           "name": t.name, "cmdline": t.cmdline}
+    o = t.owner
+    if o is not None and o.pid is not None and plan.target(o.pid) is None:
+        out["owner"] = {"pid": o.pid, "starttime": o.starttime, "name": o.name,
+                        "restarts": o.restarts}
+    return out
 
 
 def to_request(
@@ -40,9 +52,10 @@ def to_request(
         "nvidia_smi": nvidia_smi,
         "smi_timeout_s": float(smi_timeout_s),
         "scope": list(plan.scope),
-        "targets": [
-            {"pid": t.pid, "starttime": t.starttime, "wave": t.wave} for t in plan.targets
-        ],
+        "targets": [_target(t, plan) for t in plan.targets],
+        "settle_s": float(plan.settle_s),
+        "scope_uuids": list(plan.scope_uuids),
+        "listed_before": list(plan.listed_pids),
         "units": [{"unit": u.unit, "disable": u.disable} for u in plan.units_to_stop],
         "grace_s": float(grace_s),
         "timeout_s": float(timeout_s),

@@ -9,10 +9,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 from gpufleet.core.model import ProcessInfo
+from gpufleet.core.policy import Owner
 
 EVIDENCE_SMI = "nvidia-smi"
 EVIDENCE_DEVICE = "device-file"
 EVIDENCE_FAMILY = "family"  # device-file holder whose GPU processes below are all targets
+EVIDENCE_OWNER = "owner"  # named by the operator (clean --owner): it restarts a target
 
 # Refusal kinds decided by the planner (policy's kinds are in gpufleet.core.policy).
 SPANNING = "spanning"
@@ -40,6 +42,7 @@ class Target:
     used_mib: Optional[int]
     user: Optional[str] = None
     unit: Optional[str] = None
+    owner: Optional[Owner] = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class Plan:
     threshold_mib: Mapping[int, int]
     notes: tuple[str, ...] = ()
     clients: tuple[Client, ...] = ()
+    settle_s: float = 0.0  # how long the clean watches for the GPU being retaken
+    listed_pids: tuple[int, ...] = ()  # on scope GPUs before the clean: not a retake later
+    scope_uuids: tuple[str, ...] = ()  # how nvidia-smi names the scope GPUs (by UUID)
 
     def target(self, pid: int) -> Optional[Target]:
         return next((t for t in self.targets if t.pid == pid), None)
