@@ -157,7 +157,9 @@ def retaken_reason(plan: Plan, retakes: Sequence[Mapping[str, Any]]) -> str:
         owner = replaced.owner if replaced is not None else None
         if r.get("how") == "restarted" and replaced is not None:
             by = r.get("owner") or (owner.name if owner else "its owner")
-            action = owner.action if owner is not None else "stop its owner"
+            pid = r.get("owner_pid")  # the restart is the evidence that it is the owner
+            action = f"stop it, or pass --owner {pid} to include it" if pid else \
+                (owner.action if owner is not None else "stop its owner")
             parts.append(f"{who} was started again by {by} in place of PID {replaced.pid}: "
                          f"{action}")
         else:

@@ -297,3 +297,24 @@ def test_threshold_boundary(left: int, clean: bool) -> None:
     v = V.make_verdict(plan, clean_doc(after_doc("train-node", gone=VLLM, used={0: left})),
                        before)
     assert v.clean is clean
+
+
+def test_a_retake_outranks_free_memory_and_names_who_and_what_to_do() -> None:
+    """The memory came back (clean by memory alone), but a target's owner started it again,
+    or a new process took a scope GPU: the verdict is retaken, never clean."""
+    before = parse_snapshot(doc("train-node"))
+    plan = make_plan(before, (0, 1, 2, 3))
+    target = plan.targets[0]
+    restarted = {"pid": 9901, "starttime": 99, "how": "restarted", "name": "VLLM::Worker",
+                 "replaces": target.pid, "owner": "PID 77 sh", "owner_pid": 77}
+    listed = {"pid": 9902, "starttime": 98, "how": "listed", "name": "python3"}
+    after = after_doc("train-node", gone=VLLM)
+    for retakes, words in [([restarted], ["PID 9901 VLLM::Worker was started again by PID 77 sh",
+                                          f"in place of PID {target.pid}", "--owner 77"]),
+                           ([listed], ["PID 9902 python3 took a GPU in scope"])]:
+        v = V.make_verdict(plan, clean_doc(after, settle={"seconds": 1.0, "retaken": retakes}),
+                           before)
+        assert v.verdict == V.RETAKEN and not v.clean
+        assert v.reason.startswith("retaken: ") and all(w in v.reason for w in words), v.reason
+    v = V.make_verdict(plan, clean_doc(after, settle={"seconds": 5.0, "retaken": []}), before)
+    assert v.verdict == V.CLEAN
