@@ -225,7 +225,7 @@ GHOST = r'''#!/bin/sh
 %(smi)s "$@"
 rc=$?
 case "$*" in
-  *--query-compute-apps=*) echo "%(pid)d, python3, 2000, %(uuid)s" ;;
+  *--query-compute-apps=*) echo "%(pid)d, 2000, %(uuid)s" ;;
 esac
 exit $rc
 '''
