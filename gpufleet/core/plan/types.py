@@ -10,7 +10,8 @@ from typing import Any, Mapping, Optional
 
 from gpufleet.core.model import ProcessInfo
 
-EVIDENCE_SMI = "nvidia-smi"
+EVIDENCE_SMI = "nvidia-smi"  # listed, and it holds that GPU (policy.listing_check verified)
+EVIDENCE_SMI_UNVERIFIED = "nvidia-smi (unverified)"  # listed; its device files not checkable
 EVIDENCE_DEVICE = "device-file"
 EVIDENCE_FAMILY = "family"  # device-file holder whose GPU processes below are all targets
 
@@ -40,6 +41,7 @@ class Target:
     used_mib: Optional[int]
     user: Optional[str] = None
     unit: Optional[str] = None
+    evidence_reason: str = ""  # listed processes: policy.ListingCheck.evidence_reason
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class Candidate:
     evidence: str
     gpus: tuple[int, ...]
     used_mib: Optional[int]
+    evidence_reason: str = ""
 
 
 @dataclass(frozen=True)
