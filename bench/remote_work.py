@@ -20,7 +20,7 @@ S=$(command -v nvidia-smi || command -v /usr/local/nvidia/bin/nvidia-smi || echo
 echo @@gpus
 $S --query-gpu=%s --format=csv,noheader,nounits
 echo @@apps
-A=$($S --query-compute-apps=pid,process_name,used_memory,gpu_uuid --format=csv,noheader,nounits)
+A=$($S --query-compute-apps=pid,used_memory,gpu_uuid --format=csv,noheader,nounits)
 echo "$A"
 echo @@version
 $S | grep -m1 'CUDA Version'
@@ -63,7 +63,7 @@ def parse(text: str) -> dict:
         raise ValueError("incomplete output")
     gpus = [_ints(dict(zip(GPU_FIELDS.split(","), row)))
             for row in csv.reader(io.StringIO("\n".join(sections["gpus"])))]
-    apps = [_ints(dict(zip(("pid", "process_name", "used_memory", "gpu_uuid"), row)))
+    apps = [_ints(dict(zip(("pid", "used_memory", "gpu_uuid"), row)))
             for row in csv.reader(io.StringIO("\n".join(sections["apps"])))]
     cuda = None
     for line in sections.get("version", []):

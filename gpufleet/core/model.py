@@ -22,10 +22,15 @@ Agent snapshot document (version 1), the contract between agent and controller::
      "fd_unreadable": [{"pid", "comm", "reason"}],
      "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
                    "cmdline", "exe", "exe_root", "cgroup", "unit", "user_unit",
-                   "user_unit_uid", "container", "session", "pgid", "kernel_thread", "wchan", "relation"}},
+                   "user_unit_uid", "container", "session", "pgid", "kernel_thread", "wchan",
+                   "relation", "fds_readable"}},
      "warnings": [str]}
 
 ``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
+``fds_readable`` (added later; older agents omit it): false when the agent was refused the
+process's open files, so whether it holds a GPU cannot be checked (policy.listing_check).
+``compute_apps[].process_name`` is argv[0] read from /proc by the agent, never nvidia-smi's
+CSV (a title with a newline or a comma would break its rows).
 
 ``exe`` is the kernel's /proc/PID/exe link and ``exe_root`` whether the file it runs belongs
 to root and no one else may write it (null: not readable); a protected name counts only with
@@ -104,6 +109,7 @@ class ProcessInfo:
     kernel_thread: bool = False
     wchan: Optional[str] = None
     relation: Optional[str] = None
+    fds_readable: Optional[bool] = None  # False: its open files were refused (None: not said)
 
     @property
     def identity(self) -> tuple[int, Optional[int]]:
@@ -419,6 +425,7 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
         kernel_thread=bool(raw.get("kernel_thread", False)),
         wchan=raw.get("wchan"),
         relation=raw.get("relation"),
+        fds_readable=_opt_bool(raw.get("fds_readable")),
     )
 
 

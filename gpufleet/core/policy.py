@@ -10,10 +10,10 @@ from __future__ import annotations
 import fnmatch
 import re
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
-from gpufleet.core.model import COMM_MAX, ProcessInfo, Snapshot
+from gpufleet.core.model import COMM_MAX, Holder, ProcessInfo, Snapshot
 
 # Kinds of refusal; render/verdict group by them, the reason text is for people.
 PROTECTED = "protected"  # the never-signal list: absolute, no option overrides it
@@ -521,6 +521,133 @@ def unreadable_could_matter(snapshot: Snapshot, threshold_mib: int) -> bool:
     every run, with every GPU's memory accounted for, is a warning that cries wolf."""
     unexplained = unexplained_mib(snapshot, (), threshold_mib)
     return unexplained is None or bool(unexplained)
+
+
+# ------------------------------------------------ listed processes: do they hold their GPU?
+#
+# The GPU reader's process list (nvidia-smi --query-compute-apps, NVML) is the best evidence of
+# who holds GPU memory, but a row is only a PID: a stale driver entry names a PID since reused,
+# and nvidia-smi prints a process's chosen name into its CSV (newlines verbatim; commas as '?'
+# on driver 580, other drivers unrecorded), where a title could forge rows naming any PID (the
+# agent no longer asks for names). So a listed process is trusted as a holder of GPU N only when it has GPU N's device
+# file (/dev/nvidia<minor>) open -- the agent reads a zombie leader's through its threads --
+# and, where its maps are readable, /dev/nvidia-uvm mapped: every CUDA context maps it; an NVML
+# client and a cuInit-only process do not (recorded/probe/h200-clients-probe3.log). Where that
+# cannot be checked (its open files refused, WSL2's /dev/dxg, the GPU's minor unknown) the row
+# counts as before and says "unverified".
+
+LISTING_VERIFIED = "verified"
+LISTING_UNVERIFIED = "unverified"
+LISTING_REFUSED = "refused"  # not a holder of that GPU: never a target, its memory unexplained
+
+_UVM = "/dev/nvidia-uvm"
+
+
+@dataclass(frozen=True)
+class ListingCheck:
+    """Whether a listed process holds the GPUs it is listed on, and why (for the operator)."""
+
+    pid: int
+    trust: str  # LISTING_VERIFIED | LISTING_UNVERIFIED | LISTING_REFUSED
+    reason: str
+    gpus: tuple[int, ...]
+    reader: str = "nvidia-smi"
+
+    @property
+    def evidence_reason(self) -> str:
+        """The whole evidence in one line: who lists it where, and what its files say."""
+        gpus = ",".join(str(i) for i in self.gpus)
+        return f"listed by {self.reader} on GPU {gpus}; {self.reason}"
+
+
+def fds_readable(snapshot: Snapshot, proc: ProcessInfo) -> bool:
+    """Whether the agent could read ``proc``'s open files: the agent says so (fds_readable);
+    for older agents, what its facts imply (root, every fd read, or the agent's own user)."""
+    if proc.fds_readable is not None:
+        return proc.fds_readable
+    if any(u.pid == proc.pid for u in snapshot.fd_unreadable):
+        return False
+    facts = snapshot.facts
+    return bool(facts.is_root or facts.can_read_all_fds
+                or (facts.uid is not None and proc.uid == facts.uid))
+
+
+def listing_check(snapshot: Snapshot, pid: int,
+                  holders: Optional[Mapping[int, Holder]] = None) -> Optional[ListingCheck]:
+    """THE rule for a process the GPU reader lists (the comment above): verified, unverified
+    or refused. None when it is not listed on a known GPU or not in this /proc (an invisible
+    row, reported as such). ``holders``: the snapshot's holders by pid, when already made."""
+    gpus = snapshot.gpu_indices_of_app(pid)
+    proc = snapshot.processes.get(pid)
+    if proc is None or not gpus:
+        return None
+
+    def check(trust: str, reason: str) -> ListingCheck:
+        return ListingCheck(pid, trust, reason, gpus, snapshot.gpu_reader)
+
+    listed = f"listed by {snapshot.gpu_reader} on GPU"
+    if holders is None:
+        holders = {h.pid: h for h in snapshot.holders}
+    holder = holders.get(pid)
+    if not fds_readable(snapshot, proc):
+        return check(LISTING_UNVERIFIED, "unverified: its open files could not be read")
+    if holder is None and is_zombie(proc):
+        return check(LISTING_UNVERIFIED, "unverified: a zombie, its open files are gone")
+    by_index = {g.index: g for g in snapshot.gpus}
+    if holder is None:
+        minor = by_index[gpus[0]].minor
+        what = "NVIDIA device file" if snapshot.facts.wsl2 or minor is None else \
+            f"/dev/nvidia{minor}"
+        return check(LISTING_REFUSED, f"{listed} {gpus[0]} but has no {what} open")
+    if snapshot.facts.wsl2:
+        return check(LISTING_UNVERIFIED, "unverified: WSL2 has no /dev/nvidiaN (its GPUs are "
+                     "/dev/dxg)")
+    devices = []
+    for index in gpus:
+        minor = by_index[index].minor
+        if minor is None:
+            return check(LISTING_UNVERIFIED, f"unverified: the minor number of GPU {index} "
+                         "(its /dev/nvidiaN) is unknown")
+        devices.append(f"/dev/nvidia{minor}")
+        if devices[-1] not in holder.devices:
+            return check(LISTING_REFUSED, f"{listed} {index} but has no {devices[-1]} open")
+    opened = ", ".join(devices)
+    if holder.mapped is None:
+        return check(LISTING_VERIFIED, f"has {opened} open (its maps not available)")
+    if _UVM not in holder.mapped:
+        return check(LISTING_REFUSED, f"{listed} {','.join(map(str, gpus))} but has no CUDA "
+                     f"context ({_UVM} not mapped)")
+    return check(LISTING_VERIFIED, f"has {opened} open and {_UVM} mapped")
+
+
+def listing_checks(snapshot: Snapshot) -> dict[int, ListingCheck]:
+    """listing_check of every listed process in this /proc, by pid."""
+    out = {}
+    holders = {h.pid: h for h in snapshot.holders}
+    for pid in sorted(snapshot.listed_pids()):
+        found = listing_check(snapshot, pid, holders)
+        if found is not None:
+            out[pid] = found
+    return out
+
+
+def refused_listings(snapshot: Snapshot) -> dict[int, ListingCheck]:
+    """The listed processes that hold nothing of the GPUs they are listed on."""
+    return {p: c for p, c in listing_checks(snapshot).items() if c.trust == LISTING_REFUSED}
+
+
+def without_refused_listings(snapshot: Snapshot, drop_holders: bool = True) -> Snapshot:
+    """The snapshot as the plan may trust it: the rows of refused listings dropped (their
+    memory counts as unattributed, unexplained) and, with ``drop_holders``, those PIDs no
+    device-file holders either (so they cannot come back as device-file candidates)."""
+    refused = refused_listings(snapshot)
+    if not refused:
+        return snapshot
+    holders = snapshot.holders
+    if drop_holders:
+        holders = tuple(h for h in holders if h.pid not in refused)
+    return replace(snapshot, holders=holders,
+                   compute_apps=tuple(a for a in snapshot.compute_apps if a.pid not in refused))
 
 
 # ------------------------------------------------------------------ owners (never signalled by default)

@@ -49,7 +49,10 @@ OPTIONAL_GPU_FIELDS = (
     "retired_pages.pending",
 )
 REQUIRED_GPU_FIELDS = ("index", "uuid")
-APP_FIELDS = ("pid", "process_name", "used_memory", "gpu_uuid")
+#: No process_name: nvidia-smi prints it (argv[0], anyone's to choose) into its CSV with
+#: newlines verbatim and commas as '?' (recorded: probe/h200-names-probe4.log), so a title
+#: could break rows; the agent reads names from /proc, as on the NVML path.
+APP_FIELDS = ("pid", "used_memory", "gpu_uuid")
 GPU_KEYS = {
     "index": "index",
     "uuid": "uuid",
@@ -308,38 +311,45 @@ def parse_gpu_csv(text, fields):
 
 
 def parse_apps_csv(text):
-    """Rows of ``--query-compute-apps=pid,process_name,used_memory,gpu_uuid`` -> (apps, skipped).
+    """Rows of ``--query-compute-apps=pid,used_memory,gpu_uuid`` -> (apps, skipped, rejected).
 
-    Rows without a PID (seen in some containers) are skipped and counted, not fatal.
-    nvidia-smi prints process_name (argv[0]) verbatim: a name holding a newline splits its
-    row, so a line with too few fields is joined with the next (one user's odd process
-    title must not make the whole host unreadable).
+    Strict: a row is exactly those three fields, a numeric PID, a number (or not available)
+    and a GPU UUID; any other line is rejected (cut to 80 characters), never joined with its
+    neighbours, and the rest still counts. Rows whose PID is not available (seen in some
+    containers) are skipped and counted.
     """
     apps = []
     skipped = 0
-    pending = None
+    rejected = []
     for line in _data_lines(text):
-        if pending is None and line.strip().lower().startswith("no running"):
+        if line.strip().lower().startswith("no running"):
             continue
-        if pending is not None:
-            line = pending + "\n" + line
-            pending = None
-        if line.count(",") < 3:
-            pending = line
-            continue
-        pid_s, name, used, uuid = split_row(line, 4, 1)
-        pid = parse_int(pid_s)
-        uuid = na(uuid)
-        if uuid is None:
-            raise ParseError("compute app without GPU UUID: %r" % line[:80])
-        if pid is None:
+        row = _app_row(line)
+        if row is None:
+            rejected.append(line[:80])
+        elif row["pid"] is None:
             skipped += 1
-            continue
-        apps.append({"pid": pid, "process_name": na(name) or "", "used_mib": parse_int(used),
-                     "gpu_uuid": uuid})
-    if pending is not None:
-        split_row(pending, 4, 1)  # raises: a row cut short
-    return apps, skipped
+        else:
+            apps.append(row)
+    return apps, skipped, rejected
+
+
+def _app_row(line):
+    """One compute-apps row as a dict (pid None: not available), or None when malformed."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != len(APP_FIELDS):
+        return None
+    pid_s, used_s, uuid = parts
+    if na(pid_s) is not None and not (pid_s and _DIGITS.issuperset(pid_s)):
+        return None
+    try:
+        used = parse_int(used_s)
+    except ParseError:
+        return None
+    if na(uuid) is None:
+        return None
+    return {"pid": int(pid_s) if na(pid_s) is not None else None, "used_mib": used,
+            "gpu_uuid": uuid}
 
 
 def normalize_bus_id(value):

@@ -9,7 +9,14 @@ import time
 
 from .jobs import Background, Job, find_nvidia_smi, run_cmd, smi_failure  # joined
 from .kmsg import kernel_log  # joined
-from .nvml import nvml_decided, nvml_error_code, open_nvml, read_bounded, read_devices  # joined
+from .nvml import (  # joined
+    nvml_decided,
+    nvml_error_code,
+    open_nvml,
+    process_name,
+    read_bounded,
+    read_devices,
+)
 from .parse import (  # joined
     AGENT_VERSION,
     APP_FIELDS,
@@ -115,7 +122,8 @@ def snapshot(req, deadline, proc=PROC):
         extra.update(more)
         lost_bus_ids(extra.get("gpu_errors") or [], len(gpus), proc)
     elif smi is not None:
-        gpus, apps, driver, cuda = _query_smi(smi, req, deadline, jobs, smi_doc, warnings)
+        gpus, apps, driver, cuda = _query_smi(smi, req, deadline, jobs, smi_doc, warnings,
+                                              proc)
     attach_minors(gpus, None if source == "nvml" else smi, req, deadline, smi_doc, warnings,
                   proc)
     by_uuid = dict((g["uuid"], g["index"]) for g in gpus)
@@ -124,6 +132,8 @@ def snapshot(req, deadline, proc=PROC):
     processes, vanished = _settle_holders(holders, seen_start, apps, own, ctx, jobs,
                                           warnings, proc)
     confirm_units(processes, req, deadline, warnings)
+    for pid in set(denied) & set(int(p) for p in processes):
+        processes[str(pid)]["fds_readable"] = False
     facts = _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc)
     facts.update(gpu_source=source, gpu_source_reason=reason)
     smi_doc["seconds"] = round(smi_doc["seconds"], 3)
@@ -274,7 +284,7 @@ def _fd_visibility(denied, warnings, proc):
     return hidden, can_read_all
 
 
-def _query_smi(smi, req, deadline, jobs, smi_doc, warnings):
+def _query_smi(smi, req, deadline, jobs, smi_doc, warnings, proc=PROC):
     """(gpus, apps, driver, cuda) from the started queries (and the bare table, when time
     allows); failures go into smi_doc."""
     gpu_job, apps_job = jobs
@@ -288,7 +298,7 @@ def _query_smi(smi, req, deadline, jobs, smi_doc, warnings):
         smi_doc.update(error=error, exit_code=code)
     else:
         smi_doc["ok"] = True
-        apps = _compute_apps(ares, smi_doc, warnings)
+        apps = _compute_apps(ares, smi_doc, warnings, proc)
     driver = _pop_driver_versions(gpus)
     # the bare table (for the CUDA version) is skipped only when nvidia-smi is already
     # crawling (a wedged driver) or time is short; a loaded machine is not a wedged one
@@ -302,22 +312,31 @@ def _query_smi(smi, req, deadline, jobs, smi_doc, warnings):
     return gpus, apps, driver, cuda
 
 
-def _compute_apps(ares, smi_doc, warnings):
-    """The rows of --query-compute-apps ([] when it failed: then smi_doc says why)."""
+def _compute_apps(ares, smi_doc, warnings, proc=PROC):
+    """The rows of --query-compute-apps ([] when it failed: then smi_doc says why), each named
+    from /proc (argv[0], as the NVML path names them): nvidia-smi is never asked for names."""
     apps = []
     fail = smi_failure(ares)
     if fail is not None:
         smi_doc.update(ok=False, error="compute apps: %s" % fail[0], exit_code=fail[1])
-    else:
-        try:
-            check_complete(ares.out, "--query-compute-apps")
-            apps, skipped = parse_apps_csv(ares.out)
-            if skipped:
-                warnings.append("%d compute app row(s) without a PID skipped" % skipped)
-        except ParseError as exc:
-            smi_doc.update(ok=False, error=str(exc) if str(exc).startswith("truncated")
-                           else "unparsable nvidia-smi --query-compute-apps output: %s"
-                           % exc)
+        return apps
+    try:
+        check_complete(ares.out, "--query-compute-apps")
+    except ParseError as exc:
+        smi_doc.update(ok=False, error=str(exc))
+        return apps
+    apps, skipped, rejected = parse_apps_csv(ares.out)
+    if skipped:
+        warnings.append("%d compute app row(s) without a PID skipped" % skipped)
+    if rejected:
+        warnings.append("%d nvidia-smi --query-compute-apps row(s) rejected (not %s): %s"
+                        % (len(rejected), ", ".join(APP_FIELDS),
+                           ", ".join(repr(r) for r in rejected[:3])))
+    names = {}
+    for a in apps:
+        if a["pid"] not in names:
+            names[a["pid"]] = process_name(a["pid"], proc)
+        a["process_name"] = names[a["pid"]]
     return apps
 
 
@@ -352,6 +371,7 @@ def _settle_holders(holders, seen_start, apps, own, ctx, jobs, warnings, proc):
     for pid in sorted(wanted):
         entry = process_entry(pid, ctx, proc)
         if entry is not None:
+            entry["fds_readable"] = True  # its fds were listed (False below where refused)
             processes[str(pid)] = entry
     vanished = sorted(p for p in holders if str(p) not in processes or seen_start[p] is None
                       or processes[str(p)]["starttime"] != seen_start[p])

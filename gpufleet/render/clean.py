@@ -117,7 +117,8 @@ def host_document(r: Any) -> dict[str, Any]:
         "targets": [
             {"pid": t.pid, "starttime": t.starttime, "name": t.name, "cmdline": t.cmdline,
              "gpus": list(t.gpus), "evidence": t.evidence, "wave": t.wave,
-             "family_root": t.family_root, "used_mib": t.used_mib}
+             "family_root": t.family_root, "used_mib": t.used_mib,
+             "evidence_reason": t.evidence_reason}
             for t in (plan.targets if plan else ())
         ],
         "refused": [{"pid": x.pid, "name": x.name, "reason": x.reason, "kind": x.kind}

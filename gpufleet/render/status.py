@@ -32,12 +32,16 @@ def _process_name(snapshot: Snapshot, pid: int, fallback: str) -> str:
     return cell_text(proc.name if proc is not None else (fallback or "?"))
 
 
-def holders_text(snapshot: Snapshot, gpu: GpuInfo) -> str:
-    """`VLLM::Worker 1234 700MiB`, one per line: what nvidia-smi attributes to this GPU."""
+def holders_text(snapshot: Snapshot, gpu: GpuInfo,
+                 refused: Optional[dict[int, policy.ListingCheck]] = None) -> str:
+    """`VLLM::Worker 1234 700MiB`, one per line: what nvidia-smi attributes to this GPU; a
+    listed process that holds nothing of it is marked (policy.listing_check)."""
     parts = []
     for app in snapshot.apps_on(gpu.index):
         name = _process_name(snapshot, app.pid, app.process_name)
         mark = "" if app.pid in snapshot.processes else " (not in /proc)"
+        if refused and app.pid in refused:
+            mark = " (untrusted row)"
         parts.append(f"{name} {app.pid} {fmt_mib(app.used_mib)}{mark}")
     return "\n".join(parts) if parts else "-"
 
@@ -104,7 +108,9 @@ def status_rows(results: Sequence[HostResult], expected: dict[str, int],
             rows.append([res.host, "-", "no GPUs", "-", "-", "-", "-", host_health_cell(hh)])
             continue
         exp = expected.get(res.host, 0)
-        led = {row.index: row for row in ledger(snap, exp)}
+        refused = policy.refused_listings(snap)
+        view = policy.without_refused_listings(snap, drop_holders=False)
+        led = {row.index: row for row in ledger(view, exp)}
         for gpu in snap.gpus:
             row = led[gpu.index]
             unattr = fmt_mib(row.unattributed_mib)
@@ -121,14 +127,14 @@ def status_rows(results: Sequence[HostResult], expected: dict[str, int],
                     f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}",
                     util,
                     unattr,
-                    holders_text(snap, gpu),
+                    holders_text(snap, gpu, refused),
                     health_cell(hh.gpu(gpu.index)),
                 ]
             )
-        unlisted = unlisted_holders_text(snap, exp)
+        unlisted = unlisted_holders_text(view, exp)
         if unlisted:
             rows.append([res.host, "fd", "open device files, not listed by nvidia-smi", "", "", "", unlisted, ""])
-        clients = unlisted_holders_text(snap, exp, policy.ROLE_CLIENT)
+        clients = unlisted_holders_text(view, exp, policy.ROLE_CLIENT)
         if clients:
             rows.append([res.host, "clients", "GPU clients (monitors, exporters): no memory", "",
                          "", "", clients, ""])
@@ -157,7 +163,8 @@ def status_table(results: Sequence[HostResult], expected: dict[str, int],
     table = render_table(status_rows(results, expected, expected_gpus), STATUS_HEADERS)
     notes = [f"{name}: {error}" for name, error in _long_errors(results)]
     notes += [f"{r.host}: warning: {w}" for r in results if r.snapshot is not None
-              for w in screen_warnings(r.snapshot, expected.get(r.host, 0))]
+              for w in screen_warnings(r.snapshot, expected.get(r.host, 0))
+              + listing_warnings(r.snapshot)]
     return table + "\n" + summary_line(results, expected) + "".join("\n" + n for n in notes)
 
 
@@ -166,6 +173,12 @@ def screen_warnings(snapshot: Snapshot, expected_mib: int = 0) -> list[str]:
     of ..." only when the unreadable processes could hide memory that nothing explains."""
     quiet = not policy.unreadable_could_matter(snapshot, expected_mib + BUSY_TOLERANCE_MIB)
     return [w for w in snapshot.warnings if not (quiet and w.startswith(FD_DENIED_WARNING))]
+
+
+def listing_warnings(snapshot: Snapshot) -> list[str]:
+    """One line per listed process that holds nothing of its GPU (policy.listing_check)."""
+    return [f"PID {c.pid} is an untrusted row: {c.reason}; its memory counts as unattributed"
+            for c in policy.refused_listings(snapshot).values()]
 
 
 def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[str, str]]:
@@ -180,7 +193,8 @@ def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[
     return out
 
 
-def _process_doc(snapshot: Snapshot, pid: int, fallback: str, used_mib: Optional[int]) -> dict:
+def _process_doc(snapshot: Snapshot, pid: int, fallback: str, used_mib: Optional[int],
+                 check: Optional[policy.ListingCheck] = None) -> dict:
     proc = snapshot.processes.get(pid)
     return {
         "pid": pid,
@@ -195,6 +209,9 @@ def _process_doc(snapshot: Snapshot, pid: int, fallback: str, used_mib: Optional
         "container": proc.container if proc else None,
         "starttime": proc.starttime if proc else None,
         "visible": proc is not None,
+        # policy.listing_check: verified | unverified | refused (null: not in this /proc)
+        "listing": check.trust if check else None,
+        "listing_reason": check.reason if check else None,
     }
 
 
@@ -215,10 +232,12 @@ def host_doc(res: HostResult, expected_mib: int,
     }
     if snap is None:
         return doc
-    led = {row.index: row for row in ledger(snap, expected_mib)}
+    view = policy.without_refused_listings(snap, drop_holders=False)
+    led = {row.index: row for row in ledger(view, expected_mib)}
     hh = health.assess(res.host, snap, expected_gpus)
+    checks = policy.listing_checks(snap)
     for gpu in snap.gpus:
-        doc["gpus"].append(_gpu_doc(snap, gpu, led[gpu.index]))
+        doc["gpus"].append(_gpu_doc(snap, gpu, led[gpu.index], checks))
         doc["gpus"][-1]["health"] = _health_doc(hh.gpu(gpu.index))
     doc["health"] = {"severity": hh.severity,
                      "findings": [f.as_dict() for f in hh.host_findings]}
@@ -231,8 +250,10 @@ def host_doc(res: HostResult, expected_mib: int,
     return doc
 
 
-def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger) -> dict[str, Any]:
-    """One GPU's entry: nvidia-smi's numbers, the ledger's attribution, its processes."""
+def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger,
+             checks: dict[int, policy.ListingCheck]) -> dict[str, Any]:
+    """One GPU's entry: nvidia-smi's numbers, the ledger's attribution (refused listings not
+    counted: policy.listing_check), its processes."""
     return {
         "index": gpu.index,
         "uuid": gpu.uuid,
@@ -255,7 +276,8 @@ def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger) -> dict[str, Any]:
         "clocks_event_names": None if gpu.clocks_event_names is None
         else list(gpu.clocks_event_names),
         "processes": [
-            _process_doc(snap, a.pid, a.process_name, a.used_mib) for a in snap.apps_on(gpu.index)
+            _process_doc(snap, a.pid, a.process_name, a.used_mib, checks.get(a.pid))
+            for a in snap.apps_on(gpu.index)
         ],
     }
 
@@ -270,13 +292,20 @@ def _health_doc(g: Optional[GpuHealth]) -> Optional[dict[str, Any]]:
 
 
 def _holder_docs(snap: Snapshot, expected_mib: int) -> list[dict[str, Any]]:
-    """One entry per process holding a GPU device, with its role (why it holds it)."""
+    """One entry per process holding a GPU device, with its role (why it holds it). A listed
+    process that holds nothing of its GPU (policy.listing_check) is judged as unlisted."""
     out: list[dict[str, Any]] = []
     listed = snap.listed_pids()
-    roles = policy.holder_roles(snap, expected_mib + BUSY_TOLERANCE_MIB)
+    refused = policy.refused_listings(snap)
+    view = policy.without_refused_listings(snap, drop_holders=False)
+    roles = policy.holder_roles(view, expected_mib + BUSY_TOLERANCE_MIB)
     for holder in snap.holders:
         proc = snap.processes.get(holder.pid)
         role = roles.get(holder.pid)
+        trusted = holder.pid in listed and holder.pid not in refused
+        reason = role.reason if role else None
+        if holder.pid in refused:
+            reason = f"{refused[holder.pid].reason} (an untrusted row); {reason or '?'}"
         out.append(
             {
                 "pid": holder.pid,
@@ -286,10 +315,8 @@ def _holder_docs(snap: Snapshot, expected_mib: int) -> list[dict[str, Any]]:
                 "listed_by_nvidia_smi": holder.pid in listed,
                 "relation": proc.relation if proc else None,
                 "mapped": None if holder.mapped is None else list(holder.mapped),
-                "role": policy.ROLE_HOLDER if holder.pid in listed else (
-                    role.role if role else None),
-                "role_reason": "listed by nvidia-smi" if holder.pid in listed else (
-                    role.reason if role else None),
+                "role": policy.ROLE_HOLDER if trusted else (role.role if role else None),
+                "role_reason": "listed by nvidia-smi" if trusted else reason,
             }
         )
     return out

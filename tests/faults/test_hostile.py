@@ -30,6 +30,7 @@ from faultkit import (
     run_on_pty,
     settle,
     signals,
+    wait_for,
 )
 
 CMDLINE_MAX = 4096  # what the agent keeps of a command line (gpufleet/remote/agent.py)
@@ -346,33 +347,55 @@ def test_hostile_runbook_variables_in_typed_fields(lab: Any, home: Path, canary:
 # --------------------------------------------------------------------------- forged CSV rows
 
 
-def test_a_title_with_a_newline_cannot_forge_an_nvidia_smi_row(lab: Any, make_host: Any,
-                                                               home: Path) -> None:
-    """nvidia-smi prints process_name (argv[0]) verbatim, newlines included. A user's process
-    titled "x, 100, GPU-...\\nVICTIM, postgres" makes the CSV list VICTIM -- a root process
-    that never touched a GPU -- with the forger's memory. A clean must not aim at it."""
+def start_detached(host: Any, argv: list, user: str = "root") -> int:
+    """``argv`` in the host, detached (its parent becomes the host's init); its pid."""
+    script = '"$@" </dev/null >/dev/null 2>&1 & echo $!'
+    res = host.exec(["setsid", "sh", "-c", script, "sh"] + argv, user=user, check=True)
+    pid = int(res.stdout.strip().splitlines()[-1])
+    wait_for(lambda: host.comm(pid) == argv[0].rsplit("/", 1)[-1], 10, "%s started" % argv[0])
+    return pid
+
+
+def test_an_unprivileged_title_cannot_aim_a_clean_at_root_processes(lab: Any, make_host: Any,
+                                                                    home: Path) -> None:
+    """uid 65534 titles its GPU job like rows of nvidia-smi's CSV naming two root processes
+    that hold no GPU memory: a plain sleep, and a GPU monitor (every /dev/nvidiaN open,
+    nothing mapped). Where nvidia-smi printed a name's commas verbatim, that forged rows: the
+    clean signalled the monitor. The agent now asks nvidia-smi for no process name, so no row
+    names them: status lists the real holders with their real memory, the clean never aims
+    at the victims, and the attacker's job is judged by its own evidence (listed, its GPU's
+    device file open, a CUDA context): cleaned, as root may."""
     host = make_host("forged", gpus=2, nvml=False)  # a forged row exists only in nvidia-smi's CSV
-    victim = host.spawn_holder(gpus=[], mib=0, no_devices=True, title="postgres")
+    sleeper = start_detached(host, ["sleep", "100000"])
+    monitor = host.spawn_monitor(title="gpu-exporter", via="exec")
     uuid0 = host.smi("--query-gpu=uuid", "--format=csv,noheader").stdout.split()[0]
-    title = "x, 100, %s\n%d, postgres" % (uuid0, victim)
-    forger = host.spawn_holder(gpus=[0], mib=3000, title=title, user=lab.user)
-    honest = host.spawn_holder(gpus=[1], mib=900, title="honest")
+    title = "x, 100, %s\n%d, a, 3000, %s\n%d, b" % (uuid0, sleeper, uuid0, monitor)
+    attacker = host.spawn_holder(gpus=[0], mib=3000, title=title, user="nobody", via="exec")
+    honest = host.spawn_holder(gpus=[1], mib=900, title="honest", via="exec")
+    assert host.cmdline(attacker)[0] == title and host.ssh(  # the premise: uid 65534's title
+        ["stat", "-c", "%u", "/proc/%d" % attacker]).stdout.strip() == "65534"
     LEDGER.hostile("forged nvidia-smi row", 1)
-    apps = host.smi("--query-compute-apps=pid,process_name,used_memory,gpu_uuid",
-                    "--format=csv,noheader,nounits").stdout
-    assert "\n%d, postgres, 3000, %s\n" % (victim, uuid0) in apps, apps  # the premise
     settle(host)
     before = census(host)
+    victims = {sleeper, monitor}
     inv = lab.inventory_yaml([host])
+    status = run_cli(home, inv, "status", "--json")
+    assert status.rc == 0, str(status)
+    gpus = status.host("forged")["gpus"]
+    assert [[(p["pid"], p["used_mib"]) for p in g["processes"]] for g in gpus] == [
+        [(attacker, 3000)], [(honest, 900)]]
+    assert [g["attributed_mib"] for g in gpus] == [3000, 900]
+    assert [p["listing"] for g in gpus for p in g["processes"]] == ["verified", "verified"]
     run = run_cli(home, inv, "clean", "--yes", "--json", "--gpus", "0", "--grace", "2")
     doc = run.host("forged")
-    assert all(s["pid"] != victim for s in doc["signals"]), doc["signals"]
-    assert victim not in {t["pid"] for t in doc["targets"]}
-    assert [(r["pid"], r["kind"]) for r in doc["refused"]] == [(victim, "untrusted-row")]
-    assert forger in {t["pid"] for t in doc["targets"]}  # the real GPU 0 holder is cleaned
+    assert not victims & {s["pid"] for s in doc["signals"]}, doc["signals"]
+    assert not victims & ({t["pid"] for t in doc["targets"]} | {r["pid"] for r in doc["refused"]})
+    assert [(t["pid"], t["evidence"], t["used_mib"]) for t in doc["targets"]] == [
+        (attacker, "nvidia-smi", 3000)]
+    assert [c["pid"] for c in doc["clients"]] == [monitor]  # a GPU client, left alone
     assert run.rc == 0, str(run)
-    assert_gone_exactly(host, before, {forger})
-    assert host.alive(honest) and host.alive(victim)
+    assert_gone_exactly(host, before, {attacker})
+    assert all(host.alive(p) for p in victims | {honest})
 
 
 def test_a_title_with_a_newline_does_not_blind_gpufleet(lab: Any, make_host: Any,

@@ -9,6 +9,7 @@ the inventory's ``nvidia_smi`` key.
 """
 from __future__ import annotations
 
+import shlex
 import signal
 from pathlib import Path
 from typing import Any
@@ -225,7 +226,7 @@ GHOST = r'''#!/bin/sh
 %(smi)s "$@"
 rc=$?
 case "$*" in
-  *--query-compute-apps=*) echo "%(pid)d, python3, 2000, %(uuid)s" ;;
+  *--query-compute-apps=*) echo "%(pid)d, 2000, %(uuid)s" ;;
 esac
 exit $rc
 '''
@@ -405,3 +406,50 @@ def test_stale_nvidia_smi_row_for_a_reused_pid_is_not_signalled(lab: Any, make_h
     assert run.rc == 0, str(run)
     assert_gone_exactly(host, before, {job})
     assert host.comm(old) == "sleep"
+
+
+LISTS = r'''#!/bin/sh
+# nvidia-smi listing compute apps that hold nothing of the GPU (stale or forged driver entries).
+%(smi)s "$@"
+rc=$?
+case "$*" in
+  *--query-compute-apps=*) printf '%%s\n' %(rows)s ;;
+esac
+exit $rc
+'''
+# A CUDA context on GPU 1 only: /dev/nvidia1, /dev/nvidia-uvm and /dev/nvidiactl open and mapped.
+GPU1_ONLY = ("import mmap, time\n"
+             "fs = [open(p, 'rb') for p in ('/dev/nvidia1', '/dev/nvidia-uvm', '/dev/nvidiactl')]\n"
+             "ms = [mmap.mmap(f.fileno(), 1, prot=mmap.PROT_READ) for f in fs]\n"
+             "time.sleep(100000)\n")
+
+
+def test_listed_processes_must_hold_the_gpu_they_are_listed_on(lab: Any, make_host: Any,
+                                                                home: Path) -> None:
+    """nvidia-smi lists, on GPU 0 with memory, a root GPU monitor (every /dev/nvidiaN open,
+    nothing mapped: no CUDA context) and a root process with a context on GPU 1 only: whatever
+    made those rows, neither holds GPU 0. Both are refused with the reason, never signalled,
+    their memory counts as unexplained, and the real GPU-0 holder is cleaned."""
+    host = make_host("smi-lists", gpus=2)
+    monitor = host.spawn_monitor(title="gpu-exporter", via="exec")
+    res = host.exec(["setsid", "sh", "-c", '"$@" </dev/null >/dev/null 2>&1 & echo $!', "sh",
+                     real_python(), "-c", GPU1_ONLY], check=True)
+    other = int(res.stdout.strip().splitlines()[-1])
+    wait_for(lambda: "/dev/nvidia1" in host.fds(other), 10, "pid %d holding /dev/nvidia1" % other)
+    job, before = holder_and_census(host, gpus=[0], mib=900, title="job")
+    uuid0 = host.smi("--query-gpu=uuid", "--format=csv,noheader").stdout.split()[0]
+    rows = " ".join(shlex.quote("%d, 2000, %s" % (p, uuid0)) for p in (monitor, other))
+    smi = write_host_file(host, "/run/gflab/smi-lists", LISTS % {"smi": SMI, "rows": rows})
+    inv = lab.inventory_yaml([host], nvidia_smi=smi)
+    run = run_cli(home, inv, "clean", "--yes", "--json", "--gpus", "0", "--grace", "1")
+    doc = run.host("smi-lists")
+    assert signals(doc["signals"]) == [(job, "TERM", "sent")], doc["signals"]
+    assert [(r["pid"], r["kind"], r["reason"]) for r in doc["refused"]] == sorted([
+        (monitor, "untrusted-row", "listed by nvidia-smi on GPU 0 but has no CUDA context "
+                                   "(/dev/nvidia-uvm not mapped)"),
+        (other, "untrusted-row", "listed by nvidia-smi on GPU 0 but has no /dev/nvidia0 open")])
+    assert any(n.startswith("GPU 0: 4000 MiB listed by nvidia-smi for PIDs ")
+               for n in doc["plan_notes"]), doc["plan_notes"]
+    assert run.rc == 0, str(run)
+    assert_gone_exactly(host, before, {job})
+    assert host.alive(monitor) and host.alive(other)

@@ -56,7 +56,7 @@ CLI = HERE / "gpu_cli_capture.py"
 SMI_FALLBACKS = ("/usr/bin/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi")
 GPU_FIELDS = ("index,uuid,name,pci.bus_id,memory.used,memory.total,memory.free,"
               "utilization.gpu,driver_version,memory.reserved")
-APP_FIELDS = "pid,process_name,used_memory,gpu_uuid"
+APP_FIELDS = "pid,used_memory,gpu_uuid"  # the agent's query: nvidia-smi's names are not asked
 
 WORKER_GIB = 4.0
 STUBBORN_GIB = 2.0
@@ -338,13 +338,20 @@ class Scenario:
     def run_smi(self, args: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run([self.smi] + args, capture_output=True, text=True, timeout=30)
 
+    def smi_names(self) -> dict[int, str]:
+        """nvidia-smi's process_name per PID, for the record only (the agent never asks for
+        it: its CSV prints a name's newlines verbatim); our holders' names hold no newline."""
+        out = self.run_smi(["--query-compute-apps=pid,process_name", "--format=csv,noheader"])
+        rows = [line.split(", ", 1) for line in out.stdout.splitlines() if ", " in line]
+        return {int(pid): name for pid, name in rows if pid.isdigit()}
+
     def smi_state(self, save: Optional[str] = None, full: bool = False) -> dict[str, Any]:
         """nvidia-smi's own numbers (the agent's query fields), raw text saved under fixtures."""
         agent = _agent_parsers()
         g = self.run_smi(["--query-gpu=" + GPU_FIELDS, "--format=csv,noheader,nounits"])
         a = self.run_smi(["--query-compute-apps=" + APP_FIELDS, "--format=csv,noheader,nounits"])
         gpus = agent.parse_gpu_csv(g.stdout, GPU_FIELDS.split(","))
-        apps, _ = agent.parse_apps_csv(a.stdout)
+        apps, _, _ = agent.parse_apps_csv(a.stdout)
         if save:
             (self.fix / ("smi-%s-query-gpu.csv" % save)).write_text(g.stdout)
             (self.fix / ("smi-%s-compute-apps.csv" % save)).write_text(a.stdout)
@@ -594,7 +601,7 @@ class Scenario:
                 self.check("%s %d memory as nvidia-smi" % (role, pid), row["used_mib"] == smi_used,
                            {"status": row["used_mib"], "nvidia-smi": smi_used})
                 names[role] = {"status_name": row["name"], "cmdline": row["cmdline"],
-                               "smi_process_name": next((x["process_name"] for x in a["apps"] if x["pid"] == pid), None),
+                               "smi_process_name": self.smi_names().get(pid),
                                "comm": proc_text(pid, "comm"), "used_mib": row["used_mib"]}
                 if title:
                     self.check("%s shown as %s" % (role, title), row["name"] == title, row["name"])

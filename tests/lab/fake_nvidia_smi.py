@@ -532,7 +532,7 @@ def query_apps(cfg, gpus, apps, fields_text, fmt):
             continue
         value = {
             "pid": a["pid"],
-            "process_name": a["name"],
+            "process_name": csv_name(a["name"]),
             "used_gpu_memory": "[N/A]" if cfg.get("wsl2") else a["mib"],
             "gpu_uuid": a["gpu"]["uuid"],
             "gpu_bus_id": a["gpu"]["bus_id"],
@@ -541,6 +541,21 @@ def query_apps(cfg, gpus, apps, fields_text, fmt):
         }
         rows.append([value[f] for f in fields])
     return fmt_csv(fields, rows, fmt, APP_UNITS)
+
+
+def csv_name(name):
+    """A process name in CSV output: commas printed as '?', newlines verbatim (recorded on the
+    H200, driver 580.159.04: probe/h200-names-probe4.log). The table and -q print it as is."""
+    return name.replace(",", "?")
+
+
+def table_name(name):
+    """The table's name column holds 32 characters: a longer name is '...' and its last 29
+    (recorded: probe/h200-names-probe4.log)."""
+    return name if len(name) <= TABLE_NAME_WIDTH else "..." + name[-(TABLE_NAME_WIDTH - 3):]
+
+
+TABLE_NAME_WIDTH = 32
 
 
 def _fit(text, width):
@@ -590,10 +605,7 @@ def table(cfg, gpus, apps):
         out.append("|  No running processes found" + " " * 61 + "|")
     for a in apps:
         mem = "N/A" if cfg.get("wsl2") else "%dMiB" % a["mib"]
-        name = a["name"]
-        room = 46 - len(mem) - 1
-        if len(name) > room:
-            name = "..." + name[-(room - 3) :]
+        name = table_name(a["name"])
         out.append(
             "|%5d   N/A  N/A%16d%7s   %s%s |"
             % (a["gpu"]["index"], a["pid"], "C", name.ljust(46 - len(mem)), mem)

@@ -7,6 +7,7 @@ tests/fixtures/recorded/logs/*.log, see SOURCES.json there). Where the recorded 
 """
 from __future__ import annotations
 
+import ast
 import fcntl
 import json
 import os
@@ -115,33 +116,75 @@ def test_gpu_name_with_comma_keeps_columns():
     assert gpu["memory_total_mib"] == 143771
 
 
-def test_compute_apps_recorded():
-    apps, skipped = agent.parse_apps_csv(fixture("compute_apps.csv"))
-    assert skipped == 0
-    assert apps == [
-        {"pid": 426, "process_name": "python3", "used_mib": 5638, "gpu_uuid": GPU0_UUID},
-        {"pid": 425, "process_name": "python3", "used_mib": 20998, "gpu_uuid": GPU0_UUID},
-    ]
-    assert agent.parse_apps_csv("") == ([], 0)  # recorded: no processes -> no output
+PROBE4 = FIXTURES / "probe" / "h200-names-probe4.log"
+PROBE4_UUID = "GPU-ad473a14-ed2a-c923-1574-31ee551488a3"
+PROBE4_ROWS = [(490, 774), (496, 646), (499, 582), (502, 550), (505, 534), (508, 526)]
 
 
-def test_compute_apps_extra_column_is_an_error_not_a_shift():
-    # recorded with a 5th column (gpu_bus_id): must not be read as the 4-column layout
-    with pytest.raises(agent.ParseError):
-        agent.parse_apps_csv(fixture("compute_apps_bus.csv"))
+def probe4(command: str) -> str:
+    """The exact text nvidia-smi printed for ``command`` in probe 4 (a real H200, driver
+    580.159.04; the log holds it as repr(), so every byte shows)."""
+    lines = PROBE4.read_text().splitlines()
+    return ast.literal_eval(lines[lines.index("== nvidia-smi %s (repr)" % command) + 1])
 
 
-def test_compute_apps_na_memory_comma_name_and_missing_pid():
-    apps, skipped = agent.parse_apps_csv(
-        "426, python3, [N/A], %s\n"
-        "427, /opt/my, odd/python3, 12, %s\n"
-        "[N/A], python3, 100, %s\n" % (GPU0_UUID, GPU0_UUID, GPU0_UUID))
-    assert apps[0]["used_mib"] is None
-    assert apps[1]["process_name"] == "/opt/my, odd/python3"
-    assert apps[1]["used_mib"] == 12
-    assert skipped == 1
-    with pytest.raises(agent.ParseError):
-        agent.parse_apps_csv("426, python3, 5638")
+def test_compute_apps_query_asks_for_no_process_name():
+    """nvidia-smi prints process_name (anyone's chosen argv[0]) into the CSV: newlines
+    verbatim, commas as '?' (probe 4). The agent does not ask for it; names come from /proc."""
+    assert agent.APP_FIELDS == ("pid", "used_memory", "gpu_uuid")
+
+
+@pytest.mark.parametrize("fmt", ["csv,noheader,nounits", "csv,noheader"])
+def test_compute_apps_recorded(fmt):
+    text = probe4("--query-compute-apps=pid,used_memory,gpu_uuid --format=" + fmt)
+    apps, skipped, rejected = agent.parse_apps_csv(text)
+    assert (skipped, rejected) == (0, [])
+    assert [(a["pid"], a["used_mib"]) for a in apps] == PROBE4_ROWS
+    assert {a["gpu_uuid"] for a in apps} == {PROBE4_UUID}
+    assert all(sorted(a) == ["gpu_uuid", "pid", "used_mib"] for a in apps)  # no name here
+    assert agent.parse_apps_csv("") == ([], 0, [])  # recorded: no processes -> no output
+
+
+def test_compute_apps_na_memory_and_missing_pid():
+    # nvidia-smi's "not available" spellings (WSL2: [N/A] per process), a row without a PID
+    apps, skipped, rejected = agent.parse_apps_csv(
+        "426, [N/A], %s\n427, [Not Supported], %s\n[N/A], 100, %s\n"
+        % (GPU0_UUID, GPU0_UUID, GPU0_UUID))
+    assert [(a["pid"], a["used_mib"]) for a in apps] == [(426, None), (427, None)]
+    assert (skipped, rejected) == (1, [])
+
+
+FORGED = [
+    # the old query's real output (probe 4): argv[0] "x, 1\n2, 3 MiB, GPU-0...", commas as ?
+    probe4("--query-compute-apps=pid,process_name,used_memory,gpu_uuid --format=csv,noheader"),
+    # a title forging a whole row where commas are printed verbatim (the lab's fake, before)
+    "4242, x, 100, %s\n777, postgres, 3000, %s\n" % (GPU0_UUID, GPU0_UUID),
+    # a name with a newline and a row-shaped tail naming PID 777
+    "4242, x\n777, 123 MiB, %s, 3000, %s\n" % (GPU0_UUID, GPU0_UUID),
+    "4242, x\n777? 123 MiB? %s, 3000 MiB, %s\n" % (GPU0_UUID, GPU0_UUID),
+    # a row cut in two: never glued back together
+    "4242, 3000\n, %s\n" % GPU0_UUID,
+]
+
+
+@pytest.mark.parametrize("text", FORGED, ids=["recorded-old-query", "commas-verbatim",
+                                              "tail-5-fields", "tail-question-marks", "cut"])
+def test_forged_multi_line_rows_are_rejected_never_joined(text):
+    apps, skipped, rejected = agent.parse_apps_csv(text)
+    assert apps == [] and skipped == 0
+    assert rejected == [line[:80] for line in text.splitlines() if line.strip()]
+
+
+def test_a_bad_row_is_rejected_alone():
+    good = "426, 5638, %s" % GPU0_UUID
+    bad = ["426, python3, 5638, %s" % GPU0_UUID,  # the 4-column layout (recorded shape)
+           "x, 5638, %s" % GPU0_UUID, "426, lots, %s" % GPU0_UUID, "426, 5638, [N/A]",
+           "426, 5638", "426, 5638, %s, 00000000:00:07.0" % GPU0_UUID, "\x00\x01"]
+    apps, skipped, rejected = agent.parse_apps_csv("\n".join([good] + bad + [good]) + "\n")
+    assert [(a["pid"], a["used_mib"]) for a in apps] == [(426, 5638), (426, 5638)]
+    assert rejected == bad and skipped == 0
+    assert agent.parse_apps_csv(fixture("compute_apps.csv"))[2] == \
+        fixture("compute_apps.csv").splitlines()  # recorded with process_name: not our query
 
 
 def test_split_row():

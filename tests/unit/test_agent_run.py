@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -60,11 +61,12 @@ def recorded(name: str) -> str:
     return (FIXTURES / name).read_text()
 
 
-def recorded_app_line(pid: int) -> str:
-    """h200-single-gpu.log line 76 ("425, python3, 20998, GPU-b686...") for another PID."""
-    line = recorded("compute_apps.csv").splitlines()[1]
-    assert line.startswith("425, ")
-    return "%d, %s" % (pid, line[len("425, "):])
+def recorded_app_line(pid: Optional[int], line_no: int = 1) -> str:
+    """h200-single-gpu.log line 76 ("425, python3, 20998, GPU-b686...") for another PID, as
+    the agent's query prints it: without the process_name column (the agent does not ask for
+    it; probe/h200-names-probe4.log recorded that query's rows on the same driver)."""
+    pid0, _name, rest = recorded("compute_apps.csv").splitlines()[line_no].split(", ", 2)
+    return "%d, %s" % (int(pid0) if pid is None else pid, rest)
 
 
 STUB = r'''#!{python}
@@ -267,12 +269,12 @@ def test_snapshot_real_processes(tmp_path, children, python):
     stub = Stub(tmp_path / "stub", apps=[
         {"pid": holder.pid, "used": 20998, "uuid": GPU0_UUID, "dynamic": True,
          "line": recorded_app_line(holder.pid)},
-        {"pid": 426, "used": 5638, "uuid": GPU0_UUID,  # recorded verbatim (line 75)
-         "line": recorded("compute_apps.csv").splitlines()[0]},
+        {"pid": 426, "used": 5638, "uuid": GPU0_UUID,  # recorded (line 75), no name column
+         "line": recorded_app_line(None, 0)},
     ])
     stub.update(apps=stub.cfg["apps"] + [
         {"pid": apart.pid, "used": 100, "uuid": GPU1_UUID, "dynamic": True,
-         "line": "%d, python3, 100, %s" % (apart.pid, GPU1_UUID)}])
+         "line": "%d, 100, %s" % (apart.pid, GPU1_UUID)}])
     doc = run_agent(snap_request(stub), python=python)
 
     assert doc["agent_version"] == 1 and doc["mode"] == "snapshot"
@@ -320,6 +322,28 @@ def test_snapshot_real_processes(tmp_path, children, python):
     # nvidia-smi children of the agent are neither holders nor listed processes
     stub_pids = [p for p, e in procs.items() if "nvidia-smi" in e["cmdline"]]
     assert stub_pids == []
+
+
+def test_snapshot_names_come_from_proc_and_bad_rows_are_rejected(tmp_path, children):
+    """The compute-apps query asks for no process name (nvidia-smi prints anyone's argv[0]
+    into its CSV); the name is argv[0] read from /proc, as the NVML path reads it. A row that
+    is not exactly pid, used_memory, gpu_uuid is rejected with a warning, never joined with
+    its neighbour, and the other rows still count."""
+    holder = children.holder("job")
+    stub = Stub(tmp_path / "stub", apps=[
+        {"pid": holder.pid, "used": 700, "uuid": GPU0_UUID, "dynamic": True,
+         "line": "%d, x" % holder.pid},
+        {"pid": holder.pid, "used": 0, "uuid": GPU0_UUID, "dynamic": True,
+         "line": "%d, 700, %s" % (holder.pid, GPU0_UUID)}])
+    doc = run_agent(snap_request(stub))
+    queries = [c[0] for c in stub.calls() if c and c[0].startswith("--query-compute-apps=")]
+    assert queries == ["--query-compute-apps=pid,used_memory,gpu_uuid"]
+    assert doc["nvidia_smi"]["ok"] is True, doc["nvidia_smi"]
+    assert [(a["pid"], a["process_name"], a["used_mib"]) for a in doc["compute_apps"]] == [
+        (holder.pid, sys.executable, 700)]
+    rejected = [w for w in doc["warnings"] if "rejected" in w]
+    assert rejected == ["1 nvidia-smi --query-compute-apps row(s) rejected (not pid, "
+                        "used_memory, gpu_uuid): %r" % ("%d, x" % holder.pid)], doc["warnings"]
 
 
 def test_snapshot_holders_in_own_mount_namespace(tmp_path, children):

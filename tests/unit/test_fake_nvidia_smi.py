@@ -489,3 +489,80 @@ def test_process_killed_by_signal_is_gone_from_list(ada):
     os.kill(p.pid, signal.SIGTERM)
     p.wait()
     assert ada.out("--query-compute-apps=pid", "--format=csv,noheader").split() == []
+
+
+# --- process names as the real nvidia-smi prints them (probe 4) --------------------------------
+
+PROBE4 = Path(__file__).resolve().parents[1] / "fixtures" / "recorded" / "probe" / "h200-names-probe4.log"
+PROBE4_UUID = "GPU-ad473a14-ed2a-c923-1574-31ee551488a3"
+# argv[0] and listed MiB of the six CUDA processes of probe 4, in PID order (490 ... 508)
+PROBE4_PROCS = [("x, 1\n2, 3 MiB, GPU-00000000-0000-0000-0000-000000000000", 774),
+                ("/opt/torch/.venv/bin/python3", 646), ("plain-name", 582), ("a,b\nc", 550),
+                ("n" * 32, 534), ("m" * 33, 526)]
+PROBE4_PIDS = [490, 496, 499, 502, 505, 508]
+
+
+def probe4_block(title: str) -> list[str]:
+    """The lines recorded under ``== title`` in probe 4 (each line of the log is a repr())."""
+    import ast
+
+    lines = PROBE4.read_text().splitlines()
+    start = lines.index("== " + title) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("== "))
+    return [ast.literal_eval(line) for line in lines[start:end]]
+
+
+@pytest.fixture
+def probe4_host(tmp_path: Path):
+    """The probe's GPU and processes: real processes of this machine with the probe's argv[0]
+    (commas, a newline, 32 and 33 characters), holding the probe's memory. Yields {our pid:
+    the probe's pid}."""
+    fake = Fake(tmp_path, gpus=1, name="NVIDIA H200", total_mib=143771, reserved_mib=616,
+                uuids=[PROBE4_UUID])
+    pids = {}
+    for (argv0, mib), real in zip(PROBE4_PROCS, PROBE4_PIDS):
+        p = subprocess.Popen([argv0, "-c", "import time; time.sleep(120)"], executable=sys.executable)
+        fake.procs.append(p)
+        cmdline, want = Path("/proc/%d/cmdline" % p.pid), argv0.encode()
+        wait_for(lambda: cmdline.read_bytes().startswith(want))  # noqa: B023 (used at once)
+        fake.hold(p.pid, {"0": mib})
+        pids[p.pid] = real
+    assert sorted(pids) == list(pids), "PIDs out of order (wrapped): run again"
+    fake.pids = pids
+    yield fake
+    fake.close()
+
+
+def _as_probe(text: str, pids: dict) -> str:
+    for ours, real in pids.items():
+        text = re.sub(r"(^|\n)%d, " % ours, r"\g<1>%d, " % real, text)
+    return text
+
+
+@pytest.mark.parametrize("fmt", ["csv,noheader", "csv,noheader,nounits"])
+def test_process_names_in_csv_as_recorded_commas_as_question_marks(probe4_host, fmt):
+    """Recorded: in CSV, nvidia-smi prints a name's commas as '?' and its newlines verbatim."""
+    query = "--query-compute-apps=pid,process_name,used_memory,gpu_uuid"
+    (recorded,) = probe4_block("nvidia-smi %s --format=%s (repr)" % (query, fmt))
+    assert _as_probe(probe4_host.out(query, "--format=" + fmt), probe4_host.pids) == recorded
+
+
+def test_process_names_in_the_table_as_recorded(probe4_host):
+    """Recorded: the table prints commas and newlines verbatim and cuts a name longer than 32
+    characters to '...' and its last 29."""
+    def rows(lines: list[str]) -> list[str]:  # the processes, PID column blanked
+        start = next(i for i, line in enumerate(lines) if "Process name" in line) + 3
+        return [line[:17] + " " * 16 + line[33:] if line.startswith("|    0   N/A") else line
+                for line in lines[start:-1]]
+    recorded = probe4_block("nvidia-smi (bare table, repr of each line)")
+    assert rows(probe4_host.out().splitlines()) == rows(recorded)
+
+
+def test_process_names_in_q_as_recorded(probe4_host):
+    """Recorded: -q prints the name verbatim, commas and newlines included."""
+    recorded = probe4_block("nvidia-smi -q -d PIDS (repr of each line)")
+    ours = probe4_host.out("-q", "-d", "PIDS").splitlines()
+    start = ours.index("    Processes")
+    ours = [re.sub(r": (\d+)$", lambda m: ": %d" % probe4_host.pids.get(int(m.group(1)), int(m.group(1))), line)
+            if "Process ID" in line else line for line in ours[start:]]
+    assert ours == recorded[recorded.index("    Processes"):]

@@ -555,7 +555,8 @@ def test_listed_process_without_device_files_is_an_untrusted_row() -> None:
     plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
     assert 4360 not in pids(plan)
     kind, reason = refused(plan)[4360]
-    assert kind == planmod.UNTRUSTED_ROW and "holds no NVIDIA device file" in reason
+    assert kind == planmod.UNTRUSTED_ROW
+    assert reason == "listed by nvidia-smi on GPU 0 but has no /dev/nvidia0 open"
     assert {4361, 4362, 4363} <= pids(plan)
 
 
@@ -564,6 +565,118 @@ def test_untrusted_row_outside_the_scope_is_not_reported() -> None:
     d["holders"] = [h for h in d["holders"] if h["pid"] != 4520]  # trainer rank on GPU 4
     plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
     assert 4520 not in refused(plan) and 4520 not in pids(plan)
+
+
+# ------------------------------------ a listed process must hold its GPU (policy.listing_check)
+
+
+def _set_holder(d: dict, pid: int, devices: list, mapped: Any = "keep") -> dict:
+    """Give holder ``pid`` these open device files (and maps: a list, None = not available)."""
+    entry = next(h for h in d["holders"] if h["pid"] == pid)
+    entry["devices"] = devices
+    if mapped is None:
+        entry.pop("mapped", None)
+    elif mapped != "keep":
+        entry["mapped"] = mapped
+    return d
+
+
+def test_listed_pid_without_its_gpus_device_file_is_refused() -> None:
+    """nvidia-smi lists PID 4520 on GPU 4, but it has only /dev/nvidia5 open: whatever printed
+    that row, the process holds nothing of GPU 4. Refused, never signalled (in a full scope
+    not a device-file candidate either), and its memory counts as unexplained."""
+    snap = parse_snapshot(_set_holder(doc("train-node"), 4520,
+                                      ["/dev/nvidia-uvm", "/dev/nvidia5", "/dev/nvidiactl"]))
+    reason = "listed by nvidia-smi on GPU 4 but has no /dev/nvidia4 open"
+    check = policy.listing_check(snap, 4520)
+    assert check is not None
+    assert (check.trust, check.reason, check.gpus) == (policy.LISTING_REFUSED, reason, (4,))
+    for scope in ((4, 5, 6, 7), None):
+        plan = make_plan(snap, scope)
+        assert 4520 not in pids(plan), scope
+        assert refused(plan)[4520] == (planmod.UNTRUSTED_ROW, reason)
+    plan = make_plan(snap, (4, 5, 6, 7))
+    assert pids(plan) == RANKS - {4520}
+    used = next(a.used_mib for a in snap.compute_apps if a.pid == 4520)
+    assert any(n.startswith("GPU 4: %d MiB listed by nvidia-smi for PID 4520" % used)
+               for n in plan.notes), plan.notes
+    trusted = policy.without_refused_listings(snap)
+    assert (policy.unexplained_mib(trusted, (4,), 64) or {}).get(4, 0) >= used
+
+
+def test_listed_pid_with_the_device_file_but_no_cuda_context_is_refused() -> None:
+    """A GPU monitor (every /dev/nvidiaN open, nothing mapped) listed with memory: its maps are
+    readable and show no /dev/nvidia-uvm, so it has no CUDA context and is no holder."""
+    d = _set_holder(doc("train-node"), 4521, list(EVERY_DEV), [])
+    snap = parse_snapshot(d)
+    check = policy.listing_check(snap, 4521)
+    assert check is not None and check.trust == policy.LISTING_REFUSED
+    assert check.reason == ("listed by nvidia-smi on GPU 5 but has no CUDA context "
+                            "(/dev/nvidia-uvm not mapped)")
+    assert 4521 not in pids(make_plan(snap))
+    cuda = parse_snapshot(_set_holder(doc("train-node"), 4521, list(EVERY_DEV),
+                                      ["/dev/nvidia-uvm", "/dev/nvidia5", "/dev/nvidiactl"]))
+    verified = policy.listing_check(cuda, 4521)
+    assert verified is not None and verified.trust == policy.LISTING_VERIFIED
+    assert verified.reason == "has /dev/nvidia5 open and /dev/nvidia-uvm mapped"
+    target = make_plan(cuda).target(4521)
+    assert target is not None and target.evidence == planmod.EVIDENCE_SMI
+    assert target.evidence_reason == "listed by nvidia-smi on GPU 5; " + verified.reason
+
+
+def test_the_device_file_is_the_gpus_minor_not_its_index() -> None:
+    d = _set_holder(doc("train-node"), 4520, ["/dev/nvidia-uvm", "/dev/nvidia4", "/dev/nvidiactl"])
+    d["gpus"][4]["minor"], d["gpus"][6]["minor"] = 6, 4
+    check = policy.listing_check(parse_snapshot(d), 4520)
+    assert check is not None and check.trust == policy.LISTING_REFUSED
+    assert check.reason == "listed by nvidia-smi on GPU 4 but has no /dev/nvidia6 open"
+    _set_holder(d, 4520, ["/dev/nvidia-uvm", "/dev/nvidia6", "/dev/nvidiactl"])
+    check = policy.listing_check(parse_snapshot(d), 4520)
+    assert check is not None and check.trust == policy.LISTING_VERIFIED
+    assert check.reason == "has /dev/nvidia6 open (its maps not available)"
+
+
+def test_unreadable_open_files_leave_a_listed_pid_unverified() -> None:
+    """Where the check cannot be made (the agent could not read its open files), the listing
+    counts as before, and the evidence says it is unverified."""
+    d = doc("train-node")
+    d["holders"] = [h for h in d["holders"] if h["pid"] != 4520]
+    d["processes"]["4520"]["fds_readable"] = False
+    snap = parse_snapshot(d)
+    check = policy.listing_check(snap, 4520)
+    assert check is not None and check.trust == policy.LISTING_UNVERIFIED
+    assert check.reason == "unverified: its open files could not be read"
+    target = make_plan(snap, (4, 5, 6, 7)).target(4520)
+    assert target is not None and target.evidence == planmod.EVIDENCE_SMI_UNVERIFIED
+    assert target.evidence_reason == "listed by nvidia-smi on GPU 4; " + check.reason
+    # readable and holding nothing: refused, as before
+    d["processes"]["4520"]["fds_readable"] = True
+    check = policy.listing_check(parse_snapshot(d), 4520)
+    assert check is not None and check.trust == policy.LISTING_REFUSED
+    assert check.reason == "listed by nvidia-smi on GPU 4 but has no /dev/nvidia4 open"
+
+
+def test_other_users_unreadable_and_wsl2_listings_are_unverified() -> None:
+    bob = policy.listing_check(load("shared-node"), 6100)  # alice's agent, bob's fds
+    assert bob is not None and bob.trust == policy.LISTING_UNVERIFIED
+    assert bob.reason == "unverified: its open files could not be read"
+    d = doc("wsl2")  # /dev/dxg, no /dev/nvidiaN: which GPU a holder uses cannot be told
+    d["compute_apps"] = [{"pid": 900, "process_name": "python3", "used_mib": None,
+                          "gpu_uuid": d["gpus"][0]["uuid"]}]
+    check = policy.listing_check(parse_snapshot(d), 900)
+    assert check is not None and check.trust == policy.LISTING_UNVERIFIED
+    assert check.reason == "unverified: WSL2 has no /dev/nvidiaN (its GPUs are /dev/dxg)"
+    target = make_plan(parse_snapshot(d)).target(900)
+    assert target is not None and target.evidence == planmod.EVIDENCE_SMI_UNVERIFIED
+
+
+def test_a_zombie_leader_holds_its_gpu_through_its_threads() -> None:
+    """A CUDA process whose leader is a zombie while its threads tear down still holds the
+    GPU; the agent reads its fds through /proc/PID/task/TID/fd (maps: not available)."""
+    d = _set_holder(doc("train-node"), 4520, ["/dev/nvidia-uvm", "/dev/nvidia4"], None)
+    d["processes"]["4520"]["state"] = "Z"
+    check = policy.listing_check(parse_snapshot(d), 4520)
+    assert check is not None and check.trust == policy.LISTING_VERIFIED
 
 
 # ------------------------------------------------------- issue 10: GPU clients are never targets

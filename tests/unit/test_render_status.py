@@ -145,6 +145,25 @@ def test_a_newline_in_a_process_title_cannot_fake_a_holder_line() -> None:
     assert not any(line.strip().startswith("VLLM::Worker 1 999MiB") for line in text.splitlines())
 
 
+def test_a_listed_process_without_its_gpus_device_file_is_an_untrusted_row() -> None:
+    """nvidia-smi lists PID 426 on GPU 0 with 5638 MiB, but its open files hold no
+    /dev/nvidia0 (policy.listing_check): status shows the row marked, leaves its memory
+    unattributed and says why; the other listed process is verified."""
+    doc = json.loads((FIX / "basic.json").read_text())
+    doc["holders"] = [h for h in doc["holders"] if h["pid"] != 426]
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    reason = "listed by nvidia-smi on GPU 0 but has no /dev/nvidia0 open"
+    gpu = status_document([res], {})["hosts"][0]["gpus"][0]
+    assert {p["pid"]: (p["listing"], p["listing_reason"]) for p in gpu["processes"]} == {
+        426: ("refused", reason),
+        425: ("verified", "has /dev/nvidia0 open (its maps not available)")}
+    assert (gpu["attributed_mib"], gpu["unattributed_mib"]) == (20998, 26651 - 20998)
+    text = status_table([res], {})
+    assert "trainer 426 5638MiB (untrusted row)" in text
+    assert text.splitlines()[-1] == ("box: warning: PID 426 is an untrusted row: %s; its memory "
+                                     "counts as unattributed" % reason)
+
+
 def test_status_json_from_host_entries_is_the_same_text_as_the_whole_document() -> None:
     """`status --json` encodes each host in its worker (render.status.host_json) and joins the
     entries: the text must be exactly what encoding the whole document gives."""

@@ -13,8 +13,11 @@ each):
    process opens EVERY /dev/nvidiaN of the machine (measured, recorded/h200-two-gpus.log).
    Holding only nvidiactl/nvidia-uvm (or /dev/dxg): a candidate in a full scope only. GPU
    clients (gpufleet.core.policy.holder_role: no evidence of memory) are never candidates:
-   listed in ``Plan.clients`` and in one note. nvidia-smi rows that are evidence of nothing
-   (``untrusted_rows``) are set aside first and their PIDs refused.
+   listed in ``Plan.clients`` and in one note. A listed process that holds nothing of the GPU
+   it is listed on (gpufleet.core.policy.listing_check: no /dev/nvidiaN of that GPU open, or
+   maps without /dev/nvidia-uvm) is no evidence: its rows are set aside first (their memory
+   counts as unexplained), its PID refused (``untrusted-row``) and never a target; a listing
+   that cannot be checked is evidence as before, marked "nvidia-smi (unverified)".
 2. whole families (plan/families.py). A family is a chain of GPU-evidence processes up to its
    root (vLLM's EngineCore above its Workers) and the root's GPU-evidence descendants. When
    the scope cuts a family (nvidia-smi lists members inside and outside it), its in-scope
@@ -39,13 +42,12 @@ The agent's request is built from the plan by ``to_request`` (plan/request.py).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Iterable, Optional
 
 from gpufleet.core import policy
 from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import Snapshot, driver_allowance_mib
-from gpufleet.core.plan.evidence import gather_evidence, resolve_scope, untrusted_rows
+from gpufleet.core.plan.evidence import gather_evidence, resolve_scope
 from gpufleet.core.plan.families import (
     Rules,
     Tree,
@@ -65,6 +67,7 @@ from gpufleet.core.plan.types import (
     EVIDENCE_DEVICE,
     EVIDENCE_FAMILY,
     EVIDENCE_SMI,
+    EVIDENCE_SMI_UNVERIFIED,
     FAMILY,
     INVISIBLE_REASON,
     NO_EVIDENCE,
@@ -81,10 +84,10 @@ from gpufleet.core.plan.types import (
 from gpufleet.errors import UsageError
 
 __all__ = [
-    "AMBIGUOUS", "EVIDENCE_DEVICE", "EVIDENCE_FAMILY", "EVIDENCE_SMI", "FAMILY",
-    "INVISIBLE_REASON", "NO_EVIDENCE", "SPANNING", "UNREADABLE", "UNTRUSTED_ROW", "Client",
-    "Invisible", "Plan", "Refusal", "Target", "UnitStop", "format_gpu_indices", "make_plan",
-    "to_request", "unreadable_fds_note", "untrusted_rows",
+    "AMBIGUOUS", "EVIDENCE_DEVICE", "EVIDENCE_FAMILY", "EVIDENCE_SMI", "EVIDENCE_SMI_UNVERIFIED",
+    "FAMILY", "INVISIBLE_REASON", "NO_EVIDENCE", "SPANNING", "UNREADABLE", "UNTRUSTED_ROW",
+    "Client", "Invisible", "Plan", "Refusal", "Target", "UnitStop", "format_gpu_indices",
+    "make_plan", "to_request", "unreadable_fds_note",
 ]
 
 
@@ -108,11 +111,9 @@ def make_plan(
     steps of the module docstring, in order. ``job_uid`` (a Slurm epilog): only that user's
     processes may be signalled (policy.job_owner_reason)."""
     host = host or snapshot.facts.hostname or "?"
-    untrusted = untrusted_rows(snapshot)
-    listed_as = {pid: snapshot.gpu_indices_of_app(pid) for pid in untrusted}
-    if untrusted:
-        snapshot = replace(snapshot, compute_apps=tuple(
-            a for a in snapshot.compute_apps if a.pid not in untrusted))
+    untrusted = policy.refused_listings(snapshot)
+    dropped = tuple(a for a in snapshot.compute_apps if a.pid in untrusted)
+    snapshot = policy.without_refused_listings(snapshot)
     if unattributed_mib < 0 or tolerance_mib < 0:
         raise UsageError(f"{host}: unattributed_mib and tolerance_mib must be >= 0")
     plan_scope = resolve_scope(snapshot, scope, host)
@@ -128,17 +129,15 @@ def make_plan(
     settle_families(rules, stop_units)
     promote_roots(rules, snapshot)
     add_zombie_children(rules)
+    refuse_untrusted(rules, untrusted)
     targets, owner_units, owner_refused = plan_owners(
         snapshot, assemble_targets(rules.dec, tree), owners, ctx)
     notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
-                                  tuple(family_notes))) + tuple(owner_notes(targets))
+                                  tuple(family_notes), dropped)) + tuple(owner_notes(targets))
 
     refused = rules.dec.refused
     for r in owner_refused:
         refused[r.pid] = r
-    for pid, reason in untrusted.items():  # a row is no evidence; family ties may still be
-        if pid not in rules.dec.targets and (plan_scope.full or plan_scope.touches(listed_as[pid])):
-            refused[pid] = Refusal(pid, tree.name(pid), reason, UNTRUSTED_ROW, listed_as[pid])
     return Plan(
         host=host, scope=plan_scope.indices, full_scope=plan_scope.full, targets=targets,
         refused=tuple(sorted(refused.values(), key=lambda r: r.pid)),
@@ -147,6 +146,16 @@ def make_plan(
         notes=notes, clients=tuple(sorted(ev.clients.values(), key=lambda c: c.pid)),
         **watch_fields(snapshot, plan_scope.indices, targets, settle_s, stop_units),
     )
+
+
+def refuse_untrusted(rules: Rules, untrusted: dict[int, policy.ListingCheck]) -> None:
+    """A listed process that holds nothing of its GPUs (policy.listing_check) is refused with
+    the reason, whatever else the plan decided: its row is no evidence, never a target."""
+    for pid, check in untrusted.items():
+        rules.dec.targets.pop(pid, None)
+        if rules.scope.full or rules.scope.touches(check.gpus):
+            rules.dec.refused[pid] = Refusal(pid, rules.tree.name(pid), check.reason,
+                                             UNTRUSTED_ROW, check.gpus)
 
 
 def after_thresholds(snapshot: Snapshot, scope: tuple[int, ...], threshold: int,

@@ -1,7 +1,8 @@
 """Step 1 of the plan: GPU evidence -> candidates, or refusals about the evidence itself (pure).
 
 Evidence is nvidia-smi's compute-apps listing, else open /dev/nvidiaN files; never a name.
-A holder nvidia-smi does not list is judged by gpufleet.core.policy.holder_role first: GPU
+A listed process is judged by gpufleet.core.policy.listing_check (does it hold the GPU it is
+listed on?); a holder nvidia-smi does not list by gpufleet.core.policy.holder_role first: GPU
 clients (monitors, exporters, nvidia-smi runs) are set aside, never candidates.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from gpufleet.core.plan.types import (
     AMBIGUOUS,
     EVIDENCE_DEVICE,
     EVIDENCE_SMI,
+    EVIDENCE_SMI_UNVERIFIED,
     NO_EVIDENCE,
     SPANNING,
     UNREADABLE,
@@ -37,6 +39,7 @@ class Evidence:
     plus the GPU clients, the holders whose details are unreadable, and invisible rows."""
 
     listed: Listed
+    checks: dict[int, policy.ListingCheck] = field(default_factory=dict)
     candidates: dict[int, Candidate] = field(default_factory=dict)
     refusals: dict[int, Refusal] = field(default_factory=dict)
     clients: dict[int, Client] = field(default_factory=dict)
@@ -48,6 +51,17 @@ class Evidence:
     def refuse(self, proc: ProcessInfo, kind: str, reason: str, gpus: tuple[int, ...]) -> None:
         self.candidates.pop(proc.pid, None)
         self.refusals[proc.pid] = Refusal(proc.pid, proc.name, reason, kind, gpus)
+
+    def listed_candidate(self, proc: ProcessInfo) -> Candidate:
+        """A listed process as a candidate: nvidia-smi evidence, verified or not
+        (policy.listing_check; refused listings never get here)."""
+        gpus, used = self.listed[proc.pid]
+        check = self.checks.get(proc.pid)
+        if check is None:
+            return Candidate(proc, EVIDENCE_SMI, gpus, used)
+        evidence = EVIDENCE_SMI if check.trust == policy.LISTING_VERIFIED else \
+            EVIDENCE_SMI_UNVERIFIED
+        return Candidate(proc, evidence, gpus, used, check.evidence_reason)
 
 
 def resolve_scope(snapshot: Snapshot, scope: Optional[tuple[int, ...]], host: str) -> PlanScope:
@@ -87,28 +101,6 @@ def listed_usage(snapshot: Snapshot) -> Listed:
     return {pid: (tuple(sorted(g)), used.get(pid)) for pid, g in gpus.items()}
 
 
-def untrusted_rows(snapshot: Snapshot) -> dict[int, str]:
-    """Compute-app rows not to act on: a process nvidia-smi lists with GPU memory that holds
-    no NVIDIA device file, although its file descriptors were readable. CUDA opens them all
-    (recorded); nvidia-smi prints process names verbatim, so a process titled
-    "x, 100, GPU-...\\nPID, name" forges a row for any PID -- e.g. a root daemon that never
-    touched a GPU -- and a stale row can name a PID since reused. Such a row is evidence of
-    nothing, and its PID is refused."""
-    facts = snapshot.facts
-    holding = {h.pid for h in snapshot.holders}
-    out: dict[int, str] = {}
-    for app in snapshot.compute_apps:
-        proc = snapshot.processes.get(app.pid)
-        if proc is None or app.pid in holding or (proc.state or "")[:1] in ("Z", "X"):
-            continue
-        readable = (facts.is_root or facts.can_read_all_fds
-                    or (facts.uid is not None and proc.uid == facts.uid))
-        if readable:
-            out[app.pid] = ("listed by nvidia-smi but holds no NVIDIA device file "
-                            "(a forged or stale nvidia-smi row?)")
-    return out
-
-
 def invisible_rows(snapshot: Snapshot, scope: PlanScope) -> tuple[Invisible, ...]:
     """Compute-app rows on scope GPUs whose PID this PID namespace does not have."""
     rows = (
@@ -123,7 +115,8 @@ def invisible_rows(snapshot: Snapshot, scope: PlanScope) -> tuple[Invisible, ...
 def gather_evidence(snapshot: Snapshot, scope: PlanScope, threshold_mib: int,
                     ctx: policy.PolicyContext, include_spanning: bool) -> Evidence:
     """Rules 1-2 of the module docstring of gpufleet.core.plan, and the GPU clients."""
-    ev = Evidence(listed=listed_usage(snapshot), invisible=invisible_rows(snapshot, scope))
+    ev = Evidence(listed=listed_usage(snapshot), checks=policy.listing_checks(snapshot),
+                  invisible=invisible_rows(snapshot, scope))
     _judge_listed(snapshot, scope, include_spanning, ev)
     roles = policy.holder_roles(snapshot, threshold_mib)
     for holder in sorted(snapshot.holders, key=lambda h: h.pid):
@@ -138,12 +131,12 @@ def gather_evidence(snapshot: Snapshot, scope: PlanScope, threshold_mib: int,
 def _judge_listed(snapshot: Snapshot, scope: PlanScope, include_spanning: bool,
                   ev: Evidence) -> None:
     """Rule 1: listed on scope GPUs only -> candidate; also elsewhere -> spanning."""
-    for pid, (gpus, used) in sorted(ev.listed.items()):
+    for pid, (gpus, _used) in sorted(ev.listed.items()):
         proc = snapshot.processes.get(pid)
         if proc is None or not scope.touches(gpus):
             continue
         if scope.covers(gpus) or include_spanning:
-            ev.candidates[pid] = Candidate(proc, EVIDENCE_SMI, gpus, used)
+            ev.candidates[pid] = ev.listed_candidate(proc)
             continue
         outside = format_gpu_indices(scope.outside(gpus))
         ev.refuse(proc, SPANNING, f"spans GPUs {format_gpu_indices(gpus)} (GPU {outside} outside "

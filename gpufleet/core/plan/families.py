@@ -17,7 +17,6 @@ from gpufleet.core.plan.evidence import Evidence
 from gpufleet.core.plan.types import (
     AMBIGUOUS,
     EVIDENCE_FAMILY,
-    EVIDENCE_SMI,
     FAMILY,
     NO_EVIDENCE,
     Candidate,
@@ -183,8 +182,7 @@ def _include_family(fam: Family, ev: Evidence, tree: Tree) -> None:
         ev.refusals.pop(pid, None)
         proc = tree.procs[pid]
         if pid in ev.listed:
-            gpus, used = ev.listed[pid]
-            ev.candidates[pid] = Candidate(proc, EVIDENCE_SMI, gpus, used)
+            ev.candidates[pid] = ev.listed_candidate(proc)
             continue
         below = tree.descendants(pid)
         gpus = tuple(sorted({g for d in below if d in fam.members
@@ -336,6 +334,7 @@ def assemble_targets(dec: Decisions, tree: Tree) -> tuple[Target, ...]:
             pid=pid, starttime=proc.starttime, name=proc.name, cmdline=proc.cmdline,
             gpus=cand.gpus, evidence=cand.evidence, wave=0 if root == pid else 1,
             family_root=root, used_mib=cand.used_mib, user=proc.user, unit=proc.unit,
+            evidence_reason=cand.evidence_reason,
         ))
     return tuple(sorted(out, key=lambda t: (t.wave, t.pid)))
 

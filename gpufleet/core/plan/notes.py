@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gpufleet.core import policy
-from gpufleet.core.model import Snapshot, ledger
+from gpufleet.core.model import ComputeApp, Snapshot, ledger
 from gpufleet.core.plan.evidence import Evidence
 from gpufleet.core.plan.types import PlanScope, Target
 
@@ -23,6 +23,7 @@ class NoteInputs:
     ev: Evidence
     targets: tuple[Target, ...]
     family_notes: tuple[str, ...] = ()
+    untrusted_rows: tuple[ComputeApp, ...] = ()  # rows of refused listings (not in snapshot)
 
 
 def plan_notes(inp: NoteInputs) -> tuple[str, ...]:
@@ -57,11 +58,21 @@ def host_notes(snapshot: Snapshot) -> list[str]:
 def memory_notes(inp: NoteInputs) -> list[str]:
     """Memory on scope GPUs that no visible process explains."""
     notes = []
+    untrusted = untrusted_memory(inp)
     for row in ledger(inp.snapshot):
-        if row.index in inp.scope.indices and (row.unattributed_mib or 0) > (
-                inp.threshold_mib + row.driver_allowance_mib):  # the driver's share is not hidden
+        if row.index not in inp.scope.indices:
+            continue
+        mib, pids = untrusted.get(row.index, (0, []))
+        if pids:
             notes.append(
-                f"GPU {row.index}: {row.unattributed_mib} MiB used that nvidia-smi attributes to "
+                f"GPU {row.index}: {'n/a' if mib is None else mib} MiB listed by "
+                f"{inp.snapshot.gpu_reader} for PID{'s' if len(pids) > 1 else ''} "
+                f"{', '.join(map(str, pids))} counts as unexplained: they do not hold this GPU "
+                "(refused as untrusted rows)")
+        rest = (row.unattributed_mib or 0) - (mib or 0)
+        if rest > inp.threshold_mib + row.driver_allowance_mib:  # the driver's share is not hidden
+            notes.append(
+                f"GPU {row.index}: {rest} MiB used that nvidia-smi attributes to "
                 "no process (other PID namespace, WSL2, display clients or a driver leak)")
     invisible = inp.ev.invisible
     if invisible:
@@ -70,6 +81,19 @@ def memory_notes(inp: NoteInputs) -> list[str]:
             f"{len({r.pid for r in invisible})} process(es) listed by nvidia-smi are not visible "
             f"here ({mib} MiB on scope GPUs); they cannot be signalled from this PID namespace")
     return notes
+
+
+def untrusted_memory(inp: NoteInputs) -> dict[int, tuple[Optional[int], list[int]]]:
+    """GPU index -> (MiB the untrusted rows list on it, None if not available; their PIDs)."""
+    out: dict[int, tuple[Optional[int], list[int]]] = {}
+    for app in inp.untrusted_rows:
+        gpu = inp.snapshot.gpu_by_uuid(app.gpu_uuid)
+        if gpu is None:
+            continue
+        mib, pids = out.get(gpu.index, (0, []))
+        mib = None if mib is None or app.used_mib is None else mib + app.used_mib
+        out[gpu.index] = (mib, sorted(set(pids) | {app.pid}))
+    return out
 
 
 def target_notes(inp: NoteInputs) -> list[str]:

@@ -11,7 +11,8 @@ from typing import Any, Mapping, Optional
 from gpufleet.core.model import ProcessInfo
 from gpufleet.core.policy import Owner
 
-EVIDENCE_SMI = "nvidia-smi"
+EVIDENCE_SMI = "nvidia-smi"  # listed, and it holds that GPU (policy.listing_check verified)
+EVIDENCE_SMI_UNVERIFIED = "nvidia-smi (unverified)"  # listed; its device files not checkable
 EVIDENCE_DEVICE = "device-file"
 EVIDENCE_FAMILY = "family"  # device-file holder whose GPU processes below are all targets
 EVIDENCE_OWNER = "owner"  # named by the operator (clean --owner): it restarts a target
@@ -43,6 +44,7 @@ class Target:
     user: Optional[str] = None
     unit: Optional[str] = None
     owner: Optional[Owner] = None
+    evidence_reason: str = ""  # listed processes: policy.ListingCheck.evidence_reason
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class Candidate:
     evidence: str
     gpus: tuple[int, ...]
     used_mib: Optional[int]
+    evidence_reason: str = ""
 
 
 @dataclass(frozen=True)
