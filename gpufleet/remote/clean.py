@@ -559,11 +559,33 @@ def clean(req, deadline, res, proc=PROC):
     return res
 
 
+def before_locked(req, scope, deadline):
+    """memory.used per scope GPU, read once the lock is held: the clean's own "before". The
+    plan's snapshot is older; another clean may have freed that memory while this one waited
+    for the lock, and what it freed must not be reported as this clean's."""
+    out = {"used_mib": None, "error": None}
+    scratch = {}
+    read, _poll = memory_reader(req, scope, deadline, scratch) if scope else (None, None)
+    if read is None:
+        out["error"] = scratch.get("error")
+        if not scope:
+            out["used_mib"] = {}
+        return out
+    used, error = read()
+    if error is not None:
+        out["error"] = error
+    else:
+        out["used_mib"] = dict((str(i), used.get(i)) for i in scope)
+    return out
+
+
 def _clean_locked(req, deadline, res, t0, proc):
     ctx = self_context(proc)
     auditor = Auditor(req.get("operator"))
     reserve = min(req["smi_timeout_s"] + 1.0, max(1.0, req["deadline_s"] * 0.15))
     work_end = time.monotonic() + req["timeout_s"]
+    scope = [i for i in (req.get("scope") or []) if isinstance(i, int)]
+    res["before_locked"] = before_locked(req, scope, deadline)
     stop_units(req.get("units") or [], req, deadline, reserve, res)
 
     targets = _clean_targets(req)
@@ -584,7 +606,6 @@ def _clean_locked(req, deadline, res, t0, proc):
     if auditor.error:
         res["warnings"].append(auditor.error)
 
-    scope = [i for i in (req.get("scope") or []) if isinstance(i, int)]
     res["memory_wait"] = wait_memory(req, scope, min(work_end, deadline.end - reserve), deadline)
 
     _record_survivors(targets, res, proc)

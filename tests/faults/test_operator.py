@@ -143,6 +143,38 @@ def test_three_operators_clean_one_host_at_once(lab: Any, make_host: Any, home: 
     assert_gone_exactly(host, before, {stubborn})
 
 
+def test_a_clean_that_waited_for_the_lock_reports_only_what_it_freed(
+        lab: Any, make_host: Any, tmp_path: Path) -> None:
+    """Operator 2 plans while operator 1's TERM-ignoring target still holds 5000 MiB, then
+    waits for the host's lock while operator 1 kills it. Operator 2's "before" is what the
+    GPU held once it had the lock: it reports FREED 0, never operator 1's 5000 MiB."""
+    host = make_host("lock-freed", gpus=1)
+    stubborn = host.spawn_holder(gpus=[0], mib=5000, title="stubborn", ignore_term=True)
+    settle(host)
+    before = census(host)
+    inv = lab.inventory_yaml([host])
+    homes = []
+    for n in (1, 2):
+        homes.append(tmp_path / ("operator%d" % n))
+        homes[-1].mkdir()
+    op1 = start_cli(homes[0], inv, "clean", "--yes", "--json", "--grace", "4")
+    wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60, "op1 TERM")
+    op2 = start_cli(homes[1], inv, "clean", "--yes", "--json", "--grace", "1")
+    r1, r2 = (finish_cli(p, timeout=90) for p in (op1, op2))
+    for r in (r1, r2):
+        assert_no_traceback(r)
+    one, two = r1.host("lock-freed"), r2.host("lock-freed")
+    assert one["verdict"] == "clean" and one["freed_mib"] == 5000, str(r1)
+    # operator 2 planned while the holder still held its memory (it meant to signal it) ...
+    assert [t["pid"] for t in two["targets"]] == [stubborn], str(r2)
+    assert [t["used_mib"] for t in two["targets"]] == [5000], str(r2)
+    # ... and found it gone once it held the lock: it freed nothing itself
+    assert signals(two["signals"]) == [(stubborn, "TERM", "gone")], str(r2)
+    assert two["verdict"] == "clean" and two["freed_mib"] == 0, str(r2)
+    assert two["before"] == [{"index": 0, "memory_used_mib": 0}], str(r2)
+    assert_gone_exactly(host, before, {stubborn})
+
+
 def test_gpus_naming_a_gpu_that_does_not_exist(lab: Any, make_host: Any, home: Path) -> None:
     """--gpus 2-3 on a fleet where one host has 4 GPUs and one has 2: a usage error on one host
     means nothing is signalled anywhere (exit 2, one line per problem); an index beyond any
