@@ -129,6 +129,7 @@ def host_document(r: Any) -> dict[str, Any]:
         "reset": list(doc.get("reset") or []),
         "memory_wait": doc.get("memory_wait"),
         "lock_holder": doc.get("lock_holder"),  # busy: {pid, uid, user, cmdline, open}
+        "cancelled": doc.get("cancelled"),  # a second Ctrl-C: {t, pending: [{pid, signal}]}
         "before": _before(detail, before_snap, scope),
         "after": _mem(r.after, scope),
         "freed_mib": detail.get("freed_mib"),

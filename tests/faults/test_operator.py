@@ -25,6 +25,7 @@ from faultkit import (
     settle,
     signals,
     start_cli,
+    TtyCli,
     wait_for,
 )
 
@@ -62,6 +63,45 @@ def test_ctrl_c_during_a_multi_host_clean(lab: Any, make_host: Any, home: Path) 
     assert_gone_exactly(a, befores["int-a"], {a_job})
     assert_gone_exactly(b, befores["int-b"], set())
     assert_gone_exactly(c, befores["int-c"], set())
+
+
+def test_ctrl_c_twice_cancels_the_pending_kill_and_reports_what_was_sent(
+        lab: Any, make_host: Any, home: Path) -> None:
+    """Ctrl-C twice at the terminal while a TERM-ignoring holder is in its grace: the second
+    Ctrl-C cancels what the host's agent had still to do (the KILL after the grace). The CLI
+    says so and lists what had been sent; long after the grace the holder is still alive, and
+    the operator's audit log holds every signal the host sent (its own record compared)."""
+    grace = 6
+    host = make_host("int-twice", gpus=1)
+    stubborn = host.spawn_holder(gpus=[0], mib=5000, title="stubborn", ignore_term=True)
+    settle(host)
+    before = census(host)
+    inv = lab.inventory_yaml([host])
+    cli = TtyCli(home, inv, "clean", "--yes", "--gpus", "0", "--grace", grace)
+    wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60, "TERM")
+    termed_at = time.monotonic()
+    cli.ctrl_c()  # typed at the CLI's terminal: SIGINT to its foreground process group
+    cli.wait_text("waiting for 1 host(s) already running (int-twice)")
+    cli.ctrl_c()
+    run = cli.finish(timeout=grace + SLACK_S)
+    assert_no_traceback(run)
+    assert run.rc == 130, str(run)
+    assert time.monotonic() - termed_at < grace, str(run)  # it did not wait out the grace
+    row = [ln.split() for ln in run.stdout.splitlines() if ln.startswith("int-twice ")]
+    assert len(row) == 1 and row[0][2] == "1" and row[0][6] == "cancelled", str(run)
+    assert ("int-twice: pending signals cancelled: sent SIGTERM to PID %d (stubborn); "
+            "not sent: SIGKILL to PID %d" % (stubborn, stubborn)) in run.stdout, str(run)
+    assert "result unknown" not in run.stdout, str(run)
+    # long after the grace: the cancelled KILL never came
+    time.sleep(max(0.0, termed_at + grace + 3 - time.monotonic()))
+    assert host.alive(stubborn), "the holder was killed after the CLI said it would not be"
+    wait_for(lambda: not agents_left(host), 30, "the host's agent to end")
+    sent_on_host = signals(agent_audit(host))
+    assert sent_on_host == [(stubborn, "TERM", "sent")], sent_on_host
+    assert signals(audit_log(home)) == sent_on_host
+    assert audit_verdicts(home) == [("int-twice", "cancelled")]
+    assert_gone_exactly(host, before, set())
+    host.kill(stubborn)  # the holder this test started, by its pid
 
 
 def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any,
