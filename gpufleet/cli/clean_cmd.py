@@ -76,7 +76,8 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
 
     run = run_clean(selected, opts, forks=app.forks, dry_run=dry_run, on_planned=on_planned,
                     confirm=_confirm(yes, interactive=sys.stdin.isatty() and not as_json),
-                    progress=progress, on_interrupt=_on_interrupt(phase))
+                    progress=progress, on_interrupt=_on_interrupt(phase),
+                    on_cancel=_on_cancel(phase))
     if run.interrupted == "planning" and not dry_run:  # nothing is signalled anywhere
         click.echo(terminal_safe(outcome_table(run.results)))
         click.echo("gpufleet: interrupted while planning: nothing signalled on any host", err=True)
@@ -91,9 +92,24 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     else:
         click.echo(terminal_safe(outcome_table(run.results)))
     if run.interrupted:
-        click.echo("gpufleet: interrupted: hosts already running finished their sequence (above); "
-                   "no other host was started", err=True)
+        click.echo(_interrupted_line(run.results), err=True)
     return run.exit_code
+
+
+def _interrupted_line(results: Sequence[Any]) -> str:
+    """The last word after Ctrl-C while acting: what became of the hosts that were running."""
+    cancelled = [r.host for r in results if r.verdict == "cancelled"]
+    unknown = [r.host for r in results if r.verdict == "interrupted" and r.outcome_unknown]
+    if not cancelled and not unknown:
+        return ("gpufleet: interrupted: hosts already running finished their sequence (above); "
+                "no other host was started")
+    said = []
+    if cancelled:
+        said.append(f"pending signals cancelled on {', '.join(cancelled)} (what each had "
+                    "sent is above and in the audit log)")
+    if unknown:
+        said.append(f"stopped waiting for {', '.join(unknown)} (what is known is above)")
+    return "gpufleet: interrupted: " + "; ".join(said) + "; no other host was started"
 
 
 def _confirm(yes: bool, interactive: bool) -> Callable[[list[Any]], bool]:
@@ -121,17 +137,42 @@ def _show_plans(results: Sequence[Any], as_json: bool) -> None:
             click.echo("")
 
 
-def _on_interrupt(phase: list[Any]) -> Callable[[list[Any]], None]:
+def _names(hosts: Sequence[Any]) -> str:
+    return ", ".join(str(getattr(h, "host", None) or getattr(h, "name", "?")) for h in hosts)
+
+
+def _on_interrupt(phase: list[Any]) -> Callable[[list[Any], bool], None]:
     """Ctrl-C: say what is still being waited for (a clean in flight must report what it
-    signalled); fanout starts no new host. ``phase``: the progress line to keep clear of."""
+    signalled) and what a second Ctrl-C does; fanout starts no new host. ``phase``: the
+    progress line to keep clear of."""
     from gpufleet.cli.progress import echo_err
 
-    def say(in_flight: list[Any]) -> None:
-        names = ", ".join(str(getattr(h, "host", None) or getattr(h, "name", "?"))
-                          for h in in_flight)
+    def say(in_flight: list[Any], acting: bool) -> None:
+        names = _names(in_flight)
+        again = ("Ctrl-C again to cancel their pending signals" if acting and in_flight
+                 else "Ctrl-C again to stop waiting")
         echo_err(phase[0] if phase else None)(
             f"gpufleet: interrupted: waiting for {len(in_flight)} host(s) already running"
             f"{' (' + names + ')' if names else ''} to finish; no new host is started "
-            "(Ctrl-C again to stop waiting)")
+            f"({again})")
+
+    return say
+
+
+def _on_cancel(phase: list[Any]) -> Callable[[list[Any], dict[str, Optional[str]]], None]:
+    """The second Ctrl-C while acting: which agents were told to send no further signal, and
+    which could not be told (they go on: their rows say with what)."""
+    from gpufleet.cli.progress import echo_err
+
+    def say(in_flight: list[Any], cancels: dict[str, Optional[str]]) -> None:
+        write = echo_err(phase[0] if phase else None)
+        told = [h for h in in_flight if cancels.get(h.host) is None]
+        if told:
+            write(f"gpufleet: cancelling: told {len(told)} host(s) ({_names(told)}) to send no "
+                  "further signal; waiting for their report of what they sent "
+                  "(Ctrl-C again to stop waiting)")
+        for h in in_flight:
+            if cancels.get(h.host) is not None:
+                write(f"gpufleet: could not cancel on {h.host}: {cancels[h.host]}")
 
     return say

@@ -125,7 +125,7 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Clea
     if isinstance(after, str):
         return _dirty_early(plan, after, problems)
     scope = set(plan.scope)
-    outcomes = _gpu_outcomes(plan, before, after)
+    outcomes = _gpu_outcomes(plan, before, after, _locked_before(clean))
     freed, left = _freed_and_left(outcomes)
     ctx = policy.PolicyContext.from_snapshot(after)
     survivors = _survivors(plan, clean, before, after, scope)
@@ -185,8 +185,27 @@ def _after_snapshot(clean: Mapping[str, Any]) -> Union[Snapshot, str]:
     return after
 
 
-def _gpu_outcomes(plan: Plan, before: Snapshot, after: Snapshot) -> list[GpuOutcome]:
-    """Per GPU: used after vs threshold. A GPU is matched to its before self by UUID."""
+def _locked_before(clean: Mapping[str, Any]) -> Optional[dict[int, Optional[int]]]:
+    """Per GPU, memory.used as the agent read it once it held the host's lock: the clean's
+    own "before", so that memory another clean freed while this one waited for the lock is
+    never counted as freed here. {} when that read failed (every before unknown); None for a
+    document without it (the plan's snapshot stands in)."""
+    raw = clean.get("before_locked")
+    if not isinstance(raw, Mapping):
+        return None
+    used = raw.get("used_mib")
+    out: dict[int, Optional[int]] = {}
+    for key, value in (used.items() if isinstance(used, Mapping) else ()):
+        if str(key).isdigit():
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            out[int(key)] = value if ok else None
+    return out
+
+
+def _gpu_outcomes(plan: Plan, before: Snapshot, after: Snapshot,
+                  locked: Optional[Mapping[int, Optional[int]]] = None) -> list[GpuOutcome]:
+    """Per GPU: used after vs threshold. A GPU is matched to its before self by UUID; its
+    before memory is ``locked``'s (the agent's reading under the lock) when given."""
     before_by_uuid = {g.uuid: g for g in before.gpus}
     before_by_index = {g.index: g for g in before.gpus}
     after_by_index = {g.index: g for g in after.gpus}
@@ -199,8 +218,10 @@ def _gpu_outcomes(plan: Plan, before: Snapshot, after: Snapshot) -> list[GpuOutc
         threshold = plan.threshold_mib.get(index, 0)
         after_used = a.memory_used_mib if a is not None else None
         ok = after_used is not None and after_used <= threshold
-        outcomes.append(GpuOutcome(index, b.memory_used_mib if b else None, after_used,
-                                   threshold, ok))
+        before_mib = b.memory_used_mib if b else None
+        if locked is not None:
+            before_mib = locked.get(index)
+        outcomes.append(GpuOutcome(index, before_mib, after_used, threshold, ok))
     return outcomes
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.config.selection import parse_gpu_list
+from gpufleet.core.cancel import cancel_unanswered, cancel_undelivered, cancelled_reason
 from gpufleet.core.hostlock import lock_failure
 from gpufleet.core.model import HostResult, Snapshot, parse_snapshot
 from gpufleet.core.plan import Plan, make_plan, to_request
@@ -209,10 +210,11 @@ def finish_clean(host: Host, planned: HostClean, reply: AgentReply, opts: CleanO
     assert planned.plan is not None
     planned.seconds += time.monotonic() - started
     if not reply.ok and reply.unsent:  # the request never reached the agent: nothing happened
+        kind = reply.error_kind or errors.AGENT
         return planned.fail(Failure(
-            reply.error_kind or errors.AGENT,
-            f"{reply.error or 'agent failed'}; nothing was signalled: run the clean again "
-            f"(`gpufleet clean --host {host.name}`)"), verdict="error")
+            kind, f"{reply.error or 'agent failed'}; nothing was signalled: run the clean again "
+            f"(`gpufleet clean --host {host.name}`)"),
+            verdict="interrupted" if kind == errors.INTERRUPTED else "error")
     if not reply.ok or reply.doc is None:
         planned.outcome_unknown = True
         # the host was reached and may have signalled: never "unreachable"
@@ -224,6 +226,12 @@ def finish_clean(host: Host, planned: HostClean, reply: AgentReply, opts: CleanO
     doc = reply.doc
     planned.agent_doc = doc
     _record_signals(host, planned, opts)
+    if isinstance(doc.get("cancelled"), dict):  # the operator's second Ctrl-C reached it
+        names = {t.pid: t.name for t in planned.plan.targets}
+        planned.ok, planned.verdict = False, "cancelled"
+        planned.reason = cancelled_reason(doc, names, host.name)
+        _record_verdict(host, planned, opts)
+        return planned
     lock = lock_failure(doc)
     if lock is not None:  # busy (who holds it) or refused (why it could be another's)
         busy = doc.get("lock") == "busy"
@@ -311,7 +319,9 @@ def run_clean(hosts: Sequence[Host], opts: CleanOptions, *, forks: int = 32, dry
               on_planned: Optional[Callable[[list[HostClean]], None]] = None,
               confirm: Optional[Callable[[list[HostClean]], bool]] = None,
               progress: Optional[ProgressFactory] = None,
-              on_interrupt: Optional[Callable[[list[Any]], None]] = None) -> CleanRun:
+              on_interrupt: Optional[Callable[[list[Any], bool], None]] = None,
+              on_cancel: Optional[Callable[[list[Any], dict[str, Optional[str]]], None]] = None
+              ) -> CleanRun:
     """Plan every host (sessions held), then, unless ``dry_run``, act on the same sessions.
 
     ``on_planned(planned)`` is called when every host is planned (not in a dry run: there
@@ -320,15 +330,18 @@ def run_clean(hosts: Sequence[Host], opts: CleanOptions, *, forks: int = 32, dry
     signalled; False: nothing is signalled (``declined``); it may raise (UsageError: not a
     terminal and no --yes). Any host's invalid input (--gpus 9 on an 8-GPU host) raises
     UsageError before ``confirm``: nothing is signalled anywhere. Ctrl-C while planning:
-    nothing is signalled; while acting: hosts already running finish (``on_interrupt``
-    hears which), no other host starts. ``progress(items, label)``: the progress line.
+    nothing is signalled; while acting: hosts already running finish (``on_interrupt(hosts,
+    acting)`` hears which), no other host starts; a second Ctrl-C while acting cancels what
+    their agents were still to send and waits for their reports (``on_cancel(hosts,
+    {host: None once told, else why not})``), a third stops waiting.
+    ``progress(items, label)``: the progress line.
     """
     state: dict[str, Any] = {"phase": "planning", "interrupted": None}
 
     def interrupted(in_flight: list[Any]) -> None:
         state["interrupted"] = state["phase"]
         if on_interrupt is not None:
-            on_interrupt(in_flight)
+            on_interrupt(in_flight, state["phase"] == "acting")
 
     fan: dict[str, Any] = dict(forks=forks, on_interrupt=interrupted, make_error=not_run)
     sessions: dict[str, tuple[Session, Conversation]] = {}
@@ -342,17 +355,8 @@ def run_clean(hosts: Sequence[Host], opts: CleanOptions, *, forks: int = 32, dry
         if confirm is not None and not confirm(results):
             return CleanRun(results, dry_run, declined=True)
         state["phase"] = "acting"
-        by_host = {h.name: h for h in hosts}
-
-        def act(r: HostClean) -> HostClean:
-            if r.host not in sessions:
-                return r
-            return execute_conversation(by_host[r.host], sessions[r.host][1], r, opts)
-
-        with _progress(progress, results, "clean") as line:
-            acted = run_hosts(results, act, **fan, **_callbacks(line))
-        return CleanRun([as_row(h, r) for h, r in zip(hosts, acted)], dry_run,
-                        state["interrupted"])
+        acted = _act_all(hosts, results, sessions, opts, fan, progress, on_cancel)
+        return CleanRun(acted, dry_run, state["interrupted"])
     finally:
         for session, conv in sessions.values():  # a conversation not asked: the agent ends at EOF
             for held in (conv, session):
@@ -360,6 +364,51 @@ def run_clean(hosts: Sequence[Host], opts: CleanOptions, *, forks: int = 32, dry
                     held.close()
                 except Exception:
                     pass
+
+
+def _act_all(hosts: Sequence[Host], results: list[HostClean],
+             sessions: dict[str, tuple[Session, Conversation]], opts: CleanOptions,
+             fan: dict[str, Any], progress: Optional[ProgressFactory],
+             on_cancel: Optional[Callable[[list[Any], dict[str, Optional[str]]], None]]
+             ) -> list[HostClean]:
+    """Every planned host's clean request through its conversation. The second Ctrl-C tells
+    the agents still running to send no further signal and waits for their reports (what they
+    sent); a row whose report never came says what is known of the agent after the cancel."""
+    by_host = {h.name: h for h in hosts}
+    cancels: dict[str, Optional[str]] = {}  # host -> None once told, else why it could not be
+
+    def act(r: HostClean) -> HostClean:
+        if r.host not in sessions:
+            return r
+        return execute_conversation(by_host[r.host], sessions[r.host][1], r, opts)
+
+    def cancel(in_flight: list[Any]) -> None:
+        for r in in_flight:
+            held = sessions.get(r.host)
+            cancels[r.host] = held[1].cancel() if held else "it had no conversation"
+        if on_cancel is not None:
+            on_cancel(in_flight, dict(cancels))
+
+    with _progress(progress, results, "clean") as line:
+        acted = run_hosts(results, act, on_cancel=cancel, **fan, **_callbacks(line))
+    rows = [as_row(h, r) for h, r in zip(hosts, acted)]
+    for row in rows:
+        if row.host in cancels and row.outcome_unknown:
+            _after_cancel(row, cancels[row.host], sessions[row.host][1], opts)
+    return rows
+
+
+def _after_cancel(row: HostClean, why_not: Optional[str], conv: Conversation,
+                  opts: CleanOptions) -> None:
+    """A row whose report did not come after a cancel: what the agent was told, or, when the
+    cancel could not reach it, what it goes on to do and by when."""
+    if why_not is None:
+        extra = cancel_unanswered(conv.cancelled_at)
+    else:
+        targets = [(t.pid, t.name) for t in row.plan.targets] if row.plan else []
+        extra = cancel_undelivered(why_not, targets, opts.grace_s, conv.asked_at,
+                                   conv.asked_deadline_s)
+    row.error = f"{row.error}; {extra}" if row.error else extra
 
 
 def _plan_all(hosts: Sequence[Host], opts: CleanOptions,
@@ -432,6 +481,8 @@ def not_run(item: Union[Host, HostClean], failure: Failure) -> HostClean:
         return out.fail(failure)
     tail = ("; nothing signalled" if failure.message == NOT_STARTED else
             f"; run `gpufleet status --host {out.host}`")
+    # stopped waiting for a clean request's answer: what it signalled is not known
+    out.outcome_unknown = isinstance(item, HostClean) and failure.message != NOT_STARTED
     return out.fail(Failure(failure.kind, failure.message + tail), verdict="interrupted")
 
 

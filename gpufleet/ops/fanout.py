@@ -4,7 +4,9 @@ Hosts are independent and mostly wait on the network, so threads suffice; the bo
 large fleet from opening hundreds of SSH connections at once. Failures are values: an
 exception in ``fn`` becomes that host's error value and never reaches the caller. Ctrl-C
 stops starting new hosts but lets in-flight ones finish (an agent already running a clean
-must be allowed to report what it signalled); a second Ctrl-C stops waiting for them.
+must be allowed to report what it signalled); a second Ctrl-C stops waiting for them, or,
+with ``on_cancel`` (clean), cancels what they were still to do and waits for their report of
+what they did; then a third stops waiting.
 """
 from __future__ import annotations
 
@@ -103,21 +105,38 @@ class _Run:
     def in_flight(self) -> list[int]:
         return [i for i in range(len(self.hosts)) if self.started[i] and not self.done[i]]
 
-    def interrupted(self, on_interrupt: Optional[Callable[[list], None]]) -> None:
+    def interrupted(self, on_interrupt: Optional[Callable[[list], None]],
+                    on_cancel: Optional[Callable[[list], None]] = None) -> None:
         """First Ctrl-C: start no more hosts, say which are still running, wait for them; a
-        second Ctrl-C stops waiting and marks those ABANDONED."""
+        second Ctrl-C stops waiting and marks those ABANDONED, or, with ``on_cancel``, has
+        it cancel their work and waits again, until they end or a third Ctrl-C comes."""
         with self.cond:
             self.stop = True
             waiting = self.in_flight()
-        _quiet(on_interrupt, [self.hosts[i] for i in waiting])
         try:
+            _quiet(on_interrupt, [self.hosts[i] for i in waiting])
+            self.wait_for(lambda: not self.in_flight())
+            return
+        except KeyboardInterrupt:
+            if on_cancel is None:
+                self.abandon()
+                return
+        try:
+            with self.cond:
+                waiting = self.in_flight()
+            _quiet(on_cancel, [self.hosts[i] for i in waiting])
             self.wait_for(lambda: not self.in_flight())
         except KeyboardInterrupt:
-            with self.cond:
-                self.abandoned = self.in_flight()
-                for i in self.abandoned:
-                    self.results[i] = self.make_error(self.hosts[i], Failure(INTERRUPTED, ABANDONED))
-                    self.done[i] = True
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop waiting: the hosts still running get ABANDONED (their threads end on their
+        own timeouts; a value they give later is dropped)."""
+        with self.cond:
+            self.abandoned = self.in_flight()
+            for i in self.abandoned:
+                self.results[i] = self.make_error(self.hosts[i], Failure(INTERRUPTED, ABANDONED))
+                self.done[i] = True
 
     def final_results(self) -> list:
         """The results, with NOT_STARTED for every host that never ran."""
@@ -135,6 +154,7 @@ def run_hosts(
     on_result: Optional[Callable[[H, Any], None]] = None,
     make_error: Callable[[H, Failure], Any] = error_result,
     on_start: Optional[Callable[[H], None]] = None,
+    on_cancel: Optional[Callable[[list], None]] = None,
 ) -> list:
     """``[fn(h) for h in hosts]``, at most ``forks`` at a time, in ``hosts`` order.
 
@@ -143,8 +163,10 @@ def run_hosts(
     value)`` as it finishes (the progress display, gpufleet.cli.progress; their errors are ignored).
     Hosts never started are ``make_error(host, Failure("interrupted", NOT_STARTED))``; after
     a second Ctrl-C, the still-running ones get ABANDONED (their threads end on their own
-    timeouts); a host whose ``fn`` raised gets the exception's kind and one line. Returns the
-    list; never raises for a host's failure.
+    timeouts), unless ``on_cancel(in_flight_hosts)`` is given: then the second Ctrl-C calls
+    it (it tells them to stop what they were still to do) and their results are waited for
+    again, a third Ctrl-C abandoning them. A host whose ``fn`` raised gets the exception's kind
+    and one line. Returns the list; never raises for a host's failure.
     """
     hosts = list(hosts)
     n = len(hosts)
@@ -160,7 +182,7 @@ def run_hosts(
                 pool.submit(run.call, i)
             run.wait_for(lambda: run.finished == n)
         except KeyboardInterrupt:
-            run.interrupted(on_interrupt)
+            run.interrupted(on_interrupt, on_cancel)
     finally:
         with run.cond:
             run.stop = True

@@ -183,6 +183,11 @@ def needs_agent(doc: Any) -> bool:
     return isinstance(doc, dict) and "agent_needed" in doc and "facts" not in doc
 
 
+#: Written on a conversation's stdin while the agent runs the clean request (the operator's
+#: second Ctrl-C): send no further signal and report what was sent (remote/main.py CANCEL).
+CANCEL_LINE = b"cancel\n"
+
+
 def encode_next(request: Mapping[str, Any]) -> bytes:
     """A conversation's next request (the agent's stay mode, remote/main.py): ``<m>\\n`` and
     the request JSON (m bytes), written on the stdin the first request left open."""

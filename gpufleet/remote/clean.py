@@ -269,7 +269,8 @@ def exit_watch(t, proc=PROC, allow_pidfd=True):
     return "fd", fd
 
 
-def wait_exit(targets, seconds, poll, deadline, proc=PROC, stats=None, allow_pidfd=True):
+def wait_exit(targets, seconds, poll, deadline, proc=PROC, stats=None, allow_pidfd=True,
+              wake=None):
     """Until every (pid, starttime) exited or seconds passed; returns those still there.
 
     Event-driven where the kernel has pidfds (Linux 5.3+): one poll(2) over a pidfd per target
@@ -277,6 +278,7 @@ def wait_exit(targets, seconds, poll, deadline, proc=PROC, stats=None, allow_pid
     ``exited``); targets without one (old kernel, seccomp, fake /proc) are polled every
     ``poll`` s as before (``allow_pidfd=False``: all of them, the request's ``"pidfd": false``).
     ``stats`` counts each way: {"pidfd", "polled", "reason"} (the clean document's exit_wait).
+    ``wake``: a descriptor that ends the wait once readable (the operator's cancel).
     """
     end = min(time.monotonic() + seconds, deadline.end)
     stats = stats if stats is not None else {}
@@ -284,6 +286,8 @@ def wait_exit(targets, seconds, poll, deadline, proc=PROC, stats=None, allow_pid
     import select  # a clean's only: not loaded by a snapshot's start
 
     poller = select.poll()
+    if wake is not None:
+        poller.register(wake, select.POLLIN)
     try:
         for t in targets:
             how, what = exit_watch(t, proc, allow_pidfd)
@@ -303,6 +307,9 @@ def wait_exit(targets, seconds, poll, deadline, proc=PROC, stats=None, allow_pid
                         if not exited(t["pid"], t["starttime"], proc)]
             wait = min(poll, end - now) if polled else end - now
             for fd, _event in poller.poll(max(1, int(wait * 1000 + 0.999))):
+                if fd == wake:
+                    end = now  # cancelled: who is still there, at once
+                    continue
                 t = watched.pop(fd, None)
                 poller.unregister(fd)
                 os.close(fd)
@@ -546,8 +553,9 @@ def reset_gpus(req, scope, snap, deadline, res):
     return attempted
 
 
-def clean(req, deadline, res, proc=PROC):
-    """Lock; stop units; TERM/KILL by wave with identity checks; wait for memory; report."""
+def clean(req, deadline, res, proc=PROC, cancel=None):
+    """Lock; stop units; TERM/KILL by wave with identity checks; wait for memory; report.
+    ``cancel`` (remote/main.py CancelWatch): once set, no further signal is sent."""
     t0 = time.monotonic()
     res["started_at"] = round(time.time(), 3)  # signals' "t" count from here (audit times)
     for name in ("SIGHUP", "SIGPIPE"):  # a dropped SSH session must not cut the sequence
@@ -556,42 +564,63 @@ def clean(req, deadline, res, proc=PROC):
         except (ValueError, OSError, AttributeError):
             pass
     wait_s = min(float(req.get("lock_wait_s", req["timeout_s"])), max(0.0, deadline.remaining()))
-    fd = lock_for_clean(req, wait_s, res, proc)
-    if fd is None:  # busy or refused: nothing is done, res says why
+    fd = lock_for_clean(req, wait_s, res, proc, cancel)
+    if fd is None:  # busy, refused, or cancelled while waiting: nothing is done, res says why
+        if res.get("lock") == "busy":
+            note_cancel(cancel, _clean_targets(req), res, t0, proc)
         return res
     try:
-        _clean_locked(req, deadline, res, t0, proc)
+        _clean_locked(req, deadline, res, t0, proc, cancel)
     finally:
         os.close(fd)
     return res
 
 
-def _clean_locked(req, deadline, res, t0, proc):
+def before_locked(req, scope, deadline):
+    """memory.used per scope GPU, read once the lock is held: the clean's own "before". The
+    plan's snapshot is older; another clean may have freed that memory while this one waited
+    for the lock, and what it freed must not be reported as this clean's."""
+    out = {"used_mib": None, "error": None}
+    scratch = {}
+    read, _poll = memory_reader(req, scope, deadline, scratch) if scope else (None, None)
+    if read is None:
+        out["error"] = scratch.get("error")
+        if not scope:
+            out["used_mib"] = {}
+        return out
+    used, error = read()
+    if error is not None:
+        out["error"] = error
+    else:
+        out["used_mib"] = dict((str(i), used.get(i)) for i in scope)
+    return out
+
+
+def _clean_locked(req, deadline, res, t0, proc, cancel=None):
     ctx = self_context(proc)
     auditor = Auditor(req.get("operator"))
     reserve = min(req["smi_timeout_s"] + 1.0, max(1.0, req["deadline_s"] * 0.15))
     work_end = time.monotonic() + req["timeout_s"]
+    scope = [i for i in (req.get("scope") or []) if isinstance(i, int)]
+    res["before_locked"] = before_locked(req, scope, deadline)
+    targets = _clean_targets(req)
+    if note_cancel(cancel, targets, res, t0, proc):
+        return  # cancelled while it waited for the lock: nothing done
     stop_units(req.get("units") or [], req, deadline, reserve, res)
 
-    targets = _clean_targets(req)
-
     def signal_one(t, signame):
+        if cancel is not None and cancel.is_set():
+            return "cancelled"  # the operator said stop: not sent, so not a signal
         return _signal_target(t, signame, ctx, auditor, res, t0, proc)
 
-    grace = float(req["grace_s"])
-    poll = max(0.01, float(req["poll_s"]))
-    allow = req.get("pidfd") is not False  # false (tests): poll, as on a kernel without pidfds
-    stats = res["exit_wait"] = {"pidfd": 0, "polled": 0, "reason": None}
-    for wave in sorted(set(t["wave"] for t in targets)):
-        group = [t for t in targets if t["wave"] == wave]
-        termed = [t for t in group if signal_one(t, "TERM") == "sent"]
-        left = wait_exit(termed, grace, poll, deadline, proc, stats, allow)
-        killed = [t for t in left if signal_one(t, "KILL") == "sent"]
-        wait_exit(killed, max(1.0, min(grace, 5.0)), poll, deadline, proc, stats, allow)
+    res["exit_wait"] = {"pidfd": 0, "polled": 0, "reason": None}
+    _signal_waves(req, targets, signal_one, deadline, res["exit_wait"], proc, cancel)
     if auditor.error:
         res["warnings"].append(auditor.error)
+    if note_cancel(cancel, targets, res, t0, proc):
+        _record_survivors(targets, res, proc)
+        return  # no memory wait, no after-snapshot: the operator wants the report now
 
-    scope = [i for i in (req.get("scope") or []) if isinstance(i, int)]
     since = ctx["starttime"] or 0  # a child that started after this agent is a restart
     watch = res["settle"] = {"seconds": 0.0, "retaken": [], "listing": False}
     known = set()
@@ -607,16 +636,53 @@ def _clean_locked(req, deadline, res, t0, proc):
         settle(req, scope, since, deadline, watch, proc)
 
     _record_survivors(targets, res, proc)
+    late = note_cancel(cancel, targets, res, t0, proc)  # in the memory wait: no shm, no reset
 
-    if req.get("shm"):
+    if req.get("shm") and not late:
         clean_shm(req, res, proc)
 
     after = None
-    if req.get("reset") and scope:
+    if req.get("reset") and scope and not late:
         pre = snapshot(req, deadline, proc)
         if not reset_gpus(req, scope, pre, deadline, res):
             after = pre
     res["after"] = after if after is not None else snapshot(req, deadline, proc)
+
+
+def _signal_waves(req, targets, signal_one, deadline, stats, proc, cancel):
+    """TERM each wave, wait out its grace, KILL those left; a cancel wakes the waits, and
+    ``signal_one`` sends nothing once it came."""
+    grace = float(req["grace_s"])
+    poll = max(0.01, float(req["poll_s"]))
+    allow = req.get("pidfd") is not False  # false (tests): poll, as on a kernel without pidfds
+    wake = cancel.fd if cancel is not None else None
+    for wave in sorted(set(t["wave"] for t in targets)):
+        group = [t for t in targets if t["wave"] == wave]
+        termed = [t for t in group if signal_one(t, "TERM") == "sent"]
+        left = wait_exit(termed, grace, poll, deadline, proc, stats, allow, wake)
+        killed = [t for t in left if signal_one(t, "KILL") == "sent"]
+        wait_exit(killed, max(1.0, min(grace, 5.0)), poll, deadline, proc, stats, allow, wake)
+
+
+def note_cancel(cancel, targets, res, t0, proc=PROC):
+    """True once the operator cancelled (a conversation's ``cancel`` line), with
+    res["cancelled"]: when it came ("t", seconds since the clean began) and the signals the
+    sequence would still have sent (``pending``: the next one of each target still alive)."""
+    if cancel is None or not cancel.is_set():
+        return False
+    pending = []
+    for t in targets:
+        if not all(isinstance(t[k], int) and not isinstance(t[k], bool)
+                   for k in ("pid", "starttime")):
+            continue
+        if t["outcomes"] and t["outcomes"] != ["sent"]:
+            continue  # KILL was tried, or TERM was not sent: the sequence had no more for it
+        if not exited(t["pid"], t["starttime"], proc):
+            pending.append({"pid": t["pid"], "starttime": t["starttime"],
+                            "signal": "KILL" if t["outcomes"] else "TERM"})
+    at = cancel.at if cancel.at is not None else time.monotonic()
+    res["cancelled"] = {"t": round(at - t0, 3), "pending": pending}
+    return True
 
 
 def _clean_targets(req):

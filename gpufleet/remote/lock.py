@@ -150,8 +150,9 @@ def open_lock(path, euid):
     return fd
 
 
-def wait_flock(fd, wait_s, poll=0.1):
-    """An exclusive flock on fd, polled for up to wait_s: True once taken."""
+def wait_flock(fd, wait_s, poll=0.1, cancel=None):
+    """An exclusive flock on fd, polled for up to wait_s: True once taken; False too once
+    ``cancel`` (the operator's, remote/main.py CancelWatch) is set."""
     import fcntl  # a clean's only: not loaded by a snapshot's start
 
     end = time.monotonic() + max(0.0, wait_s)
@@ -164,15 +165,18 @@ def wait_flock(fd, wait_s, poll=0.1):
                 raise
         if time.monotonic() + poll > end:
             return False
-        time.sleep(poll)
+        if cancel is None:
+            time.sleep(poll)
+        elif cancel.flag.wait(poll):
+            return False
 
 
-def acquire_lock(path, wait_s, poll=0.1, proc=PROC):
+def acquire_lock(path, wait_s, poll=0.1, proc=PROC, cancel=None):
     """(fd, None) once the lock at path is taken; (None, holder) when another process held it
     for all of wait_s (``lock_holder``: who); LockRefused when it could be someone else's."""
     fd = open_lock(path, os.geteuid())
     try:
-        if wait_flock(fd, wait_s, poll):
+        if wait_flock(fd, wait_s, poll, cancel):
             return fd, None
         st = os.fstat(fd)
     except BaseException:
@@ -245,7 +249,7 @@ def has_open(pid, path, proc=PROC):
     return False
 
 
-def lock_for_clean(req, wait_s, res, proc=PROC):
+def lock_for_clean(req, wait_s, res, proc=PROC, cancel=None):
     """The clean's lock, its outcome in res: "acquired" (the fd returned), "busy" (who holds
     it: ``lock_holder``) or "refused" (why it could be another's: ``lock_refused``, and
     ``error``); None unless acquired, and then nothing may be done."""
@@ -253,7 +257,7 @@ def lock_for_clean(req, wait_s, res, proc=PROC):
         path = req.get("lock_path") or default_lock_path(os.geteuid(), os.environ)
         res["lock_path"] = path
         try:
-            fd, holder = acquire_lock(path, wait_s, proc=proc)
+            fd, holder = acquire_lock(path, wait_s, proc=proc, cancel=cancel)
         except (OSError, IOError) as exc:  # flock itself failed (ENOLCK, say)
             raise LockRefused("os_error", path, "%s: %s" % (path, exc.strerror or exc)) from None
     except LockRefused as exc:

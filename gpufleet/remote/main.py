@@ -17,6 +17,10 @@ next request from stdin, framed ``<m>\\n<request JSON: m bytes>``, answers it th
 why), or when no request came within ``idle_s`` seconds (default 3600; a ``stay_end``
 document), so an orphan never lingers. A request is either answered or certainly never acted
 on: the idle bound and the frame's arrival are decided under one lock (``NextRequest``).
+While a conversation's clean runs, its stdin is still read (``CancelWatch``): a line
+``cancel`` (the operator's second Ctrl-C) stops the sequence before any further signal, and the
+document says what was sent and what was not (``cancelled``); an EOF changes nothing (a
+dropped session must not cut the sequence short).
 
 Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path),
 ``shm_dir`` (default /dev/shm), ``shm_min_age_s`` (default 10), ``lock_wait_s`` (default
@@ -46,6 +50,8 @@ from .watch import watch  # joined
 IDLE_S = 3600.0
 #: A next request larger than this is a bad frame (a clean request is a few KB).
 MAX_FRAME = 16 * 1024 * 1024
+#: The line that cancels a conversation's running clean (remote.CANCEL_LINE, controller side).
+CANCEL = b"cancel"
 
 
 class AgentDeadline(BaseException):
@@ -149,9 +155,9 @@ def main(raw_request):
         converse(req["idle_s"], sys.stdin.buffer)
 
 
-def answer(req, t0):
+def answer(req, t0, cancel=None):
     """One snapshot or clean request's document, bounded by its deadline (SIGALRM: the last
-    resort, which emits what it has and ends the process)."""
+    resort, which emits what it has and ends the process). ``cancel``: a clean's CancelWatch."""
     deadline = Deadline(req["deadline_s"])
     if req["mode"] == "clean":
         doc = empty_clean_doc()
@@ -179,7 +185,7 @@ def answer(req, t0):
         if req["mode"] == "snapshot":
             doc = box[0] = snapshot(req, deadline)
         else:
-            clean(req, deadline, doc)
+            clean(req, deadline, doc, cancel=cancel)
     except AgentDeadline:
         doc["error"] = "agent deadline exceeded"
         if isinstance(doc.get("nvidia_smi"), dict) and not doc["nvidia_smi"].get("error"):
@@ -249,6 +255,37 @@ class NextRequest(object):
             return self.result
 
 
+class CancelWatch(object):
+    """A conversation's stdin while its clean runs, read on a thread: a line ``cancel`` sets
+    the flag and wakes the exit wait (``fd``: readable from then on). EOF sets nothing: sshd
+    closes stdin when the session drops, and a dropped session must not cut the sequence
+    short (the host's audit file keeps its record). Started only once the clean's frame was
+    read whole, so no other thread reads stdin then."""
+
+    def __init__(self, stream):
+        self.flag = Flag()
+        self.at = None
+        self.fd, self._wake = os.pipe()
+        _thread.start_new_thread(self._read, (stream,))
+
+    def is_set(self):
+        return self.flag.is_set()
+
+    def _read(self, stream):
+        try:
+            while True:
+                line = stream.readline(256)
+                if not line:
+                    return
+                if line.strip() == CANCEL:
+                    self.at = time.monotonic()
+                    self.flag.set()
+                    os.write(self._wake, b"c")
+                    return
+        except (OSError, IOError, ValueError):
+            return
+
+
 def stay_end(reason):
     """A conversation's last document when a request will not be answered: nothing was done."""
     return {"agent_version": AGENT_VERSION, "mode": "stay_end", "reason": reason}
@@ -272,7 +309,8 @@ def converse(idle_s, stdin):
         if req["mode"] == "watch":
             emit(stay_end("bad request: watch mode cannot follow in a conversation"))
             return
-        emit(answer(req, t0))
+        cancel = CancelWatch(stdin) if req["mode"] == "clean" else None
+        emit(answer(req, t0, cancel))
         if req["mode"] == "clean" or not req.get("stay"):
             return
         idle_s = req["idle_s"]

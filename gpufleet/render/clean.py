@@ -97,6 +97,15 @@ def _mem(snapshot: Any, scope: Sequence[int]) -> list[dict[str, Any]]:
     return [{"index": g.index, "memory_used_mib": g.memory_used_mib} for g in snapshot.gpus if g.index in scope]
 
 
+def _before(detail: dict[str, Any], snapshot: Any, scope: Sequence[int]) -> list[dict[str, Any]]:
+    """The memory freed_mib counts from: the verdict's (what the agent read once it held the
+    host's lock), else the plan's snapshot (no verdict: the clean never got that far)."""
+    gpus = detail.get("gpus")
+    if gpus:
+        return [{"index": g["index"], "memory_used_mib": g["before_mib"]} for g in gpus]
+    return _mem(snapshot, scope)
+
+
 def host_document(r: Any) -> dict[str, Any]:
     """One host of `clean --json`; the key names are a contract (README)."""
     plan: Optional[Plan] = r.plan
@@ -134,7 +143,8 @@ def host_document(r: Any) -> dict[str, Any]:
         "reset": list(doc.get("reset") or []),
         "memory_wait": doc.get("memory_wait"),
         "lock_holder": doc.get("lock_holder"),  # busy: {pid, uid, user, cmdline, open}
-        "before": _mem(before_snap, scope),
+        "cancelled": doc.get("cancelled"),  # a second Ctrl-C: {t, pending: [{pid, signal}]}
+        "before": _before(detail, before_snap, scope),
         "after": _mem(r.after, scope),
         "freed_mib": detail.get("freed_mib"),
         "left_mib": detail.get("left_mib"),

@@ -14,10 +14,15 @@ reached the agent. ``ask`` looks at the stream before it writes: an agent that a
 is the agent's ``stay_end`` (it decided, under a lock, never to act on the request) or its
 refusal of the request (``mode`` null). Only a request written whole and not answered (the
 stream ended, the timeout passed) is an unknown outcome (``unsent=False``, ``ok=False``).
+
+``cancel`` (another thread: the operator's second Ctrl-C) writes the ``cancel`` line while the
+agent runs the clean request: it sends no further signal and answers at once with what it
+sent. Cancelled before the request was written, the request never is (an unsent reply).
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -54,6 +59,12 @@ class Conversation:
         self.session = session
         self.stream = stream
         self.reply = reply
+        self._lock = threading.Lock()  # a request and a cancel are never written interleaved
+        self._asked = False
+        self._cancelled = False
+        self.asked_at: Optional[float] = None  # the clean request's wall-clock time
+        self.asked_deadline_s: Optional[float] = None  # the agent's own bound from then
+        self.cancelled_at: Optional[float] = None  # when the cancel line was written
         if not reply.ok:
             self.close()
 
@@ -96,9 +107,32 @@ class Conversation:
     def ask(self, request: Mapping[str, Any], timeout: float) -> AgentReply:
         """The agent's answer to ``request``; every failure a value (``unsent``: see the
         module docstring)."""
+        started = time.monotonic()
+        with self._lock:
+            unsent = self._send(request, timeout, started)
+            stream = self.stream
+        if unsent is not None:
+            return unsent
+        assert stream is not None  # written just now, under the lock
+        try:
+            raw = first_answer(stream, timeout)
+        except TransportError as exc:
+            self.close()
+            return AgentReply(False, None, str(exc), None, time.monotonic() - started,
+                              error_kind=exc.kind)
+        reply = _reply(self.session, raw, timeout, time.monotonic() - started, asked=True)
+        if not reply.ok or raw.timed_out:
+            self.close()
+        return reply
+
+    def _send(self, request: Mapping[str, Any], timeout: float, started: float
+              ) -> Optional[AgentReply]:
+        """Write the request unless the agent already ended or the operator cancelled: None
+        once written, else the unsent reply that says why."""
         from gpufleet.remote import encode_next
 
-        started = time.monotonic()
+        if self._cancelled:
+            return _unsent("cancelled (Ctrl-C) before the request was sent", errors.INTERRUPTED)
         if self.stream is None:
             return _unsent("the agent's conversation had already ended", errors.AGENT)
         try:
@@ -109,20 +143,36 @@ class Conversation:
         if early is not None:
             self.close()
             return _unsent(_early_text(early), errors.AGENT)
+        bounded = with_deadline(request, timeout)
         try:
-            self.stream.send(encode_next(with_deadline(request, timeout)))
+            self.stream.send(encode_next(bounded))
         except TransportError as exc:
             return self._ended_before(exc, started)
-        try:
-            raw = first_answer(self.stream, timeout)
-        except TransportError as exc:
-            self.close()
-            return AgentReply(False, None, str(exc), None, time.monotonic() - started,
-                              error_kind=exc.kind)
-        reply = _reply(self.session, raw, timeout, time.monotonic() - started, asked=True)
-        if not reply.ok or raw.timed_out:
-            self.close()
-        return reply
+        self._asked = True
+        self.asked_at = time.time()
+        deadline = bounded.get("deadline_s")
+        self.asked_deadline_s = float(deadline) if isinstance(deadline, (int, float)) else None
+        return None
+
+    def cancel(self) -> Optional[str]:
+        """Tell the agent answering the request to send no further signal (the operator's
+        second Ctrl-C; ``ask`` is waiting on another thread). None once the line is written;
+        else why it could not be: then the agent goes on as if never told."""
+        from gpufleet.remote import CANCEL_LINE
+
+        with self._lock:
+            self._cancelled = True
+            stream = self.stream
+            if not self._asked:
+                return "no request had been sent"
+            if stream is None:
+                return "its conversation had already ended"
+            try:
+                stream.send(CANCEL_LINE)
+            except Exception as exc:  # a closed or lost stream: whatever broke, said
+                return f"its conversation ended: {transport_error(exc)}"
+            self.cancelled_at = time.time()
+            return None
 
     def _ended_before(self, exc: TransportError, started: float) -> AgentReply:
         """The agent ended before the request was written whole: the reason, unsent."""

@@ -165,6 +165,73 @@ def run_on_pty(home: Path, inventory: Path, *args: Any,
     return CliRun(argv, rc, text, "", time.monotonic() - started)
 
 
+class TtyCli:
+    """The CLI on a pty that is its controlling terminal, as an operator's shell starts it:
+    ``ctrl_c`` types Ctrl-C, and the terminal (not the test) sends SIGINT to the CLI's
+    foreground process group, exactly as a keyboard would. Output is read as it comes."""
+
+    def __init__(self, home: Path, inventory: Path, *args: Any) -> None:
+        import fcntl
+        import termios
+
+        def take_terminal() -> None:  # runs in the child, after setsid: the pty is its tty
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.argv = ["-i", str(inventory)] + [str(a) for a in args]
+        self.master, slave = os.openpty()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(GPUFLEET + self.argv, stdin=slave, stdout=slave,
+                                     stderr=slave, env=cli_env(home), cwd=str(home),
+                                     start_new_session=True, preexec_fn=take_terminal)
+        os.close(slave)
+        self.buf = b""
+        self.closed = False
+
+    @property
+    def text(self) -> str:
+        return self.buf.decode("utf-8", "replace").replace("\r\n", "\n")
+
+    def _pump(self, wait: float) -> None:
+        if self.closed:
+            time.sleep(wait)
+            return
+        ready, _, _ = select.select([self.master], [], [], wait)
+        if ready:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: every slave end is closed
+                chunk = b""
+            if chunk:
+                self.buf += chunk
+            else:
+                self.closed = True
+
+    def wait_text(self, text: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text:
+            if time.monotonic() > deadline or (self.closed and self.proc.poll() is not None):
+                raise AssertionError("no %r on the terminal:\n%s" % (text, self.text))
+            self._pump(0.2)
+
+    def ctrl_c(self) -> None:
+        os.write(self.master, b"\x03")
+
+    def finish(self, timeout: float = 60.0) -> CliRun:
+        deadline = time.monotonic() + timeout
+        try:
+            while not (self.closed and self.proc.poll() is not None):
+                if time.monotonic() > deadline:
+                    raise AssertionError("the CLI did not end:\n%s" % self.text)
+                self._pump(0.2)
+            rc = self.proc.wait(timeout=5)
+        finally:
+            os.close(self.master)
+            if self.proc.poll() is None:
+                self.proc.kill()  # the CLI this test started, by its pid
+                self.proc.wait()
+        return CliRun(self.argv, rc, self.text, "", time.monotonic() - self.started)
+
+
 def assert_no_traceback(run: CliRun) -> None:
     assert "Traceback" not in run.output, str(run)
 

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from faultkit import (
     agent_audit,
     agents_left,
@@ -25,6 +27,7 @@ from faultkit import (
     settle,
     signals,
     start_cli,
+    TtyCli,
     wait_for,
 )
 
@@ -62,6 +65,46 @@ def test_ctrl_c_during_a_multi_host_clean(lab: Any, make_host: Any, home: Path) 
     assert_gone_exactly(a, befores["int-a"], {a_job})
     assert_gone_exactly(b, befores["int-b"], set())
     assert_gone_exactly(c, befores["int-c"], set())
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_cancels_the_pending_kill_and_reports_what_was_sent(
+        lab: Any, make_host: Any, home: Path) -> None:
+    """Ctrl-C twice at the terminal while a TERM-ignoring holder is in its grace: the second
+    Ctrl-C cancels what the host's agent had still to do (the KILL after the grace). The CLI
+    says so and lists what had been sent; long after the grace the holder is still alive, and
+    the operator's audit log holds every signal the host sent (its own record compared)."""
+    grace = 10  # room for a slow machine: the two Ctrl-Cs must land inside it
+    host = make_host("int-twice", gpus=1)
+    stubborn = host.spawn_holder(gpus=[0], mib=5000, title="stubborn", ignore_term=True)
+    settle(host)
+    before = census(host)
+    inv = lab.inventory_yaml([host])
+    cli = TtyCli(home, inv, "clean", "--yes", "--gpus", "0", "--grace", grace)
+    wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60, "TERM")
+    termed_at = time.monotonic()
+    cli.ctrl_c()  # typed at the CLI's terminal: SIGINT to its foreground process group
+    cli.wait_text("waiting for 1 host(s) already running (int-twice)")
+    cli.ctrl_c()
+    run = cli.finish(timeout=grace + SLACK_S)
+    assert_no_traceback(run)
+    assert run.rc == 130, str(run)
+    assert time.monotonic() - termed_at < grace, str(run)  # it did not wait out the grace
+    row = [ln.split() for ln in run.stdout.splitlines() if ln.startswith("int-twice ")]
+    assert len(row) == 1 and row[0][2] == "1" and row[0][6] == "cancelled", str(run)
+    assert ("int-twice: pending signals cancelled: sent SIGTERM to PID %d (stubborn); "
+            "not sent: SIGKILL to PID %d" % (stubborn, stubborn)) in run.stdout, str(run)
+    assert "result unknown" not in run.stdout, str(run)
+    # long after the grace: the cancelled KILL never came
+    time.sleep(max(0.0, termed_at + grace + 3 - time.monotonic()))
+    assert host.alive(stubborn), "the holder was killed after the CLI said it would not be"
+    wait_for(lambda: not agents_left(host), 30, "the host's agent to end")
+    sent_on_host = signals(agent_audit(host))
+    assert sent_on_host == [(stubborn, "TERM", "sent")], sent_on_host
+    assert signals(audit_log(home)) == sent_on_host
+    assert audit_verdicts(home) == [("int-twice", "cancelled")]
+    assert_gone_exactly(host, before, set())
+    host.kill(stubborn)  # the holder this test started, by its pid
 
 
 def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any,
@@ -140,6 +183,38 @@ def test_three_operators_clean_one_host_at_once(lab: Any, make_host: Any, home: 
     assert [audit_verdicts(h) for h in homes] == [[("shared-host", v)] for v in ("clean", "busy", "clean")]
     sent = [s for s in signals(agent_audit(host)) if s[2] == "sent"]
     assert sent == [(stubborn, "TERM", "sent"), (stubborn, "KILL", "sent")]  # once each
+    assert_gone_exactly(host, before, {stubborn})
+
+
+def test_a_clean_that_waited_for_the_lock_reports_only_what_it_freed(
+        lab: Any, make_host: Any, tmp_path: Path) -> None:
+    """Operator 2 plans while operator 1's TERM-ignoring target still holds 5000 MiB, then
+    waits for the host's lock while operator 1 kills it. Operator 2's "before" is what the
+    GPU held once it had the lock: it reports FREED 0, never operator 1's 5000 MiB."""
+    host = make_host("lock-freed", gpus=1)
+    stubborn = host.spawn_holder(gpus=[0], mib=5000, title="stubborn", ignore_term=True)
+    settle(host)
+    before = census(host)
+    inv = lab.inventory_yaml([host])
+    homes = []
+    for n in (1, 2):
+        homes.append(tmp_path / ("operator%d" % n))
+        homes[-1].mkdir()
+    op1 = start_cli(homes[0], inv, "clean", "--yes", "--json", "--grace", "5")
+    wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60, "op1 TERM")
+    op2 = start_cli(homes[1], inv, "clean", "--yes", "--json", "--grace", "1")
+    r1, r2 = (finish_cli(p, timeout=90) for p in (op1, op2))
+    for r in (r1, r2):
+        assert_no_traceback(r)
+    one, two = r1.host("lock-freed"), r2.host("lock-freed")
+    assert one["verdict"] == "clean" and one["freed_mib"] == 5000, str(r1)
+    # operator 2 planned while the holder still held its memory (it meant to signal it) ...
+    assert [t["pid"] for t in two["targets"]] == [stubborn], str(r2)
+    assert [t["used_mib"] for t in two["targets"]] == [5000], str(r2)
+    # ... and found it gone once it held the lock: it freed nothing itself
+    assert signals(two["signals"]) == [(stubborn, "TERM", "gone")], str(r2)
+    assert two["verdict"] == "clean" and two["freed_mib"] == 0, str(r2)
+    assert two["before"] == [{"index": 0, "memory_used_mib": 0}], str(r2)
     assert_gone_exactly(host, before, {stubborn})
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from gpufleet.core.model import parse_snapshot
-from gpufleet.remote import encode_next
+from gpufleet.remote import CANCEL_LINE, encode_next
 
 from test_agent_run import (  # noqa: E402  (tests/unit is on sys.path under pytest)
     PYTHONS,
@@ -99,6 +99,81 @@ def test_a_reused_pid_is_still_refused_in_the_second_answer(tmp_path, children, 
     assert [(s["pid"], s["outcome"]) for s in doc["signals"]] == [(h.pid, "pid reused")]
     assert h.poll() is None
     assert p.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_cancel_in_the_grace_sends_no_kill_and_says_what_was_sent(tmp_path, children, agents,
+                                                                  python):
+    """The operator's second Ctrl-C: a ``cancel`` line on the conversation's stdin while its
+    clean waits out a 30 s grace. The agent answers at once, the KILL it would have sent
+    listed as pending and never sent (not in the document, not in its audit file), the TERM
+    that was sent reported; the holder lives on."""
+    h = children.holder("stubborn", "--ignore-term")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    p = agents(stay_request(stub), python=python, env=agent_env(tmp_path))
+    read_doc(p)
+    ident = {"pid": h.pid, "starttime": starttime(h.pid)}
+    send(p, encode_next(clean_request(tmp_path, stub, [dict(ident, wave=0)], grace_s=30.0,
+                                      deadline_s=60, timeout_s=40.0)))
+    deadline = time.monotonic() + 10
+    while [x["signal"] for x in audit_lines(tmp_path)] != ["TERM"]:
+        assert time.monotonic() < deadline, "no TERM"
+        time.sleep(0.02)
+    cancelled_at = time.monotonic()
+    send(p, CANCEL_LINE)
+    doc = read_doc(p, timeout=5)
+    assert time.monotonic() - cancelled_at < 3, "the agent did not stop at once"
+    assert [(s["pid"], s["signal"], s["outcome"]) for s in doc["signals"]] == [
+        (h.pid, "TERM", "sent")]
+    assert doc["cancelled"]["pending"] == [dict(ident, signal="KILL")], doc
+    assert 0 <= doc["cancelled"]["t"] < 5
+    assert doc["memory_wait"] is None and doc["after"] is None
+    assert [s["pid"] for s in doc["survivors"]] == [h.pid]
+    assert p.wait(timeout=10) == 0
+    time.sleep(0.3)
+    assert h.poll() is None
+    assert [x["signal"] for x in audit_lines(tmp_path)] == ["TERM"]
+
+
+def test_eof_in_the_grace_does_not_cancel(tmp_path, children, agents):
+    """A session that drops (stdin closed, no ``cancel``) does not cut the sequence: the
+    KILL still comes after the grace."""
+    h = children.holder("stubborn", "--ignore-term")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    p = agents(stay_request(stub), env=agent_env(tmp_path))
+    read_doc(p)
+    send(p, encode_next(clean_request(tmp_path, stub, [
+        {"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}], grace_s=1.0)))
+    p.stdin.close()
+    doc = read_doc(p)
+    assert [(s["signal"], s["outcome"]) for s in doc["signals"]] == [("TERM", "sent"),
+                                                                     ("KILL", "sent")]
+    assert "cancelled" not in doc and doc["memory_wait"]["ok"] is True
+    assert h.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_cancel_while_waiting_for_the_lock_signals_nothing(tmp_path, children, agents):
+    """Another clean holds the host's lock: a cancel ends the wait at once, and the clean
+    that never got the lock signals nothing, its target's TERM listed as pending."""
+    import fcntl
+
+    h = children.holder("job")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    lock = tmp_path / "clean.lock"
+    lock.touch(mode=0o600)
+    with open(lock, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        p = agents(stay_request(stub), env=agent_env(tmp_path))
+        read_doc(p)
+        ident = {"pid": h.pid, "starttime": starttime(h.pid)}
+        send(p, encode_next(clean_request(tmp_path, stub, [dict(ident, wave=0)],
+                                          lock_wait_s=30.0, timeout_s=40.0, deadline_s=60)))
+        time.sleep(0.5)
+        send(p, CANCEL_LINE)
+        doc = read_doc(p, timeout=3)
+    assert doc["lock"] == "busy" and doc["signals"] == [], doc
+    assert doc["cancelled"]["pending"] == [dict(ident, signal="TERM")]
+    assert h.poll() is None and audit_lines(tmp_path) == []
 
 
 def test_eof_after_the_first_document_ends_it(tmp_path, agents):

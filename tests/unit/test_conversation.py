@@ -133,3 +133,63 @@ def test_an_agent_that_dies_after_the_request_is_an_unknown_outcome(tmp_path, ch
     assert (reply.ok, reply.unsent, reply.doc) == (False, False, None)
     assert (reply.error, reply.error_kind) == ("agent exited -9", errors.COMMAND)
     assert h.poll() is None  # TERM ignored, the KILL never came: the row must not say clean
+
+
+def test_cancel_while_the_clean_runs_stops_its_signals_and_its_answer_says_so(
+        tmp_path, children, monkeypatch):
+    """The operator's second Ctrl-C: ``cancel`` from another thread while ``ask`` waits out a
+    20 s grace. The answer comes at once with the TERM sent and the KILL not sent; the
+    holder lives on."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    h = children.holder("stubborn", "--ignore-term")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    conv = local(stub).converse(snap_request(stub), timeout=30)
+    req = clean_request(tmp_path, stub, [{"pid": h.pid, "starttime": starttime(h.pid),
+                                          "wave": 0}], grace_s=20.0, timeout_s=25.0)
+    box = []
+    asker = threading.Thread(target=lambda: box.append(conv.ask(req, timeout=40)))
+    asker.start()
+    wait_for(lambda: [x["signal"] for x in audit_lines(tmp_path)] == ["TERM"])
+    assert conv.asked_at is not None and conv.asked_deadline_s is not None
+    assert conv.cancel() is None and conv.cancelled_at is not None
+    asker.join(5)
+    assert not asker.is_alive(), "no answer after the cancel"
+    (reply,) = box
+    assert reply.ok, reply.error
+    assert [(s["signal"], s["outcome"]) for s in reply.doc["signals"]] == [("TERM", "sent")]
+    assert [p["signal"] for p in reply.doc["cancelled"]["pending"]] == ["KILL"]
+    assert h.poll() is None and [x["signal"] for x in audit_lines(tmp_path)] == ["TERM"]
+    conv.close()
+
+
+def test_cancel_before_the_request_means_it_is_never_sent(tmp_path, children, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    h = children.holder()
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    conv = local(stub).converse(snap_request(stub), timeout=30)
+    assert conv.cancel() == "no request had been sent"
+    reply = conv.ask(clean_request(tmp_path, stub, [
+        {"pid": h.pid, "starttime": starttime(h.pid), "wave": 0}]), timeout=30)
+    conv.close()
+    assert (reply.ok, reply.unsent, reply.error_kind) == (False, True, errors.INTERRUPTED)
+    assert h.poll() is None and audit_lines(tmp_path) == []
+
+
+def test_cancel_after_the_conversation_ended_says_why_not(tmp_path, children, monkeypatch):
+    """The agent is gone (the connection dropped): the cancel cannot reach it, and says so."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    h = children.holder("stubborn", "--ignore-term")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(h)])
+    conv = local(stub).converse(snap_request(stub), timeout=30)
+    agent = conv.reply.doc["facts"]["agent_pid"]
+    req = clean_request(tmp_path, stub, [{"pid": h.pid, "starttime": starttime(h.pid),
+                                          "wave": 0}], grace_s=20.0, timeout_s=25.0)
+    box = []
+    asker = threading.Thread(target=lambda: box.append(conv.ask(req, timeout=40)))
+    asker.start()
+    wait_for(lambda: [x["signal"] for x in audit_lines(tmp_path)] == ["TERM"])
+    os.kill(agent, signal.SIGKILL)  # the process this test's session started (its own pid)
+    asker.join(30)
+    why = conv.cancel()
+    assert why is not None and why.startswith("its conversation"), why
+    assert box[0].unsent is False and h.poll() is None

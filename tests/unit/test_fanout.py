@@ -154,3 +154,40 @@ def test_second_ctrl_c_stops_waiting(sigint_raises):
     assert out[0].error == ABANDONED
     assert out[1] == "quick"
     assert out[2].error == NOT_STARTED
+
+
+def test_with_on_cancel_the_second_ctrl_c_cancels_and_waits_for_the_report(sigint_raises):
+    """A clean's hosts: the second Ctrl-C has in-flight hosts told to stop (on_cancel) and
+    their results, the report of what they did, are still waited for; a third stops waiting."""
+    cancel = threading.Event()
+    release = threading.Event()
+    second_started = threading.Event()
+    told: list[list[str]] = []
+
+    def fn(h: H) -> str:
+        if h.name == "h01":  # a host whose report never comes
+            second_started.set()
+            release.wait(20)
+            return "late"
+        assert second_started.wait(10)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # pressed again: cancel
+        assert cancel.wait(10)
+        return "cancelled " + h.name
+
+    def on_cancel(inflight: list) -> None:
+        told.append([h.name for h in inflight])
+        cancel.set()
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # a third one
+
+    started = time.monotonic()
+    try:
+        out = run_hosts(hosts(3), fn, forks=2, on_cancel=on_cancel)
+    finally:
+        release.set()
+    assert time.monotonic() - started < 10
+    assert told == [["h00", "h01"]]
+    assert out[0] == "cancelled h00"  # its report was waited for after the cancel
+    assert out[1].error == ABANDONED  # the third Ctrl-C stopped waiting for it
+    assert out[2].error == NOT_STARTED

@@ -72,6 +72,24 @@ def test_train_node_clean() -> None:
     assert any("1187 nvidia-persiste" in b and "4520 python" in b for b in v.reset_blockers)
 
 
+def test_freed_counts_from_the_agents_reading_under_the_lock() -> None:
+    """Another clean freed GPUs 0-1 while this one waited for the host's lock: the plan's
+    snapshot still shows that memory, the agent's reading under the lock does not. Freed is
+    what this clean freed itself; a failed reading leaves freed unknown, never a guess."""
+    before = parse_snapshot(doc("train-node"))
+    plan = make_plan(before, (0, 1, 2, 3))
+    after = after_doc("train-node", gone=VLLM)
+    locked = {"used_mib": {"0": 2, "1": 2, "2": 44571, "3": 44151}, "error": None}
+    v = V.make_verdict(plan, clean_doc(after, before_locked=locked), before)
+    assert v.verdict == "clean"
+    assert [(g.index, g.before_mib) for g in v.gpus] == [(0, 2), (1, 2), (2, 44571), (3, 44151)]
+    assert v.freed_mib == (2 + 2 + 44571 + 44151) - 8
+    failed = {"used_mib": None, "error": "NVML: GPU is lost"}
+    v = V.make_verdict(plan, clean_doc(after, before_locked=failed), before)
+    assert v.verdict == "clean" and v.freed_mib is None and v.left_mib == 8
+    assert [g.before_mib for g in v.gpus] == [None] * 4
+
+
 def test_stuck_worker_makes_it_dirty_and_says_why() -> None:
     before = parse_snapshot(doc("train-node"))
     plan = make_plan(before, (0, 1, 2, 3))
