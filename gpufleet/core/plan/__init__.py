@@ -88,6 +88,8 @@ def make_plan(
     scope: Optional[tuple[int, ...]] = None,
     *,
     protect: Iterable[str] = (),
+    host_protect: Iterable[str] = (),
+    protect_label: str = "--protect",
     include_spanning: bool = False,
     stop_units: bool = False,
     disable_units: bool = False,
@@ -98,8 +100,10 @@ def make_plan(
     job_uid: Optional[int] = None,
 ) -> Plan:
     """Decide what a clean of ``scope`` (None = every GPU) on this host would signal: the
-    steps of the module docstring, in order. ``job_uid`` (a Slurm epilog): only that user's
-    processes may be signalled (policy.job_owner_reason)."""
+    steps of the module docstring, in order. ``protect``: this run's patterns (named
+    ``protect_label`` in the plan's notes), ``host_protect``: the inventory's for this host;
+    both protect alike. ``job_uid`` (a Slurm epilog): only that user's processes may be
+    signalled (policy.job_owner_reason)."""
     host = host or snapshot.facts.hostname or "?"
     untrusted = untrusted_rows(snapshot)
     listed_as = {pid: snapshot.gpu_indices_of_app(pid) for pid in untrusted}
@@ -109,9 +113,11 @@ def make_plan(
     if unattributed_mib < 0 or tolerance_mib < 0:
         raise UsageError(f"{host}: unattributed_mib and tolerance_mib must be >= 0")
     plan_scope = resolve_scope(snapshot, scope, host)
+    sources = tuple(("inventory protect", p) for p in host_protect) + tuple(
+        (protect_label, p) for p in protect)
     ctx = policy.PolicyContext.from_snapshot(
-        snapshot, protect=tuple(protect), stop_units=stop_units, is_sudo=is_sudo,
-        job_uid=job_uid)
+        snapshot, protect=tuple(dict.fromkeys(p for _, p in sources)), stop_units=stop_units,
+        is_sudo=is_sudo, job_uid=job_uid)
     threshold = unattributed_mib + tolerance_mib
     tree = Tree.of(snapshot.processes)
 
@@ -123,7 +129,7 @@ def make_plan(
     add_zombie_children(rules)
     targets = assemble_targets(rules.dec, tree)
     notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
-                                  tuple(family_notes)))
+                                  tuple(family_notes), host, sources))
 
     refused = rules.dec.refused
     for pid, reason in untrusted.items():  # a row is no evidence; family ties may still be
