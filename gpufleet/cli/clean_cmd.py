@@ -43,6 +43,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     """Free the GPUs in scope: TERM, grace, KILL; then wait until the memory is really back.
 
     The hosts must be named (--host, -g, --tag or --all), also for --dry-run.
+
     Exit 0 all clean (or the plan, with --dry-run); 1 any host dirty, unreachable or failed;
     2 usage/inventory error, no hosts named, or no --yes in a non-interactive run (nothing
     signalled).

@@ -30,6 +30,7 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
     named (--host, -g, --tag or --all; also for --dry-run) and --yes; without --yes the plan
     is printed and, on a terminal, confirmed. A read-only runbook runs on every host by
     default. See docs/runbooks.md.
+
     Exit 0 every step ok; 1 a step failed or a host was unreachable; 2 runbook/usage error,
     no hosts named, or no --yes in a non-interactive run (nothing done).
     """

@@ -26,7 +26,9 @@ def node_options(func: Callable) -> Callable:
                      show_default=True, help="MiB above the expected unattributed memory still free."),
         click.option("--unattributed-mib", type=click.IntRange(0, 1 << 20), default=0, show_default=True,
                      help="MiB this node's GPUs show with nothing running."),
-        click.option("--protect", multiple=True, metavar="GLOB", help="Command lines never to signal."),
+        click.option("--protect", multiple=True, metavar="PATTERN",
+                     help="Never signal a command line or name containing PATTERN (with * ? [: "
+                          "a glob over the whole)."),
         click.option("--dcgm-job-map", metavar="DIR", default=None,
                      help="dcgm-exporter's --hpc-job-mapping-dir: prolog adds the job id, epilog removes it."),
         click.option("--drain-reason", is_flag=True,

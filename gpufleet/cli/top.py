@@ -27,6 +27,7 @@ def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: boo
 
     Without --host, -g, --tag or --all it watches every host, and marks and clean are
     refused on the screen with how to select hosts (a clean needs the hosts named).
+
     Exit 0 on q; 2 on usage errors (no terminal, bad interval, empty selection).
     """
     from gpufleet.cli.status_cmd import parse_interval
