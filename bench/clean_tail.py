@@ -5,7 +5,7 @@
 
 One test-lab host (tests/lab/: real namespaces, the fake driver; its memory is free the moment
 the holder is gone: release_delay_s 0). Each run starts one holder (20 GiB on GPU 0, ends on
-TERM) and runs `gpufleet clean --gpus 0 --yes --json` INSIDE the host with `connection: local`
+TERM) and runs `gpufleet clean --all --gpus 0 --yes --json` INSIDE the host with `connection: local`
 (no SSH: the controller's own work is what is measured), through a wrapper that records, on
 the machine-wide monotonic clock:
 
@@ -128,7 +128,7 @@ def one_run(host: Any, extra: dict[str, Any], profile: bool = False, root: Path 
             "GF_REQUEST_EXTRA=" + json.dumps({k: v for k, v in extra.items() if k != "exit"}),
             "GF_SLOW_EXIT=" + ("1" if extra.get("exit") == "slow" else ""),
             "GF_PROFILE=" + ("1" if profile else ""),
-            sys.executable, "-c", WRAPPER, "-i", "/tmp/fleet.yaml", "clean", "--gpus", "0",
+            sys.executable, "-c", WRAPPER, "-i", "/tmp/fleet.yaml", "clean", "--all", "--gpus", "0",
             "--yes", "--json", "--grace", "5", "--audit-log", "/tmp/audit.jsonl"]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     end = time.monotonic()

@@ -35,10 +35,24 @@ class AppContext:
                 click.echo(IMPLICIT_HINT, err=True)
         return self._inventory
 
-    def select(self, hosts: Sequence[str], groups: Sequence[str], tags: Sequence[str], all_: bool):
-        from gpufleet.config.selection import select
+    def select(self, hosts: Sequence[str], groups: Sequence[str], tags: Sequence[str], all_: bool,
+               changes: str = ""):
+        """The selected hosts. ``changes`` (e.g. "clean changes hosts"): the command signals or
+        changes hosts, so they must be named; checked before the inventory is read, so the
+        refusal is the only line on stderr and nothing is contacted."""
+        from gpufleet.config.selection import named, require_selection, select
 
+        if changes and not named(hosts, groups, tags, all_):
+            require_selection(changes, implicit=self.implicit_inventory())
         return select(self.inventory(), hosts=list(hosts), groups=list(groups), tags=list(tags), all_=all_)
+
+    def implicit_inventory(self) -> bool:
+        """No inventory file: gpufleet acts on this machine alone (nothing is read here)."""
+        if self._inventory is not None:
+            return bool(getattr(self._inventory, "implicit", False))
+        from gpufleet.config.inventory import find_inventory
+
+        return find_inventory(self.inventory_path) is None
 
 
 def selection_options(func: Callable) -> Callable:

@@ -25,7 +25,10 @@ from gpufleet.render.common import to_json
               help="Seconds the host may take until the memory is back.")
 @click.option("--tolerance-mib", type=click.IntRange(0, 1 << 20), default=DEFAULT_TOLERANCE_MIB, show_default=True,
               help="MiB above the expected unattributed memory still counted as clean.")
-@click.option("--protect", multiple=True, metavar="GLOB", help="Command lines never to signal (repeatable).")
+@click.option("--protect", multiple=True, metavar="PATTERN",
+              help="Never signal a process whose command line or name contains PATTERN (as pgrep "
+                   "matches); with * ? [ it is a glob over the whole command line or name. "
+                   "Repeatable; one that matches no process is a note in the plan.")
 @click.option("--include-spanning", is_flag=True, help="Also signal processes that use GPUs outside the scope.")
 @click.option("--stop-units", is_flag=True, help="Stop the systemd units that own targets first.")
 @click.option("--disable-units", is_flag=True, help="With --stop-units: also disable them.")
@@ -46,9 +49,12 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
           settle_s: Optional[float], audit_log: Optional[str]) -> int:
     """Free the GPUs in scope: TERM, grace, KILL; then wait until the memory is really back.
 
+    The hosts must be named (--host, -g, --tag or --all), also for --dry-run.
+
     Exit 0 all clean (or the plan, with --dry-run); 1 any host dirty, retaken (a target was
     started again, or a new process took a GPU in scope), unreachable or failed; 2
-    usage/inventory error or no --yes in a non-interactive run (nothing signalled).
+    usage/inventory error, no hosts named, or no --yes in a non-interactive run (nothing
+    signalled).
     """
     from gpufleet.cli.progress import HostProgress
     from gpufleet.config.selection import parse_gpu_list
@@ -59,7 +65,8 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     if grace_s > timeout_s:
         raise UsageError(f"--grace ({grace_s:g}s) is longer than --timeout ({timeout_s:g}s)")
     parse_gpu_list(gpus)  # syntax errors before any connection
-    selected = app.select(hosts, groups, tags, all_)
+    check_protect(protect)
+    selected = app.select(hosts, groups, tags, all_, changes="clean changes hosts")
     opts = CleanOptions(gpus=gpus, grace_s=grace_s, timeout_s=timeout_s, tolerance_mib=tolerance_mib,
                         protect=tuple(protect), include_spanning=include_spanning, stop_units=stop_units,
                         disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log,
@@ -110,6 +117,17 @@ def _interrupted_line(results: Sequence[Any]) -> str:
     if unknown:
         said.append(f"stopped waiting for {', '.join(unknown)} (what is known is above)")
     return "gpufleet: interrupted: " + "; ".join(said) + "; no other host was started"
+
+
+def check_protect(patterns: Sequence[str]) -> None:
+    """An empty or control-character --protect is a mistake (an unset shell variable), never
+    a pattern: refused before anything is contacted."""
+    from gpufleet.config.validators import has_control
+
+    for pattern in patterns:
+        if not pattern or has_control(pattern):
+            raise UsageError(f"--protect {pattern!r}: expected a word or a glob of the command "
+                             "lines never to signal")
 
 
 def _confirm(yes: bool, interactive: bool) -> Callable[[list[Any]], bool]:

@@ -26,10 +26,13 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
         yes: bool, as_json: bool, audit_log: Optional[str]) -> int:
     """Run a runbook's steps on the selected hosts (hosts in parallel, steps in order).
 
-    Steps that change hosts (stop_units, clean, clear_shm, start_unit, shell) need --yes;
-    without it the plan is printed and, on a terminal, confirmed. See docs/runbooks.md.
-    Exit 0 every step ok; 1 a step failed or a host was unreachable; 2 runbook/usage error or
-    no --yes in a non-interactive run (nothing done).
+    Steps that change hosts (stop_units, clean, clear_shm, start_unit, shell) need the hosts
+    named (--host, -g, --tag or --all; also for --dry-run) and --yes; without --yes the plan
+    is printed and, on a terminal, confirmed. A read-only runbook runs on every host by
+    default. See docs/runbooks.md.
+
+    Exit 0 every step ok; 1 a step failed or a host was unreachable; 2 runbook/usage error,
+    no hosts named, or no --yes in a non-interactive run (nothing done).
     """
     from gpufleet.ops import audit
     from gpufleet.runbook.load import load_runbook
@@ -38,7 +41,9 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
 
     # Everything is validated before anything is contacted.
     runbook = load_runbook(runbook_path, parse_extra_vars(extra_vars))
-    selected = app.select(hosts, groups, tags, all_)
+    changing = ", ".join(sorted({s.kind for s in runbook.steps if s.mutating}))
+    changes = f"runbook {runbook.name} changes hosts ({changing})" if runbook.mutating else ""
+    selected = app.select(hosts, groups, tags, all_, changes=terminal_safe(changes, one_line=True))
 
     if dry_run or (runbook.mutating and not yes):
         plans = [plan_host(runbook, h) for h in selected]
@@ -49,7 +54,6 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
             click.echo(terminal_safe(table(plans)))
         if dry_run:
             return EXIT_OK
-        changing = ", ".join(sorted({s.kind for s in runbook.steps if s.mutating}))
         if as_json or not sys.stdin.isatty():
             raise UsageError(f"this runbook changes hosts ({changing}); not a terminal and no "
                              "--yes: plan shown, nothing done")

@@ -26,7 +26,9 @@ def node_options(func: Callable) -> Callable:
                      show_default=True, help="MiB above the expected unattributed memory still free."),
         click.option("--unattributed-mib", type=click.IntRange(0, 1 << 20), default=0, show_default=True,
                      help="MiB this node's GPUs show with nothing running."),
-        click.option("--protect", multiple=True, metavar="GLOB", help="Command lines never to signal."),
+        click.option("--protect", multiple=True, metavar="PATTERN",
+                     help="Never signal a command line or name containing PATTERN (with * ? [: "
+                          "a glob over the whole)."),
         click.option("--dcgm-job-map", metavar="DIR", default=None,
                      help="dcgm-exporter's --hpc-job-mapping-dir: prolog adds the job id, epilog removes it."),
         click.option("--drain-reason", is_flag=True,
@@ -109,17 +111,19 @@ def undrain(app: AppContext, hosts, groups, tags, all_, dry_run: bool, reasons, 
             scontrol: str) -> int:
     """Resume the nodes drained with a gpufleet reason whose GPUs are clean now.
 
-    Nodes are matched to inventory hosts by name; a still-dirty node, or one the inventory
-    lacks, stays drained. Exit 0 every such node resumed (or would be); 1 some stay drained.
+    The nodes must be named (--host, -g, --tag, or --all: every drained node, those the
+    inventory lacks listed as such), also for --dry-run. Nodes are matched to inventory hosts
+    by name; a still-dirty node, or one the inventory lacks, stays drained. Exit 0 every such
+    node resumed (or would be); 1 some stay drained; 2 usage, or no nodes named.
     """
     from gpufleet.ops.slurm import SlurmOptions, drained_nodes
     from gpufleet.ops.slurm import undrain as run_undrain
 
     opts = SlurmOptions(tolerance_mib=tolerance_mib, scontrol=scontrol)
-    selected = app.select(hosts, groups, tags, all_)
+    selected = app.select(hosts, groups, tags, all_, changes="slurm undrain resumes Slurm nodes")
     wanted = {h.name for h in selected}
     nodes = [n for n in drained_nodes(opts, tuple(reasons))
-             if n.name in wanted or not (hosts or groups or tags)]
+             if n.name in wanted or all_]
     if not nodes:
         click.echo("no node is drained with a gpufleet reason")
         return 0

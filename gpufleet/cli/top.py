@@ -25,12 +25,18 @@ def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: boo
         audit_log: Optional[str]) -> int:
     """Live screen of the selected hosts: GPUs, memory, holders; mark GPUs and clean them.
 
+    Without --host, -g, --tag or --all it watches every host, and marks and clean are
+    refused on the screen with how to select hosts (a clean needs the hosts named).
+
     Exit 0 on q; 2 on usage errors (no terminal, bad interval, empty selection).
     """
     from gpufleet.cli.status_cmd import parse_interval
+    from gpufleet.config.selection import named, selection_flags
 
     seconds = parse_interval(interval, "--interval")  # bad input: one line, nothing connected
     selected = app.select(hosts, groups, tags, all_)
+    refused = "" if readonly or named(hosts, groups, tags, all_) else (
+        f"clean changes hosts: start top with {selection_flags(app.implicit_inventory())}")
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError(NO_TERMINAL)
     from gpufleet.cli.watch import first_round_limit, sigterm_as_interrupt
@@ -45,7 +51,7 @@ def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: boo
             fleet.start()  # the hosts connect while the screen's modules (~50 ms) load
             from gpufleet.cli.topscreen import run_top
 
-            return run_top(fleet, selected, every, readonly, audit_log)
+            return run_top(fleet, selected, every, readonly, audit_log, refused)
         except KeyboardInterrupt:
             return EXIT_OK
         finally:

@@ -105,13 +105,14 @@ class Top:
     """The loop: draw on change, read a key, act."""
 
     def __init__(self, scr: Any, fleet: Any, hosts: Sequence[Host], interval: float,
-                 readonly: bool, audit_log: Optional[str]):
+                 readonly: bool, audit_log: Optional[str], actions_refused: str = ""):
         self.scr, self.fleet = scr, fleet
         self.hosts = {h.name: h for h in hosts}
         self.info = {h.name: HostInfo(tuple(h.tags or ()), int(h.unattributed_mib or 0))
                      for h in hosts}
         self.audit_log = audit_log
-        self.state = TopState(interval_s=interval, readonly=readonly)
+        self.state = TopState(interval_s=interval, readonly=readonly,
+                              actions_refused=actions_refused)
         self.screen = Screen(())
         self.job: Optional[CleanJob] = None
         self.attrs = attributes()
@@ -229,9 +230,10 @@ def attributes() -> dict[str, int]:
 
 
 def run_top(fleet: Any, hosts: Sequence[Host], interval: float, readonly: bool,
-            audit_log: Optional[str]) -> int:
+            audit_log: Optional[str], actions_refused: str = "") -> int:
     """The screen of a started ``fleet`` (cli/top.py starts it, then imports this module)
-    until q; SIGTERM / Ctrl-C raise KeyboardInterrupt to the caller, which stops the fleet."""
+    until q; SIGTERM / Ctrl-C raise KeyboardInterrupt to the caller, which stops the fleet.
+    ``actions_refused``: no hosts were named, so marks and `c` show this line instead."""
     locale.setlocale(locale.LC_ALL, "")
     os.environ.setdefault("ESCDELAY", "25")
 
@@ -241,7 +243,7 @@ def run_top(fleet: Any, hosts: Sequence[Host], interval: float, readonly: bool,
         except curses.error:
             pass
         scr.timeout(200)
-        Top(scr, fleet, hosts, interval, readonly, audit_log).loop()
+        Top(scr, fleet, hosts, interval, readonly, audit_log, actions_refused).loop()
 
     curses.wrapper(main)
     return EXIT_OK

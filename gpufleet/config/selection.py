@@ -16,8 +16,8 @@ from gpufleet.errors import UsageError
 
 # GPU lists are parsed and formatted in gpufleet.core.gpus; these names stay importable here
 # for callers the refactor has not reached yet (ops/clean.py, cli/clean_cmd.py).
-__all__ = ["MAX_GPU_INDEX", "expand_host_range", "format_gpu_list", "is_host_range",
-           "parse_gpu_list", "select"]
+__all__ = ["MAX_GPU_INDEX", "expand_host_range", "format_gpu_list", "is_host_range", "named",
+           "parse_gpu_list", "require_selection", "select", "selection_flags"]
 
 
 # A Slurm/ClusterShell host range: brackets holding only digits, commas and dashes
@@ -104,7 +104,8 @@ def select(
 
     ``hosts`` are fnmatch globs on host names (case-sensitive) or Slurm host ranges
     (``node[01-32]``: every host named must exist); ``groups`` and ``tags`` are
-    exact names. No criteria at all selects every host. Every glob, group and tag must
+    exact names. No criteria at all selects every host (for commands that only look; those
+    that change hosts call ``require_selection`` first). Every glob, group and tag must
     match at least one host, even with ``all_``: a typo is reported, never ignored.
     """
     host_globs, group_names, tag_names = _split(hosts), _split(groups), _split(tags)
@@ -139,3 +140,33 @@ def select(
     if all_ or not (host_globs or group_names or tag_names):
         return list(inventory.hosts)
     return [h for h in inventory.hosts if h.name in chosen]
+
+
+def named(hosts: Sequence[str] = (), groups: Sequence[str] = (), tags: Sequence[str] = (),
+          all_: bool = False) -> bool:
+    """Whether the command line names its hosts (any of --host, -g, --tag, --all)."""
+    return bool(hosts or groups or tags or all_)
+
+
+def selection_flags(implicit: bool = False) -> str:
+    """How to name hosts, for the line that refuses a command without them; ``implicit``:
+    no inventory, this machine is the only host."""
+    if implicit:
+        return "--host localhost or --all (no inventory: this machine only)"
+    return "--host NAME, -g GROUP, --tag TAG or --all"
+
+
+def require_selection(
+    what: str,
+    hosts: Sequence[str] = (),
+    groups: Sequence[str] = (),
+    tags: Sequence[str] = (),
+    all_: bool = False,
+    implicit: bool = False,
+) -> None:
+    """A command that signals or changes hosts acts only on hosts named on its command line:
+    "every host" by default is right for looking, and wrong for `clean --yes` typed in the
+    wrong shell (it ends a trainer nobody meant). ``what`` opens the one-line error
+    ("clean changes hosts")."""
+    if not named(hosts, groups, tags, all_):
+        raise UsageError(f"{what}: name them with {selection_flags(implicit)}")

@@ -182,12 +182,43 @@ def false_claim(proc: ProcessInfo) -> Optional[str]:
     return None
 
 
-def matching_glob(proc: ProcessInfo, globs: tuple[str, ...]) -> Optional[str]:
-    """First protect glob matching the cmdline or the comm (fnmatch, case-sensitive)."""
-    for glob in globs:
-        if fnmatch.fnmatchcase(proc.cmdline, glob) or fnmatch.fnmatchcase(proc.comm, glob):
-            return glob
+# A protect pattern with one of these is a glob; without, a word to find (protect_matches).
+GLOB_CHARS = frozenset("*?[")
+
+
+def protect_matches(pattern: str, text: str) -> bool:
+    """Whether a protect pattern matches one text (a command line or a comm), case-sensitive.
+
+    A plain word matches where it occurs, as pgrep does: an operator who types
+    ``--protect train_dflash`` means ``python3 train_dflash.py``, and a whole-text match
+    silently protected nothing. A pattern with ``*``, ``?`` or ``[`` is an fnmatch glob over
+    the whole text, as it always was (``*train*``, ``prec*`` keep their meaning). An empty
+    pattern matches nothing (inputs refuse it before this)."""
+    if not pattern:
+        return False
+    if GLOB_CHARS.isdisjoint(pattern):
+        return pattern in text
+    return fnmatch.fnmatchcase(text, pattern)
+
+
+def matching_glob(proc: ProcessInfo, patterns: tuple[str, ...]) -> Optional[str]:
+    """First protect pattern matching the cmdline or the comm (protect_matches)."""
+    for pattern in patterns:
+        if protect_matches(pattern, proc.cmdline) or protect_matches(pattern, proc.comm):
+            return pattern
     return None
+
+
+def unmatched_protect(processes: Mapping[int, ProcessInfo], patterns: tuple[str, ...],
+                      agent_pid: Optional[int] = None) -> tuple[str, ...]:
+    """The protect patterns that match none of ``processes`` (a snapshot's: its GPU holders
+    and the agent's own line), in order: most likely a typo, which protects nothing. The
+    agent, its ancestors and its session do not count: they are never signalled anyway, and
+    a word such as ``python`` would match the agent's own command line."""
+    others = [p for p in processes.values()
+              if p.pid != agent_pid and p.relation not in RELATIONS]
+    return tuple(pattern for pattern in dict.fromkeys(patterns)
+                 if not any(matching_glob(p, (pattern,)) for p in others))
 
 
 def is_kernel_thread(proc: ProcessInfo) -> bool:

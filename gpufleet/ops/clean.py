@@ -47,6 +47,7 @@ class CleanOptions:
     timeout_s: float = 60.0
     tolerance_mib: int = DEFAULT_TOLERANCE_MIB
     protect: tuple[str, ...] = ()
+    protect_label: str = "--protect"  # what the plan's notes call ``protect`` (a runbook step's)
     include_spanning: bool = False
     stop_units: bool = False
     disable_units: bool = False
@@ -132,7 +133,8 @@ def plan_from_reply(host: Host, reply: AgentReply, opts: CleanOptions, started: 
     try:
         scope = parse_gpu_list(opts.gpus, available=[g.index for g in snap.gpus], host=host.name)
         out.plan = make_plan(
-            snap, scope, protect=tuple(host.protect) + tuple(opts.protect),
+            snap, scope, protect=opts.protect, host_protect=tuple(host.protect),
+            protect_label=opts.protect_label,
             include_spanning=opts.include_spanning, stop_units=opts.stop_units,
             disable_units=opts.disable_units, unattributed_mib=int(host.unattributed_mib or 0),
             tolerance_mib=opts.tolerance_mib, is_sudo=bool(host.sudo), host=host.name,

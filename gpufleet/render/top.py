@@ -36,7 +36,7 @@ HELP = (
     "",
     "A host is stale when its last snapshot is older than two intervals or its session",
     "dropped (it is reconnected with backoff); down when it never answered.",
-    "--readonly: no marks, no clean.",
+    "--readonly: no marks, no clean. Without --host, -g, --tag or --all: watch only.",
 )
 
 
@@ -71,6 +71,13 @@ class TopState:
     top: int = 0
     message: str = ""
     overlay: Optional[Overlay] = None
+    # top started without --host/-g/--tag/--all: it watches every host, and a mark or `c`
+    # shows this line (how to select hosts) instead: a clean needs the hosts named
+    actions_refused: str = ""
+
+    @property
+    def watch_only(self) -> bool:
+        return self.readonly or bool(self.actions_refused)
 
 
 @dataclass(frozen=True)
@@ -253,7 +260,7 @@ def gpu_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: TopState,
               bar_w: int) -> list[Line]:
     out: list[Line] = []
     rows = {r.index: r for r in ledger(snap, info.expected_mib)}
-    box = "" if state.readonly else "{} "
+    box = "" if state.watch_only else "{} "
     for gpu in snap.gpus:
         key: Key = ("gpu", view.host, gpu.index)
         row = rows[gpu.index]
@@ -277,7 +284,7 @@ def device_file_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: Top
     """Holders nvidia-smi does not list (markable when they may hold memory), the GPU
     clients on one quiet line, and the host's warnings."""
     out: list[Line] = []
-    box = "" if state.readonly else "{} "
+    box = "" if state.watch_only else "{} "
     roles = policy.holder_roles(snap, info.expected_mib + BUSY_TOLERANCE_MIB)
     clients = []
     holders = [h for h in snap.unlisted_holders() if h.pid in roles]
@@ -326,7 +333,7 @@ def footer(state: TopState) -> Line:
     if state.message:
         return Line(cell(state.message), "message")
     keys = "Enter expand  s sort  / filter  ? help  q quit"
-    if not state.readonly:
+    if not state.watch_only:
         keys = "Enter expand  space mark  c clean  s sort  / filter  ? help  q quit"
     return Line(f"{keys}  | every {state.interval_s:g}s, sort {state.sort}", "dim")
 
@@ -336,6 +343,8 @@ def title(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopSta
     extra = f" | filter {cell(state.filter)!r}" if state.filter else ""
     if state.readonly:
         extra += " | read-only"
+    elif state.actions_refused:
+        extra += " | watch only (no hosts named)"
     return Line(summary(views, info, now) + extra, "title")
 
 
@@ -432,6 +441,8 @@ def mark_key(key: Key) -> Optional[tuple]:
 def toggle_mark(state: TopState, screen: Screen) -> TopState:
     if state.readonly:
         return replace(state, message="read-only: no marks (started with --readonly)")
+    if state.actions_refused:
+        return replace(state, message=state.actions_refused)
     cursor = state.cursor if state.cursor in screen.keys else None
     mark = mark_key(cursor) if cursor is not None else None
     if mark is None:
@@ -481,6 +492,8 @@ def on_key(state: TopState, key: str, screen: Screen) -> tuple[TopState, Optiona
     if key == "c":
         if state.readonly:
             return replace(state, message="read-only: no actions (started with --readonly)"), None
+        if state.actions_refused:
+            return replace(state, message=state.actions_refused), None
         return state, "clean"
     return state, None
 

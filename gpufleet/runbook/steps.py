@@ -146,7 +146,8 @@ def _step_clean(ctx: _HostRun, step: Step, end: float) -> str:
     opts = CleanOptions(
         gpus="all" if p["gpus"] is None else format_gpu_list(p["gpus"]),
         grace_s=p["grace"], timeout_s=step.timeout, tolerance_mib=p["tolerance_mib"],
-        protect=tuple(p["protect"]), include_spanning=p["include_spanning"],
+        protect=tuple(p["protect"]), protect_label="the step's protect",
+        include_spanning=p["include_spanning"],
         stop_units=p["stop_units"], disable_units=p["disable_units"], shm=p["shm"],
         reset=p["reset"], audit_log=ctx.audit_log, operator=ctx.operator)
     if opts.grace_s > opts.timeout_s:

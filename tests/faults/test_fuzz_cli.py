@@ -186,6 +186,6 @@ LOCAL.write_text("hosts:\n  box:\n    connection: local\n")
 def test_fuzz_mutated_runbooks_dry_run(text: str) -> None:
     """`run BOOK --dry-run` validates and prints the plan, connecting to nothing."""
     book = write(text, "book.yaml")
-    code, out, err = gpufleet("-i", str(LOCAL), "run", str(book), "--dry-run",
+    code, out, err = gpufleet("-i", str(LOCAL), "run", str(book), "--all", "--dry-run",
                               "-e", "OLD_UNIT=old", "-e", "NEW_UNIT=new")
     check_contract(code, out, err, text)

@@ -133,26 +133,32 @@ def test_hostile_process_names_are_cleaned_by_evidence_only(hostile_host: Any, l
                                                             home: Path,
                                                             module_canary: Canary) -> None:
     host, canary = hostile_host, module_canary
-    protected = host.gpu0[0]  # titled "$(touch /tmp/gf-canary-...)": protected by a glob
-    glob = host.title[protected]  # itself hostile; no * ? [ in it: matches that title only
+    glob = host.title[host.gpu0[0]]  # "$(touch /tmp/gf-canary-...)", itself hostile
+    # no * ? [ in it: a word, so it protects every command line that contains it (that title,
+    # and the raw command line "caf\xe9 $(touch ...)"), as pgrep would find them
+    protected = {pid for pid in host.gpu0
+                 if glob in (host.title.get(pid) or expected_cmdline(host.argv[pid]))}
+    assert host.gpu0[0] in protected and len(protected) == 2, protected
     LEDGER.hostile("protect glob", 1)
     inv = lab.inventory_yaml([host])
-    dry = run_on_pty(home, inv, "clean", "--gpus", "0", "--dry-run", "--protect", glob)
+    dry = run_on_pty(home, inv, "clean", "--host", "hostile", "--gpus", "0", "--dry-run",
+                     "--protect", glob)
     assert dry.rc == 0, str(dry)
     assert ESC not in dry.stdout, "raw escapes reach the terminal:\n" + dry.stdout
-    run = run_cli(home, inv, "clean", "--gpus", "0", "--yes", "--json", "--protect", glob,
-                  "--grace", "2")
+    run = run_cli(home, inv, "clean", "--host", "hostile", "--gpus", "0", "--yes", "--json",
+                  "--protect", glob, "--grace", "2")
     doc = run.host("hostile")
-    assert [(r["pid"], r["reason"]) for r in doc["refused"]] == [
-        (protected, "protected by %r" % glob)]
-    expected = set(host.gpu0) - {protected}
+    assert sorted((r["pid"], r["reason"]) for r in doc["refused"]) == sorted(
+        (pid, "protected by %r" % glob) for pid in protected)
+    expected = set(host.gpu0) - protected
     assert {t["pid"] for t in doc["targets"]} == expected
     assert sorted(signals(doc["signals"])) == sorted((p, "TERM", "sent") for p in expected)
     assert run.rc == 1, str(run)  # the protected holder keeps GPU 0 busy: dirty
     assert doc["verdict"] == "dirty"
     cmdlines = {r["pid"]: r["cmdline"] for r in agent_audit(host)}
     for pid, argv in host.argv.items():  # the host-side audit keeps the exact words
-        assert cmdlines[pid] == expected_cmdline(argv)
+        if pid in expected:
+            assert cmdlines[pid] == expected_cmdline(argv)
     assert canary.found([host]) == []
     assert_gone_exactly(host, host.before, expected)
 
@@ -204,7 +210,7 @@ def test_hostile_names_users_and_addresses_are_refused(tmp_path: Path, canary: C
         for field in REJECTED_FIELDS:
             path = tmp_path / "fleet.yaml"
             path.write_text(yaml.safe_dump(inventory_with(field, payload)))
-            for command in (["hosts"], ["status"], ["clean", "--yes"]):
+            for command in (["hosts"], ["status"], ["clean", "--all", "--yes"]):
                 code, out, err = gpufleet_main("-i", str(path), *command)
                 lines = [ln for ln in err.splitlines() if ln.strip()]
                 assert code == 2 and len(lines) == 1, (field, payload, command, err)
@@ -273,7 +279,7 @@ def test_hostile_command_line_options(lab: Any, make_host: Any, home: Path, cana
     LEDGER.hostile("command-line option", tried)
     audit = home / "logs" / canary.payloads()[0]  # a directory named "$(touch /tmp" ...
     LEDGER.hostile("audit-log path", 1)
-    run = run_cli(home, inv, "clean", "--yes", "--json", "--audit-log", audit)
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json", "--audit-log", audit)
     assert run.rc == 0, str(run)
     assert signals(json.loads(line) for line in audit.read_text().splitlines()) == [
         (job, "TERM", "sent")]
@@ -303,7 +309,7 @@ def test_hostile_runbook_variables_are_data(lab: Any, make_host: Any, home: Path
     book.write_text(yaml.safe_dump({"name": "hostile", "steps": steps}))
     LEDGER.hostile("runbook variable", 2 * len(payloads))
     inv = lab.inventory_yaml([host])
-    run = run_cli(home, inv, "run", str(book), "--yes", "--json", *args)
+    run = run_cli(home, inv, "run", str(book), "--all", "--yes", "--json", *args)
     assert run.rc == 0, str(run)
     for n, value in enumerate(payloads):
         assert host.path("/tmp/rb-shell-%d" % n).read_text() == value, n
@@ -331,7 +337,7 @@ def test_hostile_runbook_variables_in_typed_fields(lab: Any, home: Path, canary:
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(home)
     for payload in canary.payloads():
-        code, out, err = gpufleet_main("-i", str(inv), "run", str(book), "--yes",
+        code, out, err = gpufleet_main("-i", str(inv), "run", str(book), "--all", "--yes",
                                        "-e", "V=" + payload)
         if field == "protect" and "\n" not in payload:  # globs are data: accepted, then the
             assert code == 1 and "connection refused" in out + err, (out, err)  # host is dead
@@ -386,7 +392,7 @@ def test_an_unprivileged_title_cannot_aim_a_clean_at_root_processes(lab: Any, ma
         [(attacker, 3000)], [(honest, 900)]]
     assert [g["attributed_mib"] for g in gpus] == [3000, 900]
     assert [p["listing"] for g in gpus for p in g["processes"]] == ["verified", "verified"]
-    run = run_cli(home, inv, "clean", "--yes", "--json", "--gpus", "0", "--grace", "2")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json", "--gpus", "0", "--grace", "2")
     doc = run.host("forged")
     assert not victims & {s["pid"] for s in doc["signals"]}, doc["signals"]
     assert not victims & ({t["pid"] for t in doc["targets"]} | {r["pid"] for r in doc["refused"]})
@@ -414,7 +420,7 @@ def test_a_title_with_a_newline_does_not_blind_gpufleet(lab: Any, make_host: Any
     gpus = status.host("newline")["gpus"]
     assert [[(p["pid"], p["used_mib"]) for p in g["processes"]] for g in gpus] == [
         [(odd, 1200)], [(job, 800)]]
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 0, str(run)
     assert sorted(signals(run.host("newline")["signals"])) == sorted(
         [(odd, "TERM", "sent"), (job, "TERM", "sent")])

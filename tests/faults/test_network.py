@@ -39,7 +39,7 @@ def test_clean_with_dead_and_blackholed_hosts_cleans_the_rest(lab: Any, make_hos
     settle(host)
     before = census(host)
     inv = lab.inventory_yaml([dead, black, host], connect_timeout=CONNECT_TIMEOUT)
-    run = run_cli(home, inv, "clean", "--yes", "--json", "--grace", "2")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json", "--grace", "2")
     assert run.rc == 1, str(run)
     assert_no_traceback(run)
     assert run.seconds < CONNECT_TIMEOUT + SLACK_S, str(run)
@@ -67,7 +67,7 @@ def test_sshd_killed_mid_clean_leaves_a_host_record_and_an_unknown_outcome(
     settle(host)
     before = census(host)
     inv = lab.inventory_yaml([host])
-    proc = start_cli(home, inv, "clean", "--yes", "--gpus", "0", "--grace", "3")
+    proc = start_cli(home, inv, "clean", "--all", "--yes", "--gpus", "0", "--grace", "3")
     wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60,
              "the agent's TERM")
     sshds = session_processes(host)
@@ -96,7 +96,7 @@ def test_sshd_killed_mid_clean_leaves_a_host_record_and_an_unknown_outcome(
     assert status.rc == 0, str(status)
     gpus = status.host("net-sever")["gpus"]
     assert [g["memory_used_mib"] for g in gpus] == [0, 700]
-    again = run_cli(home, inv, "clean", "--yes", "--json", "--gpus", "0")
+    again = run_cli(home, inv, "clean", "--all", "--yes", "--json", "--gpus", "0")
     assert again.rc == 0 and again.host("net-sever")["verdict"] == "clean", str(again)
     assert_gone_exactly(host, before, {stubborn})
 
@@ -117,7 +117,7 @@ def test_wrong_user_and_wrong_key_signal_nothing(lab: Any, make_host: Any, home:
     import yaml
 
     inv.write_text(yaml.safe_dump(doc))
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     assert_no_traceback(run)
     name = "[127.0.0.1]:%d" % host.port
@@ -156,7 +156,7 @@ def test_host_keys_under_each_policy(lab: Any, make_host: Any, home: Path) -> No
         overrides[name] = {"known_hosts_file": str(path),
                            "host_key_policy": "strict" if name.endswith("strict") else "accept-new"}
     inv = lab.inventory_yaml(list(hosts.values()), **overrides)
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     assert_no_traceback(run)
     assert run.host("unknown-strict")["error"].startswith("unknown host key for [127.0.0.1]:%d"
@@ -196,7 +196,7 @@ def test_proxyjump_clean_acts_on_the_target_never_on_the_jump_host(lab: Any, mak
     status = run_cli(home, inv, "status", "--json")
     assert status.rc == 0, str(status)
     assert status.host("behind")["facts"]["hostname"] == "behind"
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 0, str(run)
     assert signals(run.host("behind")["signals"]) == [(target_job, "TERM", "sent")]
     assert (jump.dir / "sshd.log").read_text().count("Accepted publickey") == logins + 2

@@ -47,7 +47,7 @@ def test_ctrl_c_during_a_multi_host_clean(lab: Any, make_host: Any, home: Path) 
         settle(h)
         befores[h.name] = census(h)
     inv = lab.inventory_yaml([a, b, c])
-    proc = start_cli(home, inv, "--forks", "1", "clean", "--yes", "--grace", "3")
+    proc = start_cli(home, inv, "--forks", "1", "clean", "--all", "--yes", "--grace", "3")
     wait_for(lambda: signals(agent_audit(a)) == [(a_job, "TERM", "sent")], 60, "A's TERM")
     os.kill(proc.pid, signal.SIGINT)  # the CLI this test started, by its pid
     run = finish_cli(proc, timeout=60)
@@ -124,7 +124,7 @@ def test_ctrl_c_while_planning_signals_nothing_anywhere(lab: Any, make_host: Any
         return (ready.dir / "sshd.log").read_text().count("Accepted publickey")
 
     before_logins = logins()
-    proc = start_cli(home, inv, "clean", "--yes")
+    proc = start_cli(home, inv, "clean", "--all", "--yes")
     wait_for(lambda: agents_left(slow), 30, "the slow host's planning agent")
     # the ready host's plan is made: its agent answered and waits for the clean request
     wait_for(lambda: logins() > before_logins and agents_waiting(ready), 30,
@@ -157,10 +157,10 @@ def test_three_operators_clean_one_host_at_once(lab: Any, make_host: Any, home: 
     for n in (1, 2, 3):
         homes.append(tmp_path / ("operator%d" % n))
         homes[-1].mkdir()
-    op1 = start_cli(homes[0], inv, "clean", "--yes", "--json", "--grace", "5")
+    op1 = start_cli(homes[0], inv, "clean", "--all", "--yes", "--json", "--grace", "5")
     wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60, "op1 TERM")
-    op2 = start_cli(homes[1], inv, "clean", "--yes", "--json", "--grace", "0.5", "--timeout", "1")
-    op3 = start_cli(homes[2], inv, "clean", "--yes", "--json", "--grace", "1")
+    op2 = start_cli(homes[1], inv, "clean", "--all", "--yes", "--json", "--grace", "0.5", "--timeout", "1")
+    op3 = start_cli(homes[2], inv, "clean", "--all", "--yes", "--json", "--grace", "1")
     r1, r2, r3 = (finish_cli(p, timeout=90) for p in (op1, op2, op3))
     for r in (r1, r2, r3):
         assert_no_traceback(r)
@@ -230,14 +230,14 @@ def test_gpus_naming_a_gpu_that_does_not_exist(lab: Any, make_host: Any, home: P
         settle(h)
         befores[h.name] = census(h)
     inv = lab.inventory_yaml([big, small])
-    run = run_cli(home, inv, "clean", "--yes", "--gpus", "2-3")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--gpus", "2-3")
     assert run.rc == 2, str(run)
     assert run.stderr.splitlines() == [
         "gpufleet: error: GPU 2 does not exist on two-gpus (has 0-1)",
         "gpufleet: nothing signalled on any host"], str(run)
     assert run.stdout == ""
     logins = [(h.dir / "sshd.log").read_text().count("Accepted publickey") for h in (big, small)]
-    huge = run_cli(home, inv, "clean", "--yes", "--gpus", "0-99999")
+    huge = run_cli(home, inv, "clean", "--all", "--yes", "--gpus", "0-99999")
     assert huge.rc == 2 and huge.stderr.strip() == (
         "gpufleet: error: --gpus: GPU index 99999 is too large (at most 1023)"), str(huge)
     assert [(h.dir / "sshd.log").read_text().count("Accepted publickey")

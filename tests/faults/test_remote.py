@@ -70,7 +70,7 @@ def test_no_python3_signals_nothing(lab: Any, make_host: Any, home: Path) -> Non
     host = make_host("no-py", gpus=1, python3=False)
     job, before = holder_and_census(host, gpus=[0], mib=800, title="job")
     inv = lab.inventory_yaml([host])
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     assert run.host("no-py")["error"] == "python3 not found on host (set python: in the inventory)"
     assert run.host("no-py")["signals"] == []
@@ -91,7 +91,7 @@ def test_python3_too_old_is_named_and_nothing_is_signalled(lab: Any, make_host: 
     status = run_cli(home, inv, "status", "--json")
     assert status.rc == 1, str(status)
     assert status.host("old-py")["error"] == expected, str(status)
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     assert run.host("old-py")["error"] == expected
     assert run.host("old-py")["signals"] == []
@@ -109,7 +109,7 @@ def test_nvidia_smi_missing(lab: Any, make_host: Any, home: Path) -> None:
     status = run_cli(home, inv, "status", "--json")
     assert status.rc == 1, str(status)
     assert status.host("no-smi")["error"] == "nvidia-smi not found", str(status)
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     doc = run.host("no-smi")
     assert (doc["error"], doc["signals"], doc["targets"]) == (
@@ -128,7 +128,7 @@ def test_broken_driver_clean_signals_nothing(lab: Any, make_host: Any, home: Pat
     job, before = holder_and_census(host, gpus=[0], mib=800, title="job")
     host.set_config(**{driver: True})
     inv = lab.inventory_yaml([host])
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     doc = run.host("drv-" + driver)
     assert doc["error"].startswith(fragment), doc["error"]
@@ -142,7 +142,7 @@ def test_hanging_driver_clean_is_bounded_and_leaves_nothing_running(lab: Any, ma
     job, before = holder_and_census(host, gpus=[0], mib=800, title="job")
     command_timeout = 6
     inv = lab.inventory_yaml([host], command_timeout=command_timeout)
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     assert run.seconds < command_timeout + SLACK_S, str(run)
     doc = run.host("drv-hang")
@@ -164,7 +164,7 @@ def test_driver_hangs_mid_clean_the_sequence_still_ends_in_its_bound(lab: Any, m
     job, before = holder_and_census(host, gpus=[0], mib=800, title="stubborn", ignore_term=True)
     inv = lab.inventory_yaml([host])
     timeout = 2.0  # the agent's deadline is timeout + nvidia-smi's bound (10 s)
-    proc = start_cli(home, inv, "clean", "--yes", "--json", "--grace", "1", "--timeout", timeout)
+    proc = start_cli(home, inv, "clean", "--all", "--yes", "--json", "--grace", "1", "--timeout", timeout)
     wait_for(lambda: signals(agent_audit(host)) == [(job, "TERM", "sent")], 60, "TERM")
     host.set_config(hang=True)
     run = finish_cli(proc, timeout=90)
@@ -214,7 +214,7 @@ def test_truncated_csv_is_an_error_not_a_smaller_truth(lab: Any, make_host: Any,
     status = run_cli(home, inv, "status", "--json")
     assert status.rc == 1, str(status)
     assert "truncated" in status.host("smi-cut")["error"], status.host("smi-cut")
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     assert "truncated" in run.host("smi-cut")["error"]
     assert run.host("smi-cut")["signals"] == []
@@ -253,7 +253,7 @@ def test_nvidia_smi_lists_a_pid_that_no_longer_exists(lab: Any, make_host: Any,
                for w in doc["warnings"]), doc["warnings"]
     assert sorted(p["pid"] for p in doc["gpus"][0]["processes"]) == sorted([gone, job])
     assert doc["gpus"][0]["unattributed_mib"] == 0  # 900 used, 2900 "listed": never negative
-    run = run_cli(home, inv, "clean", "--yes", "--json", "--gpus", "0")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json", "--gpus", "0")
     clean = run.host("smi-ghost")
     assert [(x["pid"], x["gpu"]) for x in clean["invisible"]] == [(gone, 0)]
     assert signals(clean["signals"]) == [(job, "TERM", "sent")]
@@ -279,7 +279,7 @@ def test_five_thousand_processes(lab: Any, make_host: Any, home: Path) -> None:
     gpus = status.host("busy")["gpus"]
     assert [[(p["pid"], p["name"]) for p in g["processes"]] for g in gpus] == [[], [(job,
                                                                                     "needle")]]
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 0, str(run)
     assert signals(run.host("busy")["signals"]) == [(job, "TERM", "sent")]
     assert_gone_exactly(host, before, {job})
@@ -299,7 +299,7 @@ def test_holder_exits_between_plan_and_signal(lab: Any, make_host: Any, home: Pa
         host.kill(job, signal.SIGTERM)
         assert host.wait_gone(job)
 
-    run = run_on_pty(home, inv, "clean", at_prompt=meanwhile)
+    run = run_on_pty(home, inv, "clean", "--all", at_prompt=meanwhile)
     assert run.rc == 0, str(run)
     assert "SIGNAL PID" in run.stdout and str(job) in run.stdout
     assert signals(audit_log(home)) == [(job, "TERM", "gone")]
@@ -327,7 +327,7 @@ def test_pid_reused_between_plan_and_signal_is_not_signalled(lab: Any, make_host
         wait_for(lambda: host.path("/tmp/innocent").exists(), 20, "the innocent holder")
         innocent["starttime"] = starttime(host, job)
 
-    run = run_on_pty(home, inv, "clean", "--grace", "1", "--timeout", "2", at_prompt=meanwhile)
+    run = run_on_pty(home, inv, "clean", "--all", "--grace", "1", "--timeout", "2", at_prompt=meanwhile)
     assert innocent["starttime"] != job.starttime
     assert host.alive(job) and starttime(host, job) == innocent["starttime"]
     assert host.comm(job) == "innocent"
@@ -353,7 +353,7 @@ def test_non_root_cleans_its_own_and_refuses_others(lab: Any, make_host: Any,
     settle(host)
     before = census(host)
     inv = lab.inventory_yaml([host], user=lab.user)
-    run = run_cli(home, inv, "clean", "--yes", "--json")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json")
     assert run.rc == 1, str(run)  # GPU 1 keeps root's memory: dirty
     doc = run.host("shared")
     assert signals(doc["signals"]) == [(mine, "TERM", "sent")]
@@ -376,7 +376,7 @@ def test_sudo_that_wants_a_password_fails_clearly_without_a_prompt(lab: Any, mak
                 "prompts): allow it without a password or set sudo: false" % lab.user)
     status = run_cli(home, inv, "status", "--json", timeout=60)
     assert status.rc == 1 and status.host("pw-sudo")["error"] == expected, str(status)
-    run = run_cli(home, inv, "clean", "--yes", "--json", timeout=60)
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json", timeout=60)
     assert run.rc == 1 and run.host("pw-sudo")["error"] == expected, str(run)
     assert run.seconds < SLACK_S and status.seconds < SLACK_S
     assert run.host("pw-sudo")["signals"] == []
@@ -399,7 +399,7 @@ def test_stale_nvidia_smi_row_for_a_reused_pid_is_not_signalled(lab: Any, make_h
     smi = write_host_file(host, "/run/gflab/smi-stale", GHOST % {"smi": SMI, "pid": old,
                                                                  "uuid": uuid0})
     inv = lab.inventory_yaml([host], nvidia_smi=smi)
-    run = run_cli(home, inv, "clean", "--yes", "--json", "--grace", "1")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json", "--grace", "1")
     doc = run.host("smi-stale")
     assert signals(doc["signals"]) == [(job, "TERM", "sent")], doc["signals"]
     assert [(r["pid"], r["kind"]) for r in doc["refused"]] == [(old, "untrusted-row")]

@@ -9,7 +9,7 @@ a running `nvidia-smi --query-gpu -lms 100` loop. Then, with `connection: local`
 1. two `gpufleet status --json` at once, while the nvidia-smi loop runs: every holder in the
    documents has its process details (no `?` ghost holders of the other run's nvidia-smi), and
    the three clients have the role `client`;
-2. `gpufleet clean --yes --json` of EVERY GPU: the verdict is clean, only the CUDA holder was
+2. `gpufleet clean --all --yes --json` of EVERY GPU: the verdict is clean, only the CUDA holder was
    signalled, it is gone, and every client is still alive.
 
 Writes clients-results.json (checks) and cli-clients-*.json (the CLI documents) to --out.
@@ -110,7 +110,7 @@ class Run:
             for i, res in enumerate(docs):
                 (self.out / ("cli-clients-status-%d.json" % i)).write_text(json.dumps(res, indent=1) + "\n")
                 self.check_status(i, res, pids)
-            clean = self.cli("clean", "--yes", "--json")
+            clean = self.cli("clean", "--all", "--yes", "--json")
             (self.out / "cli-clients-clean.json").write_text(json.dumps(clean, indent=1) + "\n")
             self.check_clean(clean, pids)
         finally:

@@ -12,7 +12,7 @@
    `ssh host nvidia-smi --query-gpu=index,memory.used --format=csv` in the same run; and over a
    connection kept from the command before (`ssh_persist`: no handshake, no `ssh` process).
 3. Clean latency: a 20 GiB torch holder, a thread polling NVML every millisecond for the moment
-   the GPU's memory is back, and `gpufleet clean --gpus 0 --yes`: how long after that moment the
+   the GPU's memory is back, and `gpufleet clean --all --gpus 0 --yes`: how long after that moment the
    CLI returns (local, and over SSH when there: fresh, and kept from the command before).
 
     PYTHONPATH=$PWD python3 tests/gpu/gpu_nvml.py --out /tmp/gout [--ssh-state /tmp/ossh-state]
@@ -257,7 +257,7 @@ class Run:
             watcher = subprocess.Popen([sys.executable, "-c", WATCHER], stdout=subprocess.PIPE,
                                        text=True, env=self.env)
             assert watcher.stdout is not None and watcher.stdout.readline().strip() == "ready"
-            wall, r = self.cli(inv, "clean", "--gpus", "0", "--yes", "--json")
+            wall, r = self.cli(inv, "clean", "--all", "--gpus", "0", "--yes", "--json")
             end = time.monotonic()
             try:
                 line = watcher.communicate(timeout=30)[0].strip()

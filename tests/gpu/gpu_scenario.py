@@ -15,7 +15,7 @@ What one run does (docs/real-gpu.md has the results):
 3. round 1: a vLLM-like family on GPU 0 (VLLM::EngineCore_DP0 with a small context, two
    VLLM::Worker children with GiBs) and a holder that ignores SIGTERM; `gpufleet status --json`
    (and the table) checked against nvidia-smi's own numbers; then exactly
-   `gpufleet clean --gpus 0 --yes --json` checked: GPU 0 holders gone, trainer alive with the
+   `gpufleet clean --all --gpus 0 --yes --json` checked: GPU 0 holders gone, trainer alive with the
    same memory, verdict clean, reported memory after == nvidia-smi after;
 4. timing rounds: the same family (with and without the SIGTERM-ignoring holder, --grace G),
    each clean timed from its start to verified-free (the CLI's exit) against the driver's
@@ -635,7 +635,7 @@ class Scenario:
         pre = self.smi_state(save="round%d-pre" % n if checks else None, full=checks)
         for pid in m["gpu0"]:
             self.watcher.watch(pid, m["popens"].get(pid))
-        args = ["clean", "--gpus", "0", "--yes", "--json"] + ([] if grace is None else ["--grace", "%g" % grace])
+        args = ["clean", "--all", "--gpus", "0", "--yes", "--json"] + ([] if grace is None else ["--grace", "%g" % grace])
         res = self.cli(args, "clean-%d" % n)
         t0, t1 = res["t0"], res["t1"]
         self.watcher.wait(m["gpu0"], 10)

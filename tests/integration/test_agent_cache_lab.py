@@ -58,7 +58,7 @@ def test_agent_cache_false_writes_nothing_on_the_host(host: Any, lab: Any, home:
     for _ in range(2):
         run = run_gpufleet(home, fleet, "status", "--json")
         assert cache_of(run, host.name) == ("off", "inventory")
-    clean = run_gpufleet(home, fleet, "clean", "--gpus", "0", "--yes", "--json")
+    clean = run_gpufleet(home, fleet, "clean", "--all", "--gpus", "0", "--yes", "--json")
     assert clean.rc == 0, str(clean)
     assert not host.alive(host.holder)
     assert os.listdir(host.path("/var/cache")) == []  # not even the directory
@@ -126,7 +126,7 @@ def test_a_host_seen_caching_the_agent_is_sent_requests_without_it(
     for entry in os.listdir(host.path(CACHE)):
         os.unlink(host.path(CACHE + "/" + entry))
     mark = size()
-    clean = run_gpufleet(home, fleet, "clean", "--gpus", "0", "--yes", "--json")
+    clean = run_gpufleet(home, fleet, "clean", "--all", "--gpus", "0", "--yes", "--json")
     assert clean.rc == 0, str(clean)
     assert not host.alive(host.holder)
     assert _sessions_since(host, mark) == (2, 2)

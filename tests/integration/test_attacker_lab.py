@@ -69,7 +69,7 @@ def test_a_user_cgroup_named_like_a_system_unit_never_stops_that_unit(
     assert proc["unit"] != "cron.service"
     assert (proc["user_unit"], proc["user_unit_uid"]) == ("cron.service", NOBODY_UID)
 
-    run = run_gpufleet(tmp_path, inv, "clean", "--gpus", "0", "--stop-units", "--disable-units",
+    run = run_gpufleet(tmp_path, inv, "clean", "--all", "--gpus", "0", "--stop-units", "--disable-units",
                        "--yes", "--json", *FAST)
     doc = run.host("cron-host")
     assert doc["units_stopped"] == []
@@ -97,7 +97,7 @@ def test_a_user_scope_named_like_a_container_is_no_container(
     proc = status["gpus"][1]["processes"][0]
     assert proc["pid"] == holder and proc["container"] is None
 
-    run = run_gpufleet(tmp_path, inv, "clean", "--gpus", "1", "--yes", "--json", *FAST)
+    run = run_gpufleet(tmp_path, inv, "clean", "--all", "--gpus", "1", "--yes", "--json", *FAST)
     doc = run.host("scope-host")
     assert [t["pid"] for t in doc["targets"]] == [holder], json.dumps(doc)[:2000]
     assert doc["verdict"] == "clean" and run.rc == 0, str(run)
@@ -114,12 +114,12 @@ def test_a_job_titled_like_sshd_is_no_sshd(lab: Any, make_host: Any, tmp_path: P
     assert host.comm(job).startswith("sshd")
     inv = lab.inventory_yaml([host])
 
-    plan = run_gpufleet(tmp_path, inv, "clean", "--gpus", "1", "--dry-run", *FAST)
+    plan = run_gpufleet(tmp_path, inv, "clean", "--all", "--gpus", "1", "--dry-run", *FAST)
     assert plan.rc == 0, str(plan)
     assert "claims to be sshd" in plan.stdout, plan.stdout
     assert "sshd (never signalled)" not in plan.stdout
 
-    run = run_gpufleet(tmp_path, inv, "clean", "--gpus", "1", "--yes", "--json", *FAST)
+    run = run_gpufleet(tmp_path, inv, "clean", "--all", "--gpus", "1", "--yes", "--json", *FAST)
     doc = run.host("sshd-claim")
     assert [t["pid"] for t in doc["targets"]] == [job], json.dumps(doc)[:2000]
     assert doc["verdict"] == "clean" and run.rc == 0, str(run)

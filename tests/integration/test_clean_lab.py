@@ -45,7 +45,7 @@ TRAINER_MIB = [4100, 4200, 4300, 4400]
 
 def clean(home: Path, inv: Path, *args: str, audit: bool = True, timeout: float = 180) -> Any:
     extra = ["--audit-log", str(home / "audit.jsonl")] if audit else []
-    return run_gpufleet(home, inv, "clean", *args, *extra, timeout=timeout)
+    return run_gpufleet(home, inv, "clean", "--all", *args, *extra, timeout=timeout)
 
 
 def family_alive(host: Any, pids: Any) -> dict[int, bool]:
@@ -142,7 +142,7 @@ def test_dry_run_signals_nothing_and_shows_targets_and_refusals(lab: Any, make_h
     inv = lab.inventory_yaml([host])
     procs = [api, engine, *engine.children, spanner, trainer]
 
-    run = clean(home, inv, "--gpus", "0-3", "--dry-run", *FAST)
+    run = clean(home, inv, "--all", "--gpus", "0-3", "--dry-run", *FAST)
     assert run.rc == 0, str(run)
     assert_no_traceback(run)
     text = run.stdout
@@ -155,7 +155,7 @@ def test_dry_run_signals_nothing_and_shows_targets_and_refusals(lab: Any, make_h
     assert outcome["train-node"]["VERDICT"] == "planned"
     assert outcome["train-node"]["SIGNALLED"] == "(4)"
 
-    js = clean(home, inv, "--gpus", "0-3", "--dry-run", "--json", *FAST)
+    js = clean(home, inv, "--all", "--gpus", "0-3", "--dry-run", "--json", *FAST)
     assert js.rc == 0, str(js)
     doc = js.host("train-node")
     assert js.json()["dry_run"] is True
@@ -175,7 +175,7 @@ def test_dry_run_signals_nothing_and_shows_targets_and_refusals(lab: Any, make_h
 def test_without_yes_in_a_non_interactive_run_nothing_is_signalled(train_node: Any,
                                                                   home: Path) -> None:
     host = train_node
-    run = clean(home, host.inv, "--gpus", "0-3", *FAST)
+    run = clean(home, host.inv, "--all", "--gpus", "0-3", *FAST)
     assert run.rc == 2, str(run)
     assert "no --yes" in run.stderr and "nothing signalled" in run.stderr
     assert "VLLM::Worker_TP0" in run.stdout  # the plan was shown
@@ -189,7 +189,7 @@ def test_gpu_index_not_on_the_host_is_exit_2_and_nothing_is_signalled(train_node
                                                                      home: Path) -> None:
     host = train_node
     for extra in (["--yes"], ["--yes", "--json"], []):
-        run = clean(home, host.inv, "--gpus", "9", *extra, *FAST)
+        run = clean(home, host.inv, "--all", "--gpus", "9", *extra, *FAST)
         assert run.rc == 2, str(run)
         assert_no_traceback(run)
         assert "GPU 9" in run.output, str(run)
@@ -203,7 +203,7 @@ def test_holder_ignoring_sigterm_is_killed_after_grace(lab: Any, make_host: Any,
     stubborn = host.spawn_holder(gpus=[0], mib=3000, title="stubborn", ignore_term=True)
     polite = host.spawn_holder(gpus=[1], mib=2000, title="polite")
     inv = lab.inventory_yaml([host])
-    run = clean(home, inv, "--yes", "--json", "--grace", "1", "--timeout", "15")
+    run = clean(home, inv, "--all", "--yes", "--json", "--grace", "1", "--timeout", "15")
     assert run.rc == 0, str(run)
     doc = run.host("stubborn-box")
     assert doc["verdict"] == "clean"
@@ -238,7 +238,7 @@ def test_workers_orphaned_by_a_killed_engine_are_still_freed(lab: Any, make_host
     wait_for(lambda: all(_ppid(host, w) != engine for w in workers), what="workers reparented")
     assert all(host.alive(w) for w in workers)
     inv = lab.inventory_yaml([host])
-    run = clean(home, inv, "--gpus", "0,1", "--yes", "--json", *FAST)
+    run = clean(home, inv, "--all", "--gpus", "0,1", "--yes", "--json", *FAST)
     assert run.rc == 0, str(run)
     doc = run.host("orphanage")
     assert doc["verdict"] == "clean"
@@ -264,7 +264,8 @@ def test_clean_never_signals_its_own_ancestors(make_host: Any) -> None:
     job = host.spawn_holder(gpus=[1], mib=1000, title="job")
     gpufleet = " ".join(shlex.quote(a) for a in GPUFLEET)
     script = ("exec 3</dev/nvidia0; echo shell=$$ >&2; export PYTHONPATH=%s; "
-              "%s clean --yes --json --gpus all --grace 1 --timeout 15 --audit-log /tmp/audit.jsonl; "
+              "%s clean --host localhost --yes --json --gpus all --grace 1 --timeout 15 "
+              "--audit-log /tmp/audit.jsonl; "
               "rc=$?; echo rc=$rc >&2; exit $rc" % (shlex.quote(str(REPO_ROOT)), gpufleet))
     res = host.exec(["bash", "-c", script], timeout=120)
     assert res.returncode == 0, (res.stdout, res.stderr)
@@ -306,7 +307,7 @@ def test_unit_owned_holder_is_refused_without_stop_units(lab: Any, make_host: An
     status = run_gpufleet(home, inv, "status", "--json").host("minimax-node")
     assert status["gpus"][0]["processes"][0]["unit"] == "vllm-minimax.service"
 
-    run = clean(home, inv, "--yes", "--json", *FAST)
+    run = clean(home, inv, "--all", "--yes", "--json", *FAST)
     assert run.rc == 1, str(run)
     doc = run.host("minimax-node")
     assert doc["verdict"] == "dirty"
@@ -318,7 +319,7 @@ def test_unit_owned_holder_is_refused_without_stop_units(lab: Any, make_host: An
     assert host.alive(served) and not host.alive(loose)
     assert host.gpu_used() == [5000, 0]
 
-    plan = clean(home, inv, "--dry-run", "--stop-units", *FAST)
+    plan = clean(home, inv, "--all", "--dry-run", "--stop-units", *FAST)
     assert plan.rc == 0, str(plan)
     assert "stop unit vllm-minimax.service first" in plan.stdout
     assert any(line.split()[:2] == [str(served), "vllm-minimax"] for line in plan.stdout.splitlines())
@@ -331,7 +332,7 @@ def test_protected_processes_are_refused_and_stay_alive(lab: Any, make_host: Any
     precious = host.spawn_holder(gpus=[1], mib=1100, title="precious-run")
     victim = host.spawn_holder(gpus=[2], mib=1200, title="scratch")
     inv = lab.inventory_yaml([host], protect=["*keeper*"])
-    run = clean(home, inv, "--yes", "--json", "--protect", "prec*", *FAST)
+    run = clean(home, inv, "--all", "--yes", "--json", "--protect", "prec*", *FAST)
     assert run.rc == 1, str(run)
     doc = run.host("guarded")
     assert doc["verdict"] == "dirty"
@@ -353,14 +354,14 @@ def test_hidden_pids_full_scope_clean_targets_device_file_holders(lab: Any, make
     b = host.spawn_holder(gpus=[1], mib=2000, title="job-b")
     inv = lab.inventory_yaml([host])
 
-    partial = clean(home, inv, "--gpus", "0", "--dry-run", "--json", *FAST)
+    partial = clean(home, inv, "--all", "--gpus", "0", "--dry-run", "--json", *FAST)
     assert partial.rc == 0, str(partial)
     doc = partial.host("pid-ns-box")
     assert doc["targets"] == []
     assert {r["pid"] for r in doc["refused"]} == {a, b}
     assert all("ambiguous" in r["reason"] for r in doc["refused"])
 
-    run = clean(home, inv, "--gpus", "all", "--yes", "--json", *FAST)
+    run = clean(home, inv, "--all", "--gpus", "all", "--yes", "--json", *FAST)
     assert run.rc == 0, str(run)
     doc = run.host("pid-ns-box")
     assert doc["verdict"] == "clean"
@@ -379,7 +380,7 @@ def test_wsl2_reservation_is_clean_when_expected_and_dirty_when_not(lab: Any, ma
                      total_mib=32607, ghost_mib=1680)
     job = host.spawn_holder(gpus=[0], mib=2000, title="notebook")
     expected = lab.inventory_yaml([host], unattributed_mib=1680)
-    run = clean(home, expected, "--yes", "--json", *FAST)
+    run = clean(home, expected, "--all", "--yes", "--json", *FAST)
     assert run.rc == 0, str(run)
     doc = run.host("wsl-box")
     assert doc["verdict"] == "clean", doc["reason"]
@@ -388,7 +389,7 @@ def test_wsl2_reservation_is_clean_when_expected_and_dirty_when_not(lab: Any, ma
     assert not host.alive(job)
 
     unexpected = lab.inventory_yaml([host], unattributed_mib=0)
-    run = clean(home, unexpected, "--yes", "--json", "--grace", "0.5", "--timeout", "1")
+    run = clean(home, unexpected, "--all", "--yes", "--json", "--grace", "0.5", "--timeout", "1")
     assert run.rc == 1, str(run)
     doc = run.host("wsl-box")
     assert doc["verdict"] == "dirty"
@@ -466,7 +467,7 @@ def test_two_concurrent_cleans_are_serialised_and_both_end(lab: Any, make_host: 
     inv = lab.inventory_yaml([host])
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
     env["HOME"] = str(home)
-    argv = GPUFLEET + ["-i", str(inv), "clean", "--yes", "--json", "--grace", "1.5",
+    argv = GPUFLEET + ["-i", str(inv), "clean", "--all", "--yes", "--json", "--grace", "1.5",
                        "--timeout", "30", "--audit-log", str(home / "audit.jsonl")]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env, stdin=subprocess.DEVNULL) for _ in range(2)]
@@ -504,7 +505,7 @@ def test_verdict_waits_for_memory_released_late(lab: Any, make_host: Any, home: 
     host = make_host("slow-release", gpus=1, release_delay_s=delay)
     job = host.spawn_holder(gpus=[0], mib=8000, title="job")
     inv = lab.inventory_yaml([host])
-    run = clean(home, inv, "--yes", "--json", *FAST)
+    run = clean(home, inv, "--all", "--yes", "--json", *FAST)
     assert run.rc == 0, str(run)
     doc = run.host("slow-release")
     assert doc["verdict"] == "clean"
@@ -539,7 +540,7 @@ def test_shm_removes_unheld_leftovers_and_keeps_held_ones(lab: Any, make_host: A
         os.utime(host.path("/dev/shm/" + name), (old, old))
     inv = lab.inventory_yaml([host])
 
-    run = clean(home, inv, "--yes", "--json", "--shm", *FAST)
+    run = clean(home, inv, "--all", "--yes", "--json", "--shm", *FAST)
     assert run.rc == 0, str(run)
     doc = run.host("shm-box")
     assert doc["verdict"] == "clean"
@@ -555,7 +556,7 @@ def test_unreachable_host_is_a_row_and_the_others_are_cleaned(lab: Any, make_hos
     host = make_host("reachable", gpus=2)
     job = host.spawn_holder(gpus=[1], mib=1000, title="job")
     inv = lab.inventory_yaml([host, lab.dead_host("dead-node")], connect_timeout=2)
-    run = clean(home, inv, "--yes", *FAST)
+    run = clean(home, inv, "--all", "--yes", *FAST)
     assert run.rc == 1, str(run)
     assert_no_traceback(run)
     rows = {r["HOST"]: r for r in parse_table(run.stdout, "HOST")}
@@ -585,7 +586,7 @@ def test_stop_units_stops_the_unit_then_the_memory_is_verified(lab: Any, make_ho
     other = host.spawn_holder(gpus=[1], mib=1000, title="bystander")
     inv = lab.inventory_yaml([host])
 
-    run = clean(home, inv, "--gpus", "0", "--yes", "--json", "--stop-units", *FAST)
+    run = clean(home, inv, "--all", "--gpus", "0", "--yes", "--json", "--stop-units", *FAST)
     assert run.rc == 0, str(run)
     doc = run.host("minimax-unit")
     assert doc["verdict"] == "clean"

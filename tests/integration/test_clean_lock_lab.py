@@ -67,7 +67,7 @@ print(json.dumps(out))
 
 
 def clean(home: Path, inv: Path, *args: str) -> Any:
-    return run_gpufleet(home, inv, "clean", "--yes", "--json", "--grace", "0.5",
+    return run_gpufleet(home, inv, "clean", "--all", "--yes", "--json", "--grace", "0.5",
                         "--audit-log", str(home / "audit.jsonl"), *args, timeout=120)
 
 
@@ -187,7 +187,7 @@ def test_the_real_lock_held_by_a_root_process_is_busy_and_names_the_holder(
         "pid": holder["pid"], "uid": 0, "user": "root", "open": True}
     assert host.alive(job) and host.gpu_used() == [1000]
 
-    text = run_gpufleet(home, inv, "clean", "--yes", "--grace", "0.5", "--timeout", "1",
+    text = run_gpufleet(home, inv, "clean", "--all", "--yes", "--grace", "0.5", "--timeout", "1",
                         "--audit-log", str(home / "audit.jsonl"), timeout=120)
     assert text.rc == 1 and "PID %d" % holder["pid"] in text.output, str(text)
 

@@ -14,8 +14,8 @@ def test_bad_gpus_on_one_host_signals_nothing_on_any_host(make_host, lab, tmp_pa
     fleet = lab.inventory_yaml([big, small], path=tmp_path / "fleet.yaml")
     audit = tmp_path / "audit.jsonl"
     res = subprocess.run(
-        [sys.executable, "-m", "gpufleet", "-i", str(fleet), "clean", "--gpus", "0-7", "--yes",
-         "--audit-log", str(audit)],
+        [sys.executable, "-m", "gpufleet", "-i", str(fleet), "clean", "--all", "--gpus", "0-7",
+         "--yes", "--audit-log", str(audit)],
         capture_output=True, text=True, env=dict(os.environ, HOME=str(tmp_path)), timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"GPU 2 does not exist on {small.name}" in res.stderr or "does not exist" in res.stderr

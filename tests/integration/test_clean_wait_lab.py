@@ -14,8 +14,9 @@ def test_refused_holder_does_not_make_clean_wait_out_its_timeout(make_host, lab,
     fleet = lab.inventory_yaml([host], path=tmp_path / "fleet.yaml")
     env = dict(os.environ, HOME=str(tmp_path / "home"))
     res = subprocess.run(
-        [sys.executable, "-m", "gpufleet", "-i", str(fleet), "clean", "--gpus", "0-3", "--yes",
-         "--json", "--timeout", "120", "--grace", "2", "--audit-log", str(tmp_path / "audit.jsonl")],
+        [sys.executable, "-m", "gpufleet", "-i", str(fleet), "clean", "--all", "--gpus", "0-3",
+         "--yes", "--json", "--timeout", "120", "--grace", "2",
+         "--audit-log", str(tmp_path / "audit.jsonl")],
         capture_output=True, text=True, env=env, timeout=200)
     assert res.returncode == 1, res.stderr
     doc = json.loads(res.stdout)["hosts"][0]

@@ -21,7 +21,7 @@ FAST = ("--grace", "1", "--timeout", "15")
 
 
 def clean(home: Path, inv: Path, *args: str) -> Any:
-    return run_gpufleet(home, inv, "clean", "--audit-log", str(home / "audit.jsonl"), *args)
+    return run_gpufleet(home, inv, "clean", "--all", "--audit-log", str(home / "audit.jsonl"), *args)
 
 
 def _roles(doc: dict) -> dict[int, str]:

@@ -20,7 +20,7 @@ WORKER_MIB = 3000
 
 
 def clean(home: Path, inv: Path, *args: str) -> Any:
-    return run_gpufleet(home, inv, "clean", "--audit-log", str(home / "audit.jsonl"), *args)
+    return run_gpufleet(home, inv, "clean", "--all", "--audit-log", str(home / "audit.jsonl"), *args)
 
 
 def test_a_scope_cutting_a_family_signals_nothing_and_says_why(lab: Any, make_host: Any,

@@ -133,7 +133,7 @@ def test_runbook_health_step_stops_the_run_before_anything_is_done(
                     "  - {name: sound, kind: health}\n"
                     "  - {name: free, kind: clean, grace: 1, timeout: 20}\n")
     inv = lab.inventory_yaml([sick, good])
-    run = run_gpufleet(home, inv, "run", str(book), "--yes", "--json")
+    run = run_gpufleet(home, inv, "run", str(book), "--all", "--yes", "--json")
     assert run.rc == 1, str(run)
     runs = {r["host"]: r for r in run.json()["hosts"]}
     sick_steps = [(s["name"], s["outcome"]) for s in runs["rb-sick"]["steps"]]

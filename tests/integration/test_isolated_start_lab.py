@@ -156,7 +156,7 @@ def test_status_and_clean_are_not_affected(trapped: Any, lab: Any, home: Path) -
     assert status.rc == 0, str(status)
     doc = status.host(trapped.name)
     assert doc["ok"] and [p["pid"] for p in doc["gpus"][0]["processes"]] == [trapped.holder]
-    clean = run_gpufleet(home, fleet, "clean", "--gpus", "0", "--yes", "--json")
+    clean = run_gpufleet(home, fleet, "clean", "--all", "--gpus", "0", "--yes", "--json")
     assert clean.rc == 0, str(clean)
     assert not trapped.alive(trapped.holder)
     assert marks(trapped) == []

@@ -78,7 +78,7 @@ def test_clean_dry_run_is_predialled(lab: Any, make_host: Any, home: Path) -> No
     hosts = black + live + [dead]  # the old code waited for each blackholed host in turn
     inv = lab.inventory_yaml(hosts, connect_timeout=CONNECT_TIMEOUT, ssh_client="paramiko")
 
-    run = run_gpufleet(home, inv, "--forks", "1", "clean", "--dry-run", "--json")
+    run = run_gpufleet(home, inv, "--forks", "1", "clean", "--all", "--dry-run", "--json")
 
     assert_no_traceback(run)
     assert run.rc == 1, str(run)

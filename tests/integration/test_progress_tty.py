@@ -92,7 +92,7 @@ def slow_and_fast(lab: Any, make_host: Any, tag: str, delay: float) -> tuple[Any
 def test_clean_shows_progress_while_waiting_and_clears_it(lab: Any, make_host: Any, home: Path,
                                                           terminal: Any) -> None:
     fast, slow, inv = slow_and_fast(lab, make_host, "pgc", delay=4.0)
-    term = terminal(cli_line(home, inv, "clean", "--yes", "--grace", "1", "--timeout", "20"))
+    term = terminal(cli_line(home, inv, "clean", "--all", "--yes", "--grace", "1", "--timeout", "20"))
 
     found, during = term.wait_for(r"clean: 1/2 hosts done, (\d+)s; running: %s" % slow.name, 15)
     assert fast.name not in during.split("clean: 1/2")[1]
@@ -126,7 +126,7 @@ def test_not_a_terminal_nothing_on_stderr(lab: Any, make_host: Any, home: Path) 
     """stderr a pipe: the same slow clean writes nothing at all to it; stdout unchanged."""
     fast, slow, inv = slow_and_fast(lab, make_host, "pgp", delay=2.0)
 
-    run = run_gpufleet(home, inv, "clean", "--yes", "--grace", "1", "--timeout", "20")
+    run = run_gpufleet(home, inv, "clean", "--all", "--yes", "--grace", "1", "--timeout", "20")
     assert_no_traceback(run)
     assert run.rc == 0, str(run)
     assert run.seconds > 2.0, str(run)  # the slow host really was slow

@@ -249,7 +249,7 @@ def test_prolog_refuses_a_job_on_a_held_gpu_then_undrain(clean_node: Cluster, tm
 def _undrain(c: Cluster, inventory: Path, home: Path, *extra: str) -> Any:
     from cli_helpers import run_gpufleet
 
-    return run_gpufleet(home, inventory, "slurm", "undrain", *extra)
+    return run_gpufleet(home, inventory, "slurm", "undrain", "--host", c.host.name, *extra)
 
 
 def test_epilog_signals_nothing_for_a_broken_configuration(clean_node: Cluster) -> None:

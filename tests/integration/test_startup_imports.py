@@ -66,7 +66,7 @@ def local_fleet(tmp_path: Path) -> Path:
     ["fit", "--weights-gib", "10", "--json"],
     ["status"],
     ["status", "--json"],
-    ["clean", "--gpus", "0", "--dry-run"],
+    ["clean", "--all", "--gpus", "0", "--dry-run"],
     ["run", "look.yaml"],
 ], ids=lambda a: " ".join(a))
 def test_local_commands_do_not_import_the_ssh_stack(tmp_path: Path, local_fleet: Path,

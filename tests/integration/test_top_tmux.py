@@ -173,7 +173,7 @@ def test_every_host_with_its_numbers_expand_filter_and_q_leaves_no_agent(fleet: 
 def test_clean_from_the_screen_frees_the_marked_gpu_and_nothing_else(fleet: Any, top: Any,
                                                                       home: Path) -> None:
     a, b, _ = fleet
-    t = top()
+    t = top("--all")  # a clean needs the hosts named
     t.wait("hosts 3: 2 up")
     t.keys("Enter")
     t.wait("GPU 0")
@@ -198,6 +198,31 @@ def test_clean_from_the_screen_frees_the_marked_gpu_and_nothing_else(fleet: Any,
     assert [r["verdict"] for r in audit if r.get("event") == "verdict"] == ["clean"]
     t.keys("x")  # the outcome page closes; the screen follows the host
     t.wait(lambda s: f"{fmt_mib(3000)} / " in row(s, "top-a"))
+    t.keys("q")
+    t.wait("TOP-EXIT=0")
+    wait_no_agents(a, b)
+
+
+def test_without_hosts_named_top_watches_and_refuses_marks_and_clean(fleet: Any, top: Any,
+                                                                      home: Path) -> None:
+    """No --host/-g/--tag/--all: the screen watches every host, but a mark or `c` only says
+    how to select hosts, and nothing is planned or signalled."""
+    a, b, _ = fleet
+    how = "start top with --host NAME, -g GROUP, --tag TAG or --all"
+    t = top()
+    screen = t.wait("hosts 3: 2 up")
+    assert "watch only" in screen.splitlines()[0] and "space mark" not in screen
+    t.keys("Enter")
+    t.wait("GPU 0")
+    t.keys("Down", "Space")  # GPU 0 of top-a, the victim's
+    screen = t.wait("clean changes hosts: " + how)
+    assert "[x]" not in screen
+    t.keys("c")
+    screen = t.wait("clean changes hosts: " + how)
+    assert "Signal the processes above?" not in screen and "planning" not in screen
+    time.sleep(0.5)
+    assert a.alive(a.victim) and a.alive(a.keeper)
+    assert not (home / ".local" / "state" / "gpufleet" / "audit.jsonl").exists()
     t.keys("q")
     t.wait("TOP-EXIT=0")
     wait_no_agents(a, b)

@@ -351,6 +351,23 @@ def test_agent_session_job_and_display_are_refused() -> None:
     assert pids(make_plan(load("agent-session"))) == {2700, 2750}
 
 
+def test_a_protect_pattern_that_matches_no_process_is_a_note_naming_its_source() -> None:
+    snap = load("train-node")
+    plan = make_plan(snap, (4, 5, 6, 7), protect=("train.py", "train_dlfash"),
+                     host_protect=("*trian*", "*llama3*"))
+    assert pids(plan) == set()  # "train.py" (a plain word) protects the ranks
+    assert refused(plan)[4520] == (policy.PROTECTED, "protected by '*llama3*'")
+    assert "--protect 'train_dlfash' matches no GPU process on train-node: a typo?" in plan.notes
+    assert ("inventory protect '*trian*' matches no GPU process on train-node: a typo?"
+            in plan.notes)
+    assert not any("'train.py'" in n or "'*llama3*'" in n for n in plan.notes)
+    # the agent's own command line (python3 -c import sys...) is no match: it is never signalled
+    own = make_plan(snap, (4,), protect=("import sys",), protect_label="the step's protect")
+    assert ("the step's protect 'import sys' matches no GPU process on train-node: a typo?"
+            in own.notes)
+    assert not any("a typo?" in n for n in make_plan(snap, (4,), protect=("*train.py*",)).notes)
+
+
 def test_protected_trainer_and_a_family_that_would_end_it() -> None:
     snap = load("protected-trainer")
     plan = make_plan(snap, (2,), protect=("*train_prod.py*",))

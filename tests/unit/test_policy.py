@@ -151,6 +151,48 @@ def test_protect_globs_match_cmdline_or_comm(train: Snapshot) -> None:
     assert refusal_reason(worker, PolicyContext.from_snapshot(train, protect=("vllm::*",))) is None
 
 
+def _proc(comm: str, cmdline: str) -> ProcessInfo:
+    return ProcessInfo(pid=900, ppid=1, starttime=10, state="S", uid=0, user="root",
+                       comm=comm, cmdline=cmdline)
+
+
+@pytest.mark.parametrize("pattern, comm, cmdline, protected", [
+    # a plain word is a substring of the command line or comm, as pgrep matches
+    ("train_dflash", "python3", "python3 train_dflash.py --lr 3e-4", True),
+    ("train_dflash", "train_dflash", "", True),
+    ("dflash.py --lr", "python3", "python3 train_dflash.py --lr 3e-4", True),
+    ("VLLM::Engine", "VLLM::EngineCor", "VLLM::EngineCore_DP0", True),
+    ("train_dlfash", "python3", "python3 train_dflash.py --lr 3e-4", False),  # a typo
+    ("Train_dflash", "python3", "python3 train_dflash.py", False),  # case-sensitive
+    # a glob (* ? [) is fnmatch over the WHOLE command line or comm, as before
+    ("*train*", "python3", "python3 train_dflash.py", True),
+    ("prec*", "precompute", "precompute --shard 3", True),
+    ("prec*", "python3", "python3 precompute.py", False),  # not a prefix of either
+    ("python3 train_dflash.p?", "python3", "python3 train_dflash.py", True),
+    ("[t]rain", "python3", "python3 train.py", False),
+    ("[t]rain", "train", "train", True),
+    ("", "python3", "python3 train.py", False),  # an empty pattern protects nothing
+])
+def test_protect_a_plain_word_by_substring_a_glob_by_the_whole_text(
+        pattern: str, comm: str, cmdline: str, protected: bool) -> None:
+    proc = _proc(comm, cmdline)
+    ctx = PolicyContext(is_root=True, protect=("elsewhere_only", pattern))
+    want = f"protected by {pattern!r}" if protected else None
+    assert refusal_reason(proc, ctx) == want
+    assert (policy.protect_matches(pattern, cmdline)
+            or policy.protect_matches(pattern, comm)) is protected
+
+
+def test_unmatched_protect_patterns_ignore_the_agents_own_processes() -> None:
+    agent = dataclasses.replace(_proc("python3", "python3 -c import sys"), pid=50)
+    parent = dataclasses.replace(_proc("sshd", "sshd: root@notty"), pid=49, relation="ancestor")
+    trainer = dataclasses.replace(_proc("python3", "python3 train_dflash.py"), pid=60)
+    procs = {p.pid: p for p in (agent, parent, trainer)}
+    got = policy.unmatched_protect(procs, ("train_dflash", "train_dlfash", "import sys",
+                                           "root@notty", "*train*", "*nothing*"), agent_pid=50)
+    assert got == ("train_dlfash", "import sys", "root@notty", "*nothing*")
+
+
 def test_zombie_names_its_parent() -> None:
     shared = load("shared-node")
     ctx = PolicyContext.from_snapshot(shared)
@@ -248,7 +290,7 @@ _contexts = st.builds(
     uid=st.one_of(st.none(), st.integers(0, 2000)),
     is_root=st.booleans(),
     is_sudo=st.booleans(),
-    protect=st.sampled_from([(), ("*train*",), ("VLLM::*",)]),
+    protect=st.sampled_from([(), ("*train*",), ("VLLM::*",), ("train",)]),
     stop_units=st.booleans(),
     own_container=st.sampled_from([None, "docker-1"]),
 )
@@ -263,8 +305,8 @@ def test_never_signal_list_holds_under_every_option(proc: ProcessInfo,
         or proc.relation is not None or proc.pid == ctx.agent_pid
         or proc.comm in ("sshd", "Xorg", "nvidia-persiste")
         or proc.cmdline.startswith("sshd") or proc.cmdline == "/usr/bin/nv-hostengine"
-        or any(policy.fnmatch.fnmatchcase(s, g) for g in ctx.protect
-               for s in (proc.cmdline, proc.comm))
+        or any((policy.fnmatch.fnmatchcase(s, g) if "*" in g else g in s)
+               for g in ctx.protect for s in (proc.cmdline, proc.comm))
     )
     got = signal_refusal(proc, ctx)
     if absolute:

@@ -168,6 +168,21 @@ def test_readonly_has_no_marks_and_no_clean() -> None:
     assert action is None and "read-only" in state.message
 
 
+def test_without_a_selection_marks_and_clean_say_how_to_select_hosts() -> None:
+    how = "clean changes hosts: start top with --host NAME, -g GROUP, --tag TAG or --all"
+    state = TopState(actions_refused=how, expanded=frozenset({("host", "node-a")}),
+                     cursor=("gpu", "node-a", 0))
+    screen = layout(fleet(), INFO, state, 160, 40, NOW)
+    text = "\n".join(texts(screen))
+    assert "[ ]" not in text and "watch only" in screen.lines[0].text
+    assert "space mark" not in text and "c clean" not in text
+    state, action = on_key(state, " ", screen)
+    assert (state.marks, state.message, action) == (frozenset(), how, None)
+    state, action = on_key(state, "c", screen)
+    assert (action, state.message) == (None, how)
+    assert how in texts(layout(fleet(), INFO, state, 160, 40, NOW))[-1]
+
+
 def test_help_and_quit() -> None:
     state, action = on_key(TopState(), "?", layout(fleet(), INFO, TopState(), 160, 40, NOW))
     screen = layout(fleet(), INFO, state, 160, 40, NOW)

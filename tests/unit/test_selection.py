@@ -10,7 +10,13 @@ from hypothesis import strategies as st
 
 from gpufleet.errors import EXIT_USAGE, UsageError
 from gpufleet.config.inventory import implicit_inventory, parse_inventory
-from gpufleet.config.selection import MAX_GPU_INDEX, format_gpu_list, parse_gpu_list, select
+from gpufleet.config.selection import (
+    MAX_GPU_INDEX,
+    format_gpu_list,
+    parse_gpu_list,
+    require_selection,
+    select,
+)
 
 FLEET = parse_inventory(textwrap.dedent("""\
     hosts:
@@ -256,3 +262,22 @@ def test_inventory_groups_accept_host_ranges():
     assert names(select(NODES, groups=["rack1"])) == ["node01", "node02", "node03", "node08"]
     with pytest.raises(UsageError, match=r"unknown host 'node09'.*\(from 'node\[08-09\]'\)"):
         parse_inventory("hosts:\n  node08: {address: a}\ngroups:\n  g: ['node[08-09]']\n")
+
+
+@pytest.mark.parametrize("named", [
+    {"hosts": ["train-01"]}, {"groups": ["training"]}, {"tags": ["ada"]}, {"all_": True},
+])
+def test_a_command_that_changes_hosts_accepts_any_selection(named) -> None:
+    require_selection("clean changes hosts", **named)  # no error
+
+
+def test_a_command_that_changes_hosts_without_a_selection_says_how() -> None:
+    with pytest.raises(UsageError) as err:
+        require_selection("clean changes hosts")
+    assert str(err.value) == ("clean changes hosts: name them with --host NAME, -g GROUP, "
+                              "--tag TAG or --all")
+    assert err.value.exit_code == EXIT_USAGE
+    with pytest.raises(UsageError) as err:
+        require_selection("clean changes hosts", implicit=True)
+    assert str(err.value) == ("clean changes hosts: name them with --host localhost or --all "
+                              "(no inventory: this machine only)")

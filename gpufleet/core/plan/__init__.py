@@ -96,6 +96,8 @@ def make_plan(
     scope: Optional[tuple[int, ...]] = None,
     *,
     protect: Iterable[str] = (),
+    host_protect: Iterable[str] = (),
+    protect_label: str = "--protect",
     include_spanning: bool = False,
     stop_units: bool = False,
     disable_units: bool = False,
@@ -108,8 +110,10 @@ def make_plan(
     settle_s: Optional[float] = None,
 ) -> Plan:
     """Decide what a clean of ``scope`` (None = every GPU) on this host would signal: the
-    steps of the module docstring, in order. ``job_uid`` (a Slurm epilog): only that user's
-    processes may be signalled (policy.job_owner_reason)."""
+    steps of the module docstring, in order. ``protect``: this run's patterns (named
+    ``protect_label`` in the plan's notes), ``host_protect``: the inventory's for this host;
+    both protect alike. ``job_uid`` (a Slurm epilog): only that user's processes may be
+    signalled (policy.job_owner_reason)."""
     host = host or snapshot.facts.hostname or "?"
     untrusted = policy.refused_listings(snapshot)
     dropped = tuple(a for a in snapshot.compute_apps if a.pid in untrusted)
@@ -117,9 +121,11 @@ def make_plan(
     if unattributed_mib < 0 or tolerance_mib < 0:
         raise UsageError(f"{host}: unattributed_mib and tolerance_mib must be >= 0")
     plan_scope = resolve_scope(snapshot, scope, host)
+    sources = tuple(("inventory protect", p) for p in host_protect) + tuple(
+        (protect_label, p) for p in protect)
     ctx = policy.PolicyContext.from_snapshot(
-        snapshot, protect=tuple(protect), stop_units=stop_units, is_sudo=is_sudo,
-        job_uid=job_uid)
+        snapshot, protect=tuple(dict.fromkeys(p for _, p in sources)), stop_units=stop_units,
+        is_sudo=is_sudo, job_uid=job_uid)
     threshold = unattributed_mib + tolerance_mib
     tree = Tree.of(snapshot.processes)
 
@@ -133,7 +139,8 @@ def make_plan(
     targets, owner_units, owner_refused = plan_owners(
         snapshot, assemble_targets(rules.dec, tree), owners, ctx)
     notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
-                                  tuple(family_notes), dropped)) + tuple(owner_notes(targets))
+                                  tuple(family_notes), dropped, host, sources)
+                       ) + tuple(owner_notes(targets))
 
     refused = rules.dec.refused
     for r in owner_refused:

@@ -24,12 +24,27 @@ class NoteInputs:
     targets: tuple[Target, ...]
     family_notes: tuple[str, ...] = ()
     untrusted_rows: tuple[ComputeApp, ...] = ()  # rows of refused listings (not in snapshot)
+    host: str = "?"
+    protect: tuple[tuple[str, str], ...] = ()  # (where it comes from, pattern)
 
 
 def plan_notes(inp: NoteInputs) -> tuple[str, ...]:
     """Every note, in the order the plan shows them."""
-    return (tuple(host_notes(inp.snapshot)) + tuple(memory_notes(inp))
-            + tuple(target_notes(inp)) + tuple(leftover_notes(inp)))
+    return (tuple(protect_notes(inp)) + tuple(host_notes(inp.snapshot))
+            + tuple(memory_notes(inp)) + tuple(target_notes(inp)) + tuple(leftover_notes(inp)))
+
+
+def protect_notes(inp: NoteInputs) -> list[str]:
+    """A protect pattern that matches no process here protects nothing: most often a typo
+    (``train_dlfash``), which the operator would otherwise learn of from a killed job."""
+    unmatched = set(policy.unmatched_protect(
+        inp.snapshot.processes, tuple(p for _, p in inp.protect), inp.snapshot.facts.agent_pid))
+    notes = []
+    for source, pattern in inp.protect:
+        if pattern in unmatched:
+            unmatched.discard(pattern)  # once, under its first source
+            notes.append(f"{source} {pattern!r} matches no GPU process on {inp.host}: a typo?")
+    return notes
 
 
 def host_notes(snapshot: Snapshot) -> list[str]:
