@@ -631,7 +631,7 @@ def test_protected_names_need_the_binary(train: Snapshot, ctx: PolicyContext) ->
     assert policy.client_name(fake) is None
 
 
-def _proc(pid: int, ppid: int, comm: str, cmdline: str, **kw) -> ProcessInfo:
+def _family_proc(pid: int, ppid: int, comm: str, cmdline: str, **kw) -> ProcessInfo:
     return ProcessInfo(pid=pid, ppid=ppid, starttime=pid * 10, state="S", uid=0, user="root",
                        comm=comm, cmdline=cmdline, **kw)
 
@@ -649,23 +649,23 @@ def _proc(pid: int, ppid: int, comm: str, cmdline: str, **kw) -> ProcessInfo:
 ])
 def test_the_owner_of_a_target_comes_from_its_parent(parent, kind, restarts) -> None:
     comm, cmd = parent
-    procs = {1: _proc(1, 0, "systemd", "/sbin/init"), 50: _proc(50, 1, comm, cmd),
-             60: _proc(60, 50, "python3", "python3 train.py")}
+    procs = {1: _family_proc(1, 0, "systemd", "/sbin/init"), 50: _family_proc(50, 1, comm, cmd),
+             60: _family_proc(60, 50, "python3", "python3 train.py")}
     owner = policy.owner_of(procs[60], procs)
     assert owner is not None and (owner.kind, owner.pid, owner.restarts) == (kind, 50, restarts)
     assert "--owner 50" in owner.action
 
 
 def test_no_owner_under_init_sshd_or_the_agents_session_and_targets_are_skipped() -> None:
-    procs = {1: _proc(1, 0, "systemd", "/sbin/init"),
-             40: _proc(40, 1, "sshd", "sshd: root@pts/0", exe="/usr/sbin/sshd", exe_root=True),
-             41: _proc(41, 40, "bash", "-bash", relation="ancestor"),
-             60: _proc(60, 1, "python3", "python3 train.py"),
-             61: _proc(61, 40, "python3", "python3 train.py"),
-             62: _proc(62, 41, "python3", "python3 train.py"),
-             70: _proc(70, 1, "sh", "sh -c while :; do VLLM::EngineCore; done"),
-             71: _proc(71, 70, "VLLM::EngineCor", "VLLM::EngineCore"),
-             72: _proc(72, 71, "VLLM::Worker", "VLLM::Worker")}
+    procs = {1: _family_proc(1, 0, "systemd", "/sbin/init"),
+             40: _family_proc(40, 1, "sshd", "sshd: root@pts/0", exe="/usr/sbin/sshd", exe_root=True),
+             41: _family_proc(41, 40, "bash", "-bash", relation="ancestor"),
+             60: _family_proc(60, 1, "python3", "python3 train.py"),
+             61: _family_proc(61, 40, "python3", "python3 train.py"),
+             62: _family_proc(62, 41, "python3", "python3 train.py"),
+             70: _family_proc(70, 1, "sh", "sh -c while :; do VLLM::EngineCore; done"),
+             71: _family_proc(71, 70, "VLLM::EngineCor", "VLLM::EngineCore"),
+             72: _family_proc(72, 71, "VLLM::Worker", "VLLM::Worker")}
     assert policy.owner_of(procs[60], procs) is None
     assert policy.owner_of(procs[61], procs) is None
     assert policy.owner_of(procs[62], procs) is None
@@ -687,6 +687,6 @@ def test_units_pods_containers_and_jobs_own_what_runs_in_them() -> None:
          policy.OWNER_SLURM, "Slurm job 4711"),
     ]
     for extra, kind, name in cases:
-        proc = _proc(60, 1, "python3", "python3 train.py", **extra)
+        proc = _family_proc(60, 1, "python3", "python3 train.py", **extra)
         owner = policy.owner_of(proc, {60: proc})
         assert owner is not None and (owner.kind, owner.name) == (kind, name), extra

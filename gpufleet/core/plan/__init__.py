@@ -136,15 +136,13 @@ def make_plan(
     promote_roots(rules, snapshot)
     add_zombie_children(rules)
     refuse_untrusted(rules, untrusted)
-    targets, owner_units, owner_refused = plan_owners(
-        snapshot, assemble_targets(rules.dec, tree), owners, ctx)
+    targets, owner_units = plan_owners(snapshot, assemble_targets(rules.dec, tree), owners,
+                                       ctx, rules.dec.refused)
     notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
                                   tuple(family_notes), dropped, host, sources)
                        ) + tuple(owner_notes(targets))
 
     refused = rules.dec.refused
-    for r in owner_refused:
-        refused[r.pid] = r
     return Plan(
         host=host, scope=plan_scope.indices, full_scope=plan_scope.full, targets=targets,
         refused=tuple(sorted(refused.values(), key=lambda r: r.pid)),

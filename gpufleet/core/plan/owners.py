@@ -36,18 +36,20 @@ def with_owners(snapshot: Snapshot, targets: tuple[Target, ...]) -> tuple[Target
 
 
 def plan_owners(snapshot: Snapshot, targets: tuple[Target, ...], names: Iterable[str],
-                ctx: policy.PolicyContext
-                ) -> tuple[tuple[Target, ...], tuple[UnitStop, ...], tuple[Refusal, ...]]:
-    """(targets with their owners, and the named owners first; units to stop; refusals). An
-    owner the operator names goes in wave 0; what it started follows in wave 1."""
+                ctx: policy.PolicyContext, refused: dict[int, Refusal]
+                ) -> tuple[tuple[Target, ...], tuple[UnitStop, ...]]:
+    """(targets with their owners, and the named owners first; units to stop); a named owner
+    that cannot be planned goes into ``refused``. An owner the operator names goes in wave 0;
+    what it started follows in wave 1."""
     targets = with_owners(snapshot, targets)
-    first, units, refused = named_owners(snapshot, targets, names, ctx)
+    first, units, not_planned = named_owners(snapshot, targets, names, ctx)
+    refused.update((r.pid, r) for r in not_planned)
     if first:
         led = {p.pid for p in first}
         targets = tuple(sorted(first + tuple(
             replace(t, wave=1) if t.owner is not None and t.owner.pid in led else t
             for t in targets), key=lambda t: (t.wave, t.pid)))
-    return targets, units, refused
+    return targets, units
 
 
 def named_owners(snapshot: Snapshot, targets: tuple[Target, ...], names: Iterable[str],
