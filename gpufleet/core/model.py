@@ -22,10 +22,18 @@ Agent snapshot document (version 1), the contract between agent and controller::
      "fd_unreadable": [{"pid", "comm", "reason"}],
      "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
                    "cmdline", "exe", "exe_root", "cgroup", "unit", "user_unit",
-                   "user_unit_uid", "container", "session", "pgid", "kernel_thread", "wchan", "relation"}},
+                   "user_unit_uid", "container", "session", "pgid", "kernel_thread", "wchan", "relation",
+                   "threads", "live_threads", "stuck_threads": [{"tid", "wchan"}]}},
      "warnings": [str]}
 
 ``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
+
+``threads`` (added later) is the kernel's thread count (the leader included). A zombie leader
+(state Z) with more than one thread is a process whose main thread is gone while others run
+on (recorded on the H200: pthread_exit, or a killed process whose threads are stuck in the
+driver); it holds what they hold. For such a leader only, ``live_threads`` is how many still
+run and ``stuck_threads`` those in uninterruptible sleep (D) with their wchan; for any other
+process they are absent (null, []).
 
 ``exe`` is the kernel's /proc/PID/exe link and ``exe_root`` whether the file it runs belongs
 to root and no one else may write it (null: not readable); a protected name counts only with
@@ -81,6 +89,14 @@ FD_DENIED_WARNING = "cannot read the open files of "
 
 
 @dataclass(frozen=True)
+class StuckThread:
+    """A thread in uninterruptible sleep (D) under a zombie leader, and where (wchan)."""
+
+    tid: int
+    wchan: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class ProcessInfo:
     """One process; (pid, starttime) is its identity because PIDs are reused."""
 
@@ -104,6 +120,9 @@ class ProcessInfo:
     kernel_thread: bool = False
     wchan: Optional[str] = None
     relation: Optional[str] = None
+    threads: Optional[int] = None  # the kernel's count, leader included (None: older agent)
+    live_threads: Optional[int] = None  # under a zombie leader only: threads still running
+    stuck_threads: tuple[StuckThread, ...] = ()  # under a zombie leader: those in D state
 
     @property
     def identity(self) -> tuple[int, Optional[int]]:
@@ -419,6 +438,10 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
         kernel_thread=bool(raw.get("kernel_thread", False)),
         wchan=raw.get("wchan"),
         relation=raw.get("relation"),
+        threads=_opt_int(raw.get("threads")),
+        live_threads=_opt_int(raw.get("live_threads")),
+        stuck_threads=tuple(StuckThread(int(t["tid"]), t.get("wchan"))
+                            for t in raw.get("stuck_threads") or ()),
     )
 
 

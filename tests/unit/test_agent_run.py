@@ -945,12 +945,68 @@ def test_parse_maps_devices_reads_the_pathname_column():
     assert agent.parse_maps_devices(text) == ["/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"]
 
 
-def test_maps_of_a_zombie_leader_are_not_available(tmp_path, children):
-    from gpufleet.remote import agent
-    z = children([sys.executable, "-c", ZOMBIE_LEADER, "/dev/null"])
+# The H200 probe's part D (tests/fixtures/real-h200/clean-cases/probe-1.log): the device files
+# are opened and mapped, then the main thread calls pthread_exit while another runs on (or,
+# with "stuck", sits in uninterruptible sleep: tests/lab/fakecuda.py's sleep_in_kernel).
+ZOMBIE_LEADER_MAPPED = r'''
+import ctypes, mmap, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import fakecuda
+held = [(f, mmap.mmap(f.fileno(), 1, prot=mmap.PROT_READ))
+        for f in [open(p, "rb") for p in sys.argv[3:]]]
+_, tid = fakecuda.hold_in_thread(lambda: None, sys.argv[2] == "stuck")
+print("ready", flush=True)
+print(tid, flush=True)
+ctypes.CDLL(None).pthread_exit(None)
+'''
+
+
+def zombie_leader_mapping(children, how):
+    """A zombie leader whose live thread keeps /dev/nvidia0 and /dev/nvidia-uvm (one-byte files
+    on a private /dev) open and mapped; returns (process, the live thread's tid)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare")
+    if subprocess.run(["unshare", "-m", "--propagation", "private", "true"]).returncode != 0:
+        pytest.skip("unshare -m not permitted here")
+    script = ("mount -t tmpfs tmpfs /dev && for f in nvidia0 nvidia-uvm; do printf x > /dev/$f; "
+              "done && exec \"$0\" -c \"$1\" \"$2\" \"$3\" /dev/nvidia0 /dev/nvidia-uvm")
+    z = children(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
+                  sys.executable, ZOMBIE_LEADER_MAPPED, str(REPO / "tests" / "lab"), how])
+    tid = int(z.stdout.readline())
     wait_state(z.pid, "Z")
-    assert agent.mapped_devices(z.pid) is None  # its maps read empty: not "maps nothing"
+    return z, tid
+
+
+def test_maps_of_a_zombie_leader_are_its_live_threads(tmp_path, children):
+    """Recorded on the H200: the leader's maps are empty, its live threads' show the devices.
+    Read through a live thread, the holder is a CUDA context again (policy.holder_role)."""
+    from gpufleet.remote import agent
+    z, tid = zombie_leader_mapping(children, "hold")
+    assert Path("/proc/%d/maps" % z.pid).read_text() == ""
+    assert agent.mapped_devices(z.pid) == ["/dev/nvidia-uvm", "/dev/nvidia0"]
     assert agent.mapped_devices(os.getpid()) is not None
+    doc = run_agent(snap_request(Stub(tmp_path / "stub")))
+    (held,) = [h for h in doc["holders"] if h["pid"] == z.pid]
+    assert held["mapped"] == ["/dev/nvidia-uvm", "/dev/nvidia0"]
+    entry = doc["processes"][str(z.pid)]
+    assert (entry["state"], entry["threads"], entry["live_threads"], entry["stuck_threads"]) == (
+        "Z", 2, 1, [])
+    snap = parse_snapshot(doc)
+    assert snap.processes[z.pid].threads == 2 and snap.processes[z.pid].stuck_threads == ()
+
+
+def test_a_zombie_leaders_thread_in_d_state_is_reported_with_its_wchan(tmp_path, children):
+    """A killed process's threads stuck in the driver: the zombie leader's live threads all
+    in D. The agent reports each with its wchan (here the kernel's handle_userfault)."""
+    z, tid = zombie_leader_mapping(children, "stuck")
+    doc = run_agent(snap_request(Stub(tmp_path / "stub")))
+    entry = doc["processes"][str(z.pid)]
+    assert entry["live_threads"] == 1
+    assert entry["stuck_threads"] == [{"tid": tid, "wchan": "handle_userfault"}]
+    (held,) = [h for h in doc["holders"] if h["pid"] == z.pid]
+    assert held["mapped"] == ["/dev/nvidia-uvm", "/dev/nvidia0"]
+    (stuck,) = parse_snapshot(doc).processes[z.pid].stuck_threads
+    assert (stuck.tid, stuck.wchan) == (tid, "handle_userfault")
 
 
 def test_holder_gone_before_its_details_are_read_is_not_a_holder(tmp_path, children,
