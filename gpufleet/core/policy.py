@@ -17,7 +17,8 @@ from gpufleet.core.model import COMM_MAX, ProcessInfo, Snapshot
 
 # Kinds of refusal; render/verdict group by them, the reason text is for people.
 PROTECTED = "protected"  # the never-signal list: absolute, no option overrides it
-ZOMBIE = "zombie"
+ZOMBIE = "zombie"  # a true zombie: no thread left, holds nothing
+STUCK = "stuck"  # main thread gone, every thread left in uninterruptible sleep: no signal ends it
 OWNER = "owner"
 CONTAINER = "container"
 UNIT = "unit"
@@ -194,8 +195,40 @@ def is_kernel_thread(proc: ProcessInfo) -> bool:
     return proc.kernel_thread or proc.pid == 2 or proc.ppid == 2
 
 
-def is_zombie(proc: ProcessInfo) -> bool:
+def _exited_leader(proc: ProcessInfo) -> bool:
     return (proc.state or "")[:1] in ("Z", "X")
+
+
+def leader_gone(proc: ProcessInfo) -> bool:
+    """The main thread exited while other threads run on: the leader shows Z, the process
+    still holds what its threads hold (its fds and maps), and SIGKILL of the PID ends them
+    all -- recorded on an H200: a torch process after pthread_exit, NVML listing its 5638 MiB,
+    freed 0.13 s after SIGKILL (tests/fixtures/real-h200/clean-cases/probe-1.log, part D)."""
+    return _exited_leader(proc) and (proc.threads or 0) > 1
+
+
+def is_zombie(proc: ProcessInfo) -> bool:
+    """A true zombie: exited with no thread left (or an older agent that did not count them:
+    the safe side). It holds nothing; a signal cannot reach it."""
+    return _exited_leader(proc) and not leader_gone(proc)
+
+
+def stuck_reason(proc: ProcessInfo) -> Optional[str]:
+    """Why no signal can end ``proc``: its main thread is gone and every thread still running
+    sleeps uninterruptibly (D), as a killed process's threads stuck in the driver do; None when
+    a signal can (some thread still runs: SIGKILL ends it, and the clean reports what stays)."""
+    if not leader_gone(proc) or not proc.stuck_threads:
+        return None
+    live = proc.live_threads if proc.live_threads is not None else (proc.threads or 1) - 1
+    if len(proc.stuck_threads) < live:
+        return None
+    shown = proc.stuck_threads[:3]
+    tids = ", ".join(str(t.tid) for t in shown)
+    more = f" and {len(proc.stuck_threads) - len(shown)} more" if len(proc.stuck_threads) > 3 \
+        else ""
+    where = ", ".join(sorted({t.wchan or "?" for t in proc.stuck_threads}))
+    return (f"stuck: main thread gone, thread{'s' if len(proc.stuck_threads) > 1 else ''} "
+            f"{tids}{more} in D state in {where}; signals cannot end it")
 
 
 def service_unit(proc: ProcessInfo) -> Optional[str]:
@@ -256,9 +289,12 @@ def never_signal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
 
 
 def zombie_reason(proc: ProcessInfo, ctx: PolicyContext) -> str:
+    """A true zombie's refusal: it holds nothing, so memory on its GPUs is someone else's."""
     parent = ctx.processes.get(proc.ppid) if proc.ppid is not None else None
     pname = parent.name if parent is not None else "?"
-    return f"zombie, parent PID {proc.ppid if proc.ppid is not None else '?'} ({pname})"
+    return (f"zombie (exited, no thread left), parent PID "
+            f"{proc.ppid if proc.ppid is not None else '?'} ({pname}): holds nothing; any "
+            "memory on its GPUs is held elsewhere (another process, or the driver)")
 
 
 def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str, str]]:
@@ -269,6 +305,9 @@ def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str,
         return PROTECTED, reason
     if is_zombie(proc):
         return ZOMBIE, zombie_reason(proc, ctx)
+    stuck = stuck_reason(proc)
+    if stuck is not None:
+        return STUCK, stuck
     job = job_owner_reason(proc, ctx)
     if job is not None:
         return JOB_OWNER, job

@@ -168,7 +168,9 @@ def test_other_users_and_zombies_and_driver_only_holders() -> None:
     r = refused(plan)
     assert r[6100] == (policy.OWNER, "owned by bob; connect as root or with sudo")
     # the zombie child of finetune.py holds nothing and is said to be a zombie
-    assert r[5310] == (policy.ZOMBIE, "zombie, parent PID 5300 (python)")
+    assert r[5310] == (policy.ZOMBIE, "zombie (exited, no thread left), parent PID 5300 "
+                       "(python): holds nothing; any memory on its GPUs is held elsewhere "
+                       "(another process, or the driver)")
     # ...and it does not stop its parent from being signalled
     assert plan.target(5300).wave == 0
     # 5500 holds only nvidiactl + nvidia-uvm, is not listed, and no memory is unexplained: a
@@ -204,7 +206,35 @@ def test_zombie_with_gpu_evidence_is_never_a_target() -> None:
     d["processes"]["5400"]["state"] = "Z"
     plan = make_plan(parse_snapshot(d), (0,))
     assert pids(plan) == set()
-    assert refused(plan)[5400] == (policy.ZOMBIE, "zombie, parent PID 1 (systemd)")
+    kind, reason = refused(plan)[5400]
+    assert kind == policy.ZOMBIE
+    assert reason.startswith("zombie (exited, no thread left), parent PID 1 (systemd): "
+                             "holds nothing")
+
+
+def test_zombie_leader_whose_threads_hold_the_gpu_is_a_target() -> None:
+    """The H200 finding (probe-1.log part D): `Zl` with 19 threads, listed with its memory;
+    it was refused as a zombie and the memory stayed. SIGKILL of the PID frees it."""
+    d = doc("shared-node")
+    d["processes"]["5400"].update(state="Z", threads=19, live_threads=18, stuck_threads=[])
+    plan = make_plan(parse_snapshot(d), (0,))
+    assert [(t.pid, t.evidence, t.gpus, t.used_mib) for t in plan.targets] == [
+        (5400, "nvidia-smi", (0,), 10240)]
+    assert plan.refusal_of(5400) is None
+    assert to_request(plan, 1.0, 10.0, False, False, "op")["targets"] == [
+        {"pid": 5400, "starttime": 730010, "wave": 0}]
+
+
+def test_stuck_zombie_leader_is_refused_and_does_not_block_its_parent() -> None:
+    """Every thread left in D state: no signal ends it, so it is not signalled (and nothing
+    waits for it); its parent, which holds memory of its own, is still a target."""
+    d = doc("shared-node")
+    d["processes"]["5400"].update(ppid=5300, state="Z", threads=2, live_threads=1,
+                                  stuck_threads=[{"tid": 5401, "wchan": "os_acquire_mutex"}])
+    plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
+    assert refused(plan)[5400] == (policy.STUCK, "stuck: main thread gone, thread 5401 in D "
+                                   "state in os_acquire_mutex; signals cannot end it")
+    assert 5300 in pids(plan) and 5400 not in pids(plan)
 
 
 # -------------------------------------------------------- hidden PIDs, containers, WSL2

@@ -21,7 +21,9 @@ each):
    members are refused with the family's reason; with include_spanning the whole family is
    planned (and a note says so). Never a half-family by surprise.
 3. policy (gpufleet.core.policy.signal_refusal) refuses the never-signal list, zombies (they
-   hold no GPU memory, measured), other users' processes without root, containers, and
+   hold no GPU memory, measured; a zombie *leader* whose threads still run holds theirs and
+   is a target), processes whose every thread left is stuck in D state (no signal ends
+   them), other users' processes without root, containers, and
    systemd services unless stop_units.
 4. families and services: a target whose process subtree holds a process that must not be
    signalled is refused too, because a family root shuts its children down; a service is

@@ -28,8 +28,11 @@ from gpufleet.core.plan.types import (
 )
 
 # Refusals that do NOT stop a relative from being signalled: these processes hold no memory we
-# can attribute outside the scope, and would have been targets in a full scope.
-SOFT_KINDS = frozenset({AMBIGUOUS, NO_EVIDENCE, policy.ZOMBIE})
+# can attribute outside the scope, and would have been targets in a full scope; or, stuck,
+# are already ending and no parent's shutdown changes them.
+SOFT_KINDS = frozenset({AMBIGUOUS, NO_EVIDENCE, policy.ZOMBIE, policy.STUCK})
+# Policy's refusals that outrank what the evidence says: final whatever the scope.
+_FINAL_KINDS = (policy.PROTECTED, policy.ZOMBIE, policy.STUCK)
 # Evidence refusals a family's own reason replaces (it says more than "ambiguous").
 _DOUBT_KINDS = frozenset({AMBIGUOUS, NO_EVIDENCE})
 
@@ -196,7 +199,8 @@ def _include_family(fam: Family, ev: Evidence, tree: Tree) -> None:
 
 
 def apply_policy(ev: Evidence, tree: Tree, ctx: policy.PolicyContext) -> Decisions:
-    """Policy has the last word. Absolute protection and zombies outrank evidence reasons."""
+    """Policy has the last word. Absolute protection, zombies and stuck processes outrank
+    evidence reasons."""
     dec = Decisions(refused=dict(ev.unreadable))
     for pid in sorted(set(ev.candidates) | set(ev.refusals)):
         proc = tree.procs[pid]
@@ -204,7 +208,7 @@ def apply_policy(ev: Evidence, tree: Tree, ctx: policy.PolicyContext) -> Decisio
         doubt = ev.refusals.get(pid)
         gpus = cand.gpus if cand is not None else doubt.gpus if doubt is not None else ()
         pol = policy.signal_refusal(proc, ctx)
-        if pol is not None and pol[0] in (policy.PROTECTED, policy.ZOMBIE):
+        if pol is not None and pol[0] in _FINAL_KINDS:
             dec.refused[pid] = Refusal(pid, proc.name, pol[1], pol[0], gpus)
         elif doubt is not None:
             dec.refused[pid] = doubt
