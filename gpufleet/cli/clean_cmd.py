@@ -44,6 +44,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     """
     from gpufleet.cli.progress import HostProgress
     from gpufleet.config.selection import parse_gpu_list
+    from gpufleet.core.plan import RELEASE_WAIT_S
     from gpufleet.ops.clean import CleanOptions, HostClean, run_clean
 
     if disable_units and not stop_units:
@@ -54,7 +55,8 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     selected = app.select(hosts, groups, tags, all_)
     opts = CleanOptions(gpus=gpus, grace_s=grace_s, timeout_s=timeout_s, tolerance_mib=tolerance_mib,
                         protect=tuple(protect), include_spanning=include_spanning, stop_units=stop_units,
-                        disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log)
+                        disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log,
+                        release_wait_s=RELEASE_WAIT_S)
     phase: list[HostProgress] = []  # the progress line (stderr, terminal only) of the fan-out now
 
     def progress(items: Sequence[Any], label: str) -> HostProgress:

@@ -470,7 +470,8 @@ def unexplained_mib(snapshot: Snapshot, gpus: tuple[int, ...], threshold_mib: in
     return out
 
 
-def _has_listed_descendant(snapshot: Snapshot, pid: int) -> bool:
+def has_listed_descendant(snapshot: Snapshot, pid: int) -> bool:
+    """Whether processes nvidia-smi lists descend from ``pid``: it is their family root."""
     listed = snapshot.listed_pids()
     children: dict[int, list[int]] = {}
     for p in snapshot.processes.values():
@@ -515,7 +516,7 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
         name = client_name(proc)
         if name is not None:
             return HolderRole(ROLE_CLIENT, f"a GPU monitor ({name}): never signalled")
-        if _has_listed_descendant(snapshot, holder_pid):
+        if has_listed_descendant(snapshot, holder_pid):
             return HolderRole(ROLE_HOLDER, "parent of processes nvidia-smi lists (family root)")
     kind = maps_kind(holder.mapped, snapshot.facts.wsl2)
     if kind == MAPS_CLIENT:

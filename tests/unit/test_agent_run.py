@@ -671,6 +671,27 @@ def test_clean_memory_verdict_waits_for_memory(tmp_path, children):
     assert target.wait(timeout=5) == -signal.SIGTERM and other.poll() is None
 
 
+def test_clean_memory_nothing_signalled_can_free_ends_the_wait_after_the_release_time(
+        tmp_path, children):
+    """release_floor_mib: memory no signalled process can free (the controller's
+    release_floors). Past release_wait_s -- a driver releasing a process already gone -- the
+    wait stops instead of running out its timeout; memory beyond that floor is waited for."""
+    other = children.holder("not-signalled")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(other, 500)])
+    t0 = time.monotonic()
+    doc = run_agent(clean_request(tmp_path, stub, [], timeout_s=8.0, release_wait_s=0.3,
+                                  release_floor_mib={"0": 500}), env=agent_env(tmp_path))
+    mw = doc["memory_wait"]
+    assert time.monotonic() - t0 < 5
+    assert mw["ok"] is False and mw["held_by_others"] is True and 0.3 <= mw["seconds"] < 2
+    assert mw["error"] == "GPU 0 still above threshold: nothing signalled can free it"
+    # more memory than the floor explains: that can still come back, so it is waited for
+    doc = run_agent(clean_request(tmp_path, stub, [], timeout_s=1.0, release_wait_s=0.3,
+                                  release_floor_mib={"0": 100}), env=agent_env(tmp_path))
+    assert doc["memory_wait"]["seconds"] >= 0.9 and "held_by_others" not in doc["memory_wait"]
+    assert other.poll() is None
+
+
 def test_clean_units_are_argv_data(tmp_path):
     systemctl = tmp_path / "systemctl"
     log = tmp_path / "systemctl.log"

@@ -741,3 +741,52 @@ def test_include_spanning_refuses_the_family_when_policy_refuses_a_member() -> N
         "(VLLM::Worker) refused: protected by 'VLLM::Worker_TP3'")
     plain = make_plan(load("vllm-tp4"), (0, 1), protect=("VLLM::Worker_TP3",))
     assert not set(TP4) & pids(plain) and refused(plain)[4360] == (planmod.FAMILY, TP4_REASON)
+
+
+# ------------------------------------------------------------------ what the clean cannot free
+
+
+def test_release_floors_are_the_memory_no_target_can_free() -> None:
+    """Memory nvidia-smi attributes to no process, beyond the driver's share for the listed
+    ones, on GPUs where every target is listed: no signal frees it, so the memory wait gives
+    it only planmod.RELEASE_WAIT_S (a driver releasing a process already gone)."""
+    d = doc("train-node")
+    # GPU 0: 15 MiB unattributed, the driver's share for its two listed processes; GPUs 1 and
+    # 3: 15 MiB for one process, 6 MiB more than its share
+    assert planmod.release_floors(make_plan(parse_snapshot(d), (0, 1, 2, 3)),
+                                  parse_snapshot(d)) == {"1": 6, "3": 6}
+    d["gpus"][0]["memory_used_mib"] += 5000  # a leak, or another namespace's process
+    before = parse_snapshot(d)
+    plan = make_plan(before, (0, 1, 2, 3))
+    assert pids(plan) and planmod.release_floors(plan, before) == {"0": 5000, "1": 6, "3": 6}
+    # nothing to signal at all (the families span GPUs 1 and 3): the same floor
+    cut = make_plan(before, (0, 2))
+    assert pids(cut) == set() and planmod.release_floors(cut, before) == {"0": 5000}
+    # a unit to stop may end more than the targets: wait for all of it
+    unit = load("unit-vllm")
+    stop = make_plan(unit, stop_units=True)
+    assert stop.units_to_stop and planmod.release_floors(stop, unit) == {}
+
+
+def test_an_unlisted_family_root_holds_no_memory_the_listing_would_not_show() -> None:
+    """vLLM's EngineCore (device files only, a target as its workers' family root): nvidia-smi
+    lists this namespace's processes, so its own memory would be listed; GPU 0's 5000 MiB
+    that nobody explains is beyond every target."""
+    d = doc("vllm-tp4")
+    d["gpus"][0]["memory_used_mib"] += 5000
+    before = parse_snapshot(d)
+    plan = make_plan(before)
+    assert plan.target(4340) is not None and plan.target(4340).evidence == "device-file"
+    assert planmod.release_floors(plan, before)["0"] == 5006
+
+
+def test_release_floors_leave_gpus_a_target_the_listing_misses_may_hold() -> None:
+    """A host that cannot list its holders (another PID namespace): a device-file target may
+    hold the unexplained memory, so its GPUs get no floor; with nothing signalled they do."""
+    hidden = load("hidden-pids")
+    full = make_plan(hidden)
+    assert {t.evidence for t in full.targets} == {"device-file"}
+    assert planmod.release_floors(full, hidden) == {}
+    part = make_plan(hidden, (0,))
+    assert pids(part) == set()
+    assert planmod.release_floors(part, hidden) == {"0": 126410}

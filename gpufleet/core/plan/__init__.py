@@ -56,7 +56,7 @@ from gpufleet.core.plan.families import (
     unit_stops,
 )
 from gpufleet.core.plan.notes import NoteInputs, plan_notes, unreadable_fds_note
-from gpufleet.core.plan.request import to_request
+from gpufleet.core.plan.request import RELEASE_WAIT_S, release_floors, to_request
 from gpufleet.core.plan.types import (
     AMBIGUOUS,
     EVIDENCE_DEVICE,
@@ -79,9 +79,10 @@ from gpufleet.errors import UsageError
 
 __all__ = [
     "AMBIGUOUS", "EVIDENCE_DEVICE", "EVIDENCE_FAMILY", "EVIDENCE_SMI", "FAMILY",
-    "INVISIBLE_REASON", "NO_EVIDENCE", "SPANNING", "UNREADABLE", "UNTRUSTED_ROW", "Client",
-    "Invisible", "Plan", "Refusal", "Target", "UnitStop", "format_gpu_indices", "make_plan",
-    "to_request", "unreadable_fds_note", "untrusted_rows",
+    "INVISIBLE_REASON", "NO_EVIDENCE", "RELEASE_WAIT_S", "SPANNING", "UNREADABLE",
+    "UNTRUSTED_ROW", "Client", "Invisible", "Plan", "Refusal", "Target", "UnitStop",
+    "format_gpu_indices", "make_plan", "release_floors", "to_request", "unreadable_fds_note",
+    "untrusted_rows",
 ]
 
 
