@@ -98,8 +98,7 @@ def test_scope_cutting_a_family_refuses_the_parent_of_the_outside_child() -> Non
     # worker on GPU 2 (issue 10 part 6: before, 4362 was a target, half a family)
     assert pids(plan) == {4340, 4360, 4361}
     family = ("its family (root PID 4341 VLLM::EngineCore_DP1) also uses GPU 3, outside the "
-              "scope: ending part of it can end the whole family; pass --include-spanning to "
-              "clean the family as a whole")
+              "scope: pass --include-spanning to clean the whole family")
     assert refused(plan)[4341] == refused(plan)[4362] == (planmod.FAMILY, family)
     assert 4363 not in refused(plan)
     # the job-level risk is said, not guessed at
@@ -691,8 +690,7 @@ def test_vanished_holders_are_counted_in_a_note() -> None:
 
 TP4 = (4340, 4360, 4361, 4362, 4363)  # EngineCore_DP0 (device files only) -> Worker_TP0..TP3
 TP4_REASON = ("its family (root PID 4340 VLLM::EngineCore_DP0) also uses GPU 2,3, outside the "
-              "scope: ending part of it can end the whole family; pass --include-spanning to "
-              "clean the family as a whole")
+              "scope: pass --include-spanning to clean the whole family")
 
 
 def test_scope_cutting_a_family_refuses_all_of_it_naming_the_family() -> None:

@@ -162,8 +162,8 @@ def plan_whole_families(ev: Evidence, tree: Tree, scope: PlanScope,
             notes.append(f"include_spanning: {head[4:]} outside the scope; the whole family is "
                          f"planned: PIDs {', '.join(map(str, fam.members))}")
             continue
-        reason = f"{head}, outside the scope: ending part of it can end the whole family; " \
-                 "pass --include-spanning to clean the family as a whole"
+        # short: it is quoted in the plan and on the dirty GPU's line of the verdict
+        reason = f"{head}, outside the scope: pass --include-spanning to clean the whole family"
         for pid in fam.members:
             cand, doubt = ev.candidates.get(pid), ev.refusals.get(pid)
             if cand is not None:
