@@ -288,6 +288,41 @@ def never_signal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
     return None
 
 
+def gpu_reset_blockers(snapshot: Snapshot, index: int) -> list[str]:
+    """Why `--reset` would not reset GPU ``index`` here, the agent's own rule (remote/clean.py
+    reset_refusal): root, the host itself (not a container), not WSL2, and no process with its
+    /dev/nvidiaN open -- in words that name no process (a monitor's open files block a reset,
+    yet it holds no memory)."""
+    facts = snapshot.facts
+    out = []
+    if not facts.is_root:
+        out.append("not root")
+    if facts.in_container:
+        out.append(f"in container {facts.container or '?'}")
+    if facts.wsl2:
+        out.append("WSL2 has no GPU reset")
+    gpu = next((g for g in snapshot.gpus if g.index == index), None)
+    dev = f"/dev/nvidia{gpu.minor if gpu is not None and gpu.minor is not None else index}"
+    n = len({h.pid for h in snapshot.holders if dev in h.devices and h.pid != facts.agent_pid})
+    if n:
+        out.append(f"its device file is open in {n} process{'es' if n > 1 else ''}")
+    return out
+
+
+def reset_or_drain(snapshot: Snapshot, gpus: tuple[int, ...], node: Optional[str] = None
+                   ) -> str:
+    """What can still be done for memory no signal frees (a stuck process, a driver's leak):
+    a GPU reset where --reset could do it, else draining the node (with ``node``: how, in
+    Slurm) and a reboot."""
+    blockers: list[str] = []
+    for index in gpus:
+        blockers += [b for b in gpu_reset_blockers(snapshot, index) if b not in blockers]
+    if not blockers:
+        return "a GPU reset frees it: clean again with --reset"
+    how = f" (Slurm: scontrol update nodename={node} state=drain reason=...)" if node else ""
+    return f"no GPU reset here ({'; '.join(blockers)}): drain the node{how} and reboot"
+
+
 def zombie_reason(proc: ProcessInfo, ctx: PolicyContext) -> str:
     """A true zombie's refusal: it holds nothing, so memory on its GPUs is someone else's."""
     parent = ctx.processes.get(proc.ppid) if proc.ppid is not None else None

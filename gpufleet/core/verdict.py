@@ -221,7 +221,7 @@ def _gpu_line(why: _Why, o: GpuOutcome) -> str:
         parts.append(f"{unexplained.mib} MiB no process here explains: {unexplained.detail}")
     stuck = any(s.kind == STUCK or _refusal_kind(why, s) == policy.STUCK for s in held)
     if stuck or (unexplained is not None and not unlisted and unexplained.cause == CAUSE_LEAK):
-        parts.append(_reset_or_drain(why.after, o.index))
+        parts.append(policy.reset_or_drain(why.after, (o.index,)))
     elif unexplained is not None and not unlisted and unexplained.cause == CAUSE_NAMESPACE:
         parts.append("clean it where those processes are visible (the host, or their "
                      "container)")
@@ -280,16 +280,6 @@ def _group_text(why: _Why, group: list[Survivor], index: int) -> str:
     first = group[0]
     return (f"PID{'s' if len(group) > 1 else ''} {', '.join(names)} "
             f"{_KIND_WORDS.get(first.kind, first.kind)}: {first.detail}")
-
-
-def _reset_or_drain(after: Snapshot, index: int) -> str:
-    """What can still be done for memory no signal can free: a GPU reset where --reset could
-    do it (the agent's own rule: root, the host itself, no process with the GPU's device file
-    open), else draining the node and a reboot."""
-    blockers = _gpu_reset_blockers(after, index)
-    if not blockers:
-        return "a GPU reset frees it: clean again with --reset"
-    return f"no GPU reset here ({'; '.join(blockers)}): drain the node and reboot"
 
 
 @dataclass(frozen=True)
@@ -460,26 +450,6 @@ def _where(after: Snapshot, hidden: list[str], invisible: list[int], display: li
                                + ", ".join(display))
     return CAUSE_LEAK, ("the driver (a leak, or a process it still tears down) or another PID "
                         f"namespace ({_NSPID})")
-
-
-def _gpu_reset_blockers(after: Snapshot, index: int) -> list[str]:
-    """Why `--reset` would not reset GPU ``index`` here: the agent's reset_refusal (root, the
-    host itself, not WSL2, no process with its device file open), in words that name no
-    process (a monitor's open files block a reset, yet it holds no memory)."""
-    facts = after.facts
-    out = []
-    if not facts.is_root:
-        out.append("not root")
-    if facts.in_container:
-        out.append(f"in container {facts.container or '?'}")
-    if facts.wsl2:
-        out.append("WSL2 has no GPU reset")
-    gpu = next((g for g in after.gpus if g.index == index), None)
-    dev = f"/dev/nvidia{gpu.minor if gpu is not None and gpu.minor is not None else index}"
-    n = len({h.pid for h in after.holders if dev in h.devices and h.pid != facts.agent_pid})
-    if n:
-        out.append(f"its device file is open in {n} process{'es' if n > 1 else ''}")
-    return out
 
 
 _DISPLAY = frozenset(

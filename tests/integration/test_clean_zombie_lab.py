@@ -112,6 +112,9 @@ def test_a_stuck_thread_under_a_zombie_leader_gets_advice_not_a_wait(
         (line,) = [x for x in doc["reason"].splitlines() if x.startswith("GPU 0:")]
         assert "PID %d" % stuck in line and "D state in handle_userfault" in line, line
         assert "drain the node" in line and "reboot" in line, line
+        # the plan says it too, before anything is done
+        (note,) = [n for n in doc["plan_notes"] if n.startswith("PID %d " % stuck)]
+        assert "is stuck: no signal ends it" in note and "state=drain" in note, note
         # nothing was signalled: the process and its memory are as they were
         assert host.task_states(stuck)[stuck.thread][0] == "D"
         assert host.gpu_used() == [3000, 0]

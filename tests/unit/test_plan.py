@@ -234,6 +234,13 @@ def test_stuck_zombie_leader_is_refused_and_does_not_block_its_parent() -> None:
     assert refused(plan)[5400] == (policy.STUCK, "stuck: main thread gone, thread 5401 in D "
                                    "state in os_acquire_mutex; signals cannot end it")
     assert 5300 in pids(plan) and 5400 not in pids(plan)
+    # what can still be done, said in the plan: no reset here (alice is not root, and the
+    # GPU's device file is open), so drain the node and reboot
+    (note,) = [n for n in plan.notes if n.startswith("PID 5400")]
+    assert note == ("PID 5400 (python) is stuck: no signal ends it and nothing waits for it; "
+                    "no GPU reset here (not root; its device file is open in 3 processes): "
+                    "drain the node (Slurm: scontrol update nodename=shared-node state=drain "
+                    "reason=...) and reboot")
 
 
 # -------------------------------------------------------- hidden PIDs, containers, WSL2

@@ -637,3 +637,22 @@ def test_protected_names_need_the_binary(train: Snapshot, ctx: PolicyContext) ->
     assert policy.client_name(nvtop) == "nvtop"
     fake = dataclasses.replace(nvtop, exe="/usr/bin/python3.11")
     assert policy.client_name(fake) is None
+
+
+def test_a_gpu_reset_is_advised_only_where_the_agent_would_do_it() -> None:
+    """The agent's reset_refusal, in words: root, the host itself, not WSL2, and nothing with
+    the GPU's device file open; else the node is drained and rebooted."""
+    d = json.loads((SCENARIOS / "train-node.json").read_text())
+    snap = parse_snapshot(d)
+    # the vLLM ranks, the trainer's and the driver daemons hold every device file
+    assert policy.gpu_reset_blockers(snap, 3) == ["its device file is open in 12 processes"]
+    assert policy.reset_or_drain(snap, (3,), "train-node") == (
+        "no GPU reset here (its device file is open in 12 processes): drain the node (Slurm: "
+        "scontrol update nodename=train-node state=drain reason=...) and reboot")
+    d["holders"] = [h for h in d["holders"] if "/dev/nvidia3" not in h["devices"]]
+    free = parse_snapshot(d)
+    assert policy.gpu_reset_blockers(free, 3) == []
+    assert policy.reset_or_drain(free, (3,)) == "a GPU reset frees it: clean again with --reset"
+    d["facts"].update(is_root=False, in_container=True, container="docker-1", wsl2=True)
+    assert policy.gpu_reset_blockers(parse_snapshot(d), 3) == [
+        "not root", "in container docker-1", "WSL2 has no GPU reset"]

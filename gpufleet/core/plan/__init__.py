@@ -125,8 +125,9 @@ def make_plan(
     promote_roots(rules, snapshot)
     add_zombie_children(rules)
     targets = assemble_targets(rules.dec, tree)
+    stuck = tuple(r for r in rules.dec.refused.values() if r.kind == policy.STUCK)
     notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
-                                  tuple(family_notes)))
+                                  tuple(family_notes), stuck))
 
     refused = rules.dec.refused
     for pid, reason in untrusted.items():  # a row is no evidence; family ties may still be

@@ -10,7 +10,7 @@ from typing import Optional
 from gpufleet.core import policy
 from gpufleet.core.model import Snapshot, ledger
 from gpufleet.core.plan.evidence import Evidence
-from gpufleet.core.plan.types import PlanScope, Target
+from gpufleet.core.plan.types import PlanScope, Refusal, Target
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class NoteInputs:
     ev: Evidence
     targets: tuple[Target, ...]
     family_notes: tuple[str, ...] = ()
+    stuck: tuple[Refusal, ...] = ()  # refused as stuck: what can still be done is said
 
 
 def plan_notes(inp: NoteInputs) -> tuple[str, ...]:
@@ -117,6 +118,11 @@ def leftover_notes(inp: NoteInputs) -> list[str]:
             f"{len(clients)} GPU client(s) with device files open but no evidence of GPU memory "
             "(monitors, exporters, nvidia-smi runs) are left alone: "
             + ", ".join(f"{c.pid} {c.name}" for c in clients))
+    for ref in sorted(inp.stuck, key=lambda r: r.pid):
+        advice = policy.reset_or_drain(inp.snapshot, ref.gpus or inp.scope.indices,
+                                       inp.snapshot.facts.hostname or "?")
+        notes.append(f"PID {ref.pid} ({ref.name}) is stuck: no signal ends it and nothing waits "
+                     f"for it; {advice}")
     vanished = inp.snapshot.holders_vanished
     if vanished:
         notes.append(
