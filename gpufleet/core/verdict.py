@@ -209,6 +209,9 @@ def _dirty_reason(why: _Why, bad: list[GpuOutcome], problems: list[str]) -> str:
 
 
 def _gpu_line(why: _Why, o: GpuOutcome) -> str:
+    """One dirty GPU: the holders that may hold its memory (a zombie, a client or a process
+    whose context is elsewhere holds none of it), else where unexplained memory may be, and
+    the next action where no signal helps."""
     if o.after_mib is None:
         return f"GPU {o.index}: memory unknown after the clean"
     head = f"GPU {o.index}: {o.after_mib} MiB left (threshold {o.threshold_mib})"
