@@ -23,7 +23,8 @@ Agent snapshot document (version 1), the contract between agent and controller::
      "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
                    "cmdline", "exe", "exe_root", "cgroup", "unit", "user_unit",
                    "user_unit_uid", "container", "session", "pgid", "kernel_thread", "wchan",
-                   "relation", "fds_readable"}},
+                   "relation", "fds_readable", "threads", "live_threads",
+                   "stuck_threads": [{"tid", "wchan"}]}},
      "warnings": [str]}
 
 ``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
@@ -31,6 +32,13 @@ Agent snapshot document (version 1), the contract between agent and controller::
 process's open files, so whether it holds a GPU cannot be checked (policy.listing_check).
 ``compute_apps[].process_name`` is argv[0] read from /proc by the agent, never nvidia-smi's
 CSV (a title with a newline or a comma would break its rows).
+
+``threads`` (added later) is the kernel's thread count (the leader included). A zombie leader
+(state Z) with more than one thread is a process whose main thread is gone while others run
+on (recorded on the H200: pthread_exit, or a killed process whose threads are stuck in the
+driver); it holds what they hold. For such a leader only, ``live_threads`` is how many still
+run and ``stuck_threads`` those in uninterruptible sleep (D) with their wchan; for any other
+process they are absent (null, []).
 
 ``exe`` is the kernel's /proc/PID/exe link and ``exe_root`` whether the file it runs belongs
 to root and no one else may write it (null: not readable); a protected name counts only with
@@ -86,6 +94,14 @@ FD_DENIED_WARNING = "cannot read the open files of "
 
 
 @dataclass(frozen=True)
+class StuckThread:
+    """A thread in uninterruptible sleep (D) under a zombie leader, and where (wchan)."""
+
+    tid: int
+    wchan: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class ProcessInfo:
     """One process; (pid, starttime) is its identity because PIDs are reused."""
 
@@ -110,6 +126,9 @@ class ProcessInfo:
     wchan: Optional[str] = None
     relation: Optional[str] = None
     fds_readable: Optional[bool] = None  # False: its open files were refused (None: not said)
+    threads: Optional[int] = None  # the kernel's count, leader included (None: older agent)
+    live_threads: Optional[int] = None  # under a zombie leader only: threads still running
+    stuck_threads: tuple[StuckThread, ...] = ()  # under a zombie leader: those in D state
 
     @property
     def identity(self) -> tuple[int, Optional[int]]:
@@ -426,6 +445,10 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
         wchan=raw.get("wchan"),
         relation=raw.get("relation"),
         fds_readable=_opt_bool(raw.get("fds_readable")),
+        threads=_opt_int(raw.get("threads")),
+        live_threads=_opt_int(raw.get("live_threads")),
+        stuck_threads=tuple(StuckThread(int(t["tid"]), t.get("wchan"))
+                            for t in raw.get("stuck_threads") or ()),
     )
 
 

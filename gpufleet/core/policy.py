@@ -17,7 +17,8 @@ from gpufleet.core.model import COMM_MAX, Holder, ProcessInfo, Snapshot
 
 # Kinds of refusal; render/verdict group by them, the reason text is for people.
 PROTECTED = "protected"  # the never-signal list: absolute, no option overrides it
-ZOMBIE = "zombie"
+ZOMBIE = "zombie"  # a true zombie: no thread left, holds nothing
+STUCK = "stuck"  # main thread gone, every thread left in uninterruptible sleep: no signal ends it
 OWNER = "owner"
 CONTAINER = "container"
 UNIT = "unit"
@@ -225,8 +226,40 @@ def is_kernel_thread(proc: ProcessInfo) -> bool:
     return proc.kernel_thread or proc.pid == 2 or proc.ppid == 2
 
 
-def is_zombie(proc: ProcessInfo) -> bool:
+def _exited_leader(proc: ProcessInfo) -> bool:
     return (proc.state or "")[:1] in ("Z", "X")
+
+
+def leader_gone(proc: ProcessInfo) -> bool:
+    """The main thread exited while other threads run on: the leader shows Z, the process
+    still holds what its threads hold (its fds and maps), and SIGKILL of the PID ends them
+    all -- recorded on an H200: a torch process after pthread_exit, NVML listing its 5638 MiB,
+    freed 0.13 s after SIGKILL (tests/fixtures/real-h200/clean-cases/probe-1.log, part D)."""
+    return _exited_leader(proc) and (proc.threads or 0) > 1
+
+
+def is_zombie(proc: ProcessInfo) -> bool:
+    """A true zombie: exited with no thread left (or an older agent that did not count them:
+    the safe side). It holds nothing; a signal cannot reach it."""
+    return _exited_leader(proc) and not leader_gone(proc)
+
+
+def stuck_reason(proc: ProcessInfo) -> Optional[str]:
+    """Why no signal can end ``proc``: its main thread is gone and every thread still running
+    sleeps uninterruptibly (D), as a killed process's threads stuck in the driver do; None when
+    a signal can (some thread still runs: SIGKILL ends it, and the clean reports what stays)."""
+    if not leader_gone(proc) or not proc.stuck_threads:
+        return None
+    live = proc.live_threads if proc.live_threads is not None else (proc.threads or 1) - 1
+    if len(proc.stuck_threads) < live:
+        return None
+    shown = proc.stuck_threads[:3]
+    tids = ", ".join(str(t.tid) for t in shown)
+    more = f" and {len(proc.stuck_threads) - len(shown)} more" if len(proc.stuck_threads) > 3 \
+        else ""
+    where = ", ".join(sorted({t.wchan or "?" for t in proc.stuck_threads}))
+    return (f"stuck: main thread gone, thread{'s' if len(proc.stuck_threads) > 1 else ''} "
+            f"{tids}{more} in D state in {where}; signals cannot end it")
 
 
 def service_unit(proc: ProcessInfo) -> Optional[str]:
@@ -286,10 +319,48 @@ def never_signal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
     return None
 
 
+def gpu_reset_blockers(snapshot: Snapshot, index: int) -> list[str]:
+    """Why `--reset` would not reset GPU ``index`` here, the agent's own rule (remote/clean.py
+    reset_refusal): root, the host itself (not a container), not WSL2, and no process with its
+    /dev/nvidiaN open -- in words that name no process (a monitor's open files block a reset,
+    yet it holds no memory)."""
+    facts = snapshot.facts
+    out = []
+    if not facts.is_root:
+        out.append("not root")
+    if facts.in_container:
+        out.append(f"in container {facts.container or '?'}")
+    if facts.wsl2:
+        out.append("WSL2 has no GPU reset")
+    gpu = next((g for g in snapshot.gpus if g.index == index), None)
+    dev = f"/dev/nvidia{gpu.minor if gpu is not None and gpu.minor is not None else index}"
+    n = len({h.pid for h in snapshot.holders if dev in h.devices and h.pid != facts.agent_pid})
+    if n:
+        out.append(f"its device file is open in {n} process{'es' if n > 1 else ''}")
+    return out
+
+
+def reset_or_drain(snapshot: Snapshot, gpus: tuple[int, ...], node: Optional[str] = None
+                   ) -> str:
+    """What can still be done for memory no signal frees (a stuck process, a driver's leak):
+    a GPU reset where --reset could do it, else draining the node (with ``node``: how, in
+    Slurm) and a reboot."""
+    blockers: list[str] = []
+    for index in gpus:
+        blockers += [b for b in gpu_reset_blockers(snapshot, index) if b not in blockers]
+    if not blockers:
+        return "a GPU reset frees it: clean again with --reset"
+    how = f" (Slurm: scontrol update nodename={node} state=drain reason=...)" if node else ""
+    return f"no GPU reset here ({'; '.join(blockers)}): drain the node{how} and reboot"
+
+
 def zombie_reason(proc: ProcessInfo, ctx: PolicyContext) -> str:
+    """A true zombie's refusal: it holds nothing, so memory on its GPUs is someone else's."""
     parent = ctx.processes.get(proc.ppid) if proc.ppid is not None else None
     pname = parent.name if parent is not None else "?"
-    return f"zombie, parent PID {proc.ppid if proc.ppid is not None else '?'} ({pname})"
+    return (f"zombie (exited, no thread left), parent PID "
+            f"{proc.ppid if proc.ppid is not None else '?'} ({pname}): holds nothing; any "
+            "memory on its GPUs is held elsewhere (another process, or the driver)")
 
 
 def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str, str]]:
@@ -300,6 +371,9 @@ def signal_refusal(proc: ProcessInfo, ctx: PolicyContext) -> Optional[tuple[str,
         return PROTECTED, reason
     if is_zombie(proc):
         return ZOMBIE, zombie_reason(proc, ctx)
+    stuck = stuck_reason(proc)
+    if stuck is not None:
+        return STUCK, stuck
     job = job_owner_reason(proc, ctx)
     if job is not None:
         return JOB_OWNER, job
@@ -462,7 +536,8 @@ def unexplained_mib(snapshot: Snapshot, gpus: tuple[int, ...], threshold_mib: in
     return out
 
 
-def _has_listed_descendant(snapshot: Snapshot, pid: int) -> bool:
+def has_listed_descendant(snapshot: Snapshot, pid: int) -> bool:
+    """Whether processes nvidia-smi lists descend from ``pid``: it is their family root."""
     listed = snapshot.listed_pids()
     children: dict[int, list[int]] = {}
     for p in snapshot.processes.values():
@@ -507,7 +582,7 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
         name = client_name(proc)
         if name is not None:
             return HolderRole(ROLE_CLIENT, f"a GPU monitor ({name}): never signalled")
-        if _has_listed_descendant(snapshot, holder_pid):
+        if has_listed_descendant(snapshot, holder_pid):
             return HolderRole(ROLE_HOLDER, "parent of processes nvidia-smi lists (family root)")
     kind = maps_kind(holder.mapped, snapshot.facts.wsl2)
     if kind == MAPS_CLIENT:

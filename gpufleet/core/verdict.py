@@ -15,8 +15,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from gpufleet.core import policy
 from gpufleet.core.hostlock import lock_failure
-from gpufleet.core.model import Snapshot, SnapshotError, ledger, parse_snapshot
-from gpufleet.core.gpus import format_gpu_indices
+from gpufleet.core.model import ProcessInfo, Snapshot, SnapshotError, ledger, parse_snapshot
 from gpufleet.core.plan import Plan, Refusal, Target
 
 CLEAN = "clean"
@@ -142,7 +141,7 @@ def make_verdict(plan: Plan, clean: Mapping[str, Any], before: Snapshot) -> Clea
         return CleanVerdict(plan.host, CLEAN, "", freed, left, tuple(outcomes),
                             tuple(survivors), tuple(unattributed), not blockers,
                             tuple(blockers), tuple(problems))
-    reason = _dirty_reason(bad, survivors, unattributed, problems, blockers)
+    reason = _dirty_reason(_Why(plan, after, survivors, unattributed), bad, problems)
     return CleanVerdict(plan.host, DIRTY, reason, freed, left, tuple(outcomes),
                         tuple(survivors), tuple(unattributed), not blockers, tuple(blockers),
                         tuple(problems))
@@ -237,29 +236,100 @@ def _freed_and_left(outcomes: list[GpuOutcome]) -> tuple[Optional[int], Optional
     return freed, left
 
 
-def _dirty_reason(bad: list[GpuOutcome], survivors: list[Survivor],
-                  unattributed: list[Unattributed], problems: list[str],
-                  blockers: list[str]) -> str:
-    """What is left, who holds it, where unattributed memory went, whether a reset helps."""
-    parts = []
-    for o in bad:
-        if o.after_mib is None:
-            parts.append(f"GPU {o.index}: memory unknown after the clean")
-        else:
-            parts.append(f"GPU {o.index}: {o.after_mib} MiB left (threshold {o.threshold_mib})")
-    if survivors:
-        parts.append("survivors: " + ", ".join(
-            f"{s.pid} {s.name} on GPU {format_gpu_indices(s.gpus) or '-'} ({s.kind}: {s.detail})"
-            for s in survivors
-        ))
-    for u in unattributed:
-        parts.append(f"GPU {u.gpu}: {u.mib} MiB unattributed, likely {u.cause} ({u.detail})")
-    parts.extend(problems)
-    if blockers:
-        parts.append("GPU reset not possible here: " + ", ".join(blockers))
-    else:
-        parts.append("a GPU reset is possible here (--reset)")
-    return "; ".join(parts)
+@dataclass(frozen=True)
+class _Why:
+    """What a dirty GPU's line reads: the plan, the after-snapshot, who is left, and memory
+    no visible process explains."""
+
+    plan: Plan
+    after: Snapshot
+    survivors: list[Survivor]
+    unattributed: list[Unattributed]
+
+
+def _dirty_reason(why: _Why, bad: list[GpuOutcome], problems: list[str]) -> str:
+    """One short line per GPU left over its threshold (how much; who holds it, each with its
+    own reason; memory no visible process explains and where it may be; what can still be
+    done), then the agent's own problems. Lines are joined by newlines: a string in JSON, a
+    line per GPU on screen."""
+    return "\n".join([_gpu_line(why, o) for o in bad] + problems)
+
+
+def _gpu_line(why: _Why, o: GpuOutcome) -> str:
+    """One dirty GPU: the holders that may hold its memory (a zombie, a client or a process
+    whose context is elsewhere holds none of it), else where unexplained memory may be, and
+    the next action where no signal helps."""
+    if o.after_mib is None:
+        return f"GPU {o.index}: memory unknown after the clean"
+    head = f"GPU {o.index}: {o.after_mib} MiB left (threshold {o.threshold_mib})"
+    unexplained = next((u for u in why.unattributed if u.gpu == o.index), None)
+    held = [s for s in why.survivors if o.index in s.gpus and _holds_there(why, s, o.index,
+                                                                            unexplained)]
+    parts = [_group_text(why, group, o.index) for group in _groups(held)]
+    unlisted = [s for s in held if not _listed_on(why.after, s.pid, o.index)]
+    if unexplained is not None and not unlisted:
+        parts.append(f"{unexplained.mib} MiB no process here explains: {unexplained.detail}")
+    stuck = any(s.kind == STUCK or _refusal_kind(why, s) == policy.STUCK for s in held)
+    if stuck or (unexplained is not None and not unlisted and unexplained.cause == CAUSE_LEAK):
+        parts.append(policy.reset_or_drain(why.after, (o.index,)))
+    elif unexplained is not None and not unlisted and unexplained.cause == CAUSE_NAMESPACE:
+        parts.append("clean it where those processes are visible (the host, or their "
+                     "container)")
+    return head + (": " + "; ".join(parts) if parts else "")
+
+
+def _refusal_kind(why: _Why, s: Survivor) -> Optional[str]:
+    ref = why.plan.refusal_of(s.pid) if s.kind == REFUSED else None
+    return ref.kind if ref is not None else None
+
+
+def _listed_on(after: Snapshot, pid: int, index: int) -> bool:
+    return any(a.pid == pid for a in after.apps_on(index))
+
+
+def _holds_there(why: _Why, s: Survivor, index: int, unexplained: Optional[Unattributed]
+                 ) -> bool:
+    """Whether ``s`` may hold memory on GPU ``index``: listed there; or, not listed, a target
+    still there, or a holder whose context may be on it while memory there is unexplained. A
+    zombie holds nothing; a process without a CUDA context (maps) holds no memory."""
+    if s.kind == ZOMBIE:
+        return False
+    if _listed_on(why.after, s.pid, index) or s.kind in (STUCK, SURVIVED, NEW):
+        return True
+    if unexplained is None:
+        return False
+    holder = next((h for h in why.after.holders if h.pid == s.pid), None)
+    if holder is None or holder.mapped is None:
+        return True
+    if policy.maps_kind(holder.mapped, why.after.facts.wsl2) == policy.MAPS_CLIENT:
+        return False
+    mapped = why.after.device_gpu_indices(holder.mapped)
+    return index in mapped if mapped else True
+
+
+_KIND_WORDS = {REFUSED: "refused", STUCK: "stuck", SURVIVED: "survived", NEW: "new",
+               INVISIBLE: "not visible here", UNTOUCHED: "untouched"}
+
+
+def _groups(held: list[Survivor]) -> list[list[Survivor]]:
+    """Holders that share a kind and a reason, together (a family refused as one)."""
+    out: dict[tuple[str, str], list[Survivor]] = {}
+    for s in held:
+        out.setdefault((s.kind, s.detail), []).append(s)
+    return list(out.values())
+
+
+def _group_text(why: _Why, group: list[Survivor], index: int) -> str:
+    """``PID 4711 VLLM::Worker (3000 MiB) refused: <its reason>``."""
+    names = []
+    for s in group:
+        apps = [a for a in why.after.apps_on(index) if a.pid == s.pid]
+        mib = None if not apps or any(a.used_mib is None for a in apps) else \
+            sum(a.used_mib or 0 for a in apps)
+        names.append(f"{s.pid} {s.name}" + (f" ({mib} MiB)" if mib is not None else ""))
+    first = group[0]
+    return (f"PID{'s' if len(group) > 1 else ''} {', '.join(names)} "
+            f"{_KIND_WORDS.get(first.kind, first.kind)}: {first.detail}")
 
 
 @dataclass(frozen=True)
@@ -332,17 +402,15 @@ def _survivor(seen: _Seen, pid: int, gpus: tuple[int, ...], used: Optional[int])
     if proc is None and not said:
         app_name = next((a.process_name for a in after.compute_apps if a.pid == pid), "?")
         return Survivor(pid, app_name, gpus, used, INVISIBLE,
-                        "not visible from this PID namespace (container?)")
+                        f"another PID namespace ({_NSPID})")
     name = proc.name if proc is not None else (targets[pid].name if pid in targets else "?")
-    state = _state(proc.state if proc is not None else said.get("state"))
-    wchan = (proc.wchan if proc is not None else None) or said.get("wchan") or "?"
+    state, wchan = _state_of(proc, said)
     old = before.processes.get(pid)
     same = old is not None and proc is not None and old.starttime == proc.starttime
     if proc is not None and not same and pid not in seen.agent_said:
         kind, detail = NEW, "started during the clean"
     elif state == "D":
-        kind, detail = STUCK, (f"uninterruptible sleep in {wchan}: signals cannot end it; "
-                               "a GPU reset or a reboot frees it")
+        kind, detail = STUCK, f"D state in {wchan}: signals cannot end it"
     elif state in ("Z", "X"):
         # a zombie holds no device file, so the after-snapshot often lacks it: the agent's
         # survivor entry still knows its parent
@@ -350,8 +418,9 @@ def _survivor(seen: _Seen, pid: int, gpus: tuple[int, ...], used: Optional[int])
         parent = after.processes.get(ppid) if ppid else None
         if parent is None and ppid is not None:
             parent = before.processes.get(ppid)
-        kind, detail = ZOMBIE, (f"zombie, parent PID {ppid if ppid is not None else '?'} "
-                                f"({parent.name if parent else '?'}); holds no GPU memory")
+        kind, detail = ZOMBIE, (f"zombie (exited, no thread left), parent PID "
+                                f"{ppid if ppid is not None else '?'} "
+                                f"({parent.name if parent else '?'}): holds nothing")
     elif pid in targets:
         kind = SURVIVED
         detail = said.get("reason") or "still alive after TERM and KILL"
@@ -362,10 +431,27 @@ def _survivor(seen: _Seen, pid: int, gpus: tuple[int, ...], used: Optional[int])
     return Survivor(pid, name, gpus, used, kind, detail)
 
 
+def _state_of(proc: Optional[ProcessInfo], said: Mapping[str, Any]) -> tuple[str, str]:
+    """(state letter, wchan) of a survivor. A zombie leader whose threads still run is no
+    zombie: D when its threads are stuck there (their wchan), else still running; the agent's
+    own reading (a D thread under any leader) counts too."""
+    if proc is not None and policy.leader_gone(proc):
+        stuck = proc.stuck_threads
+        if stuck or said.get("state") == "D":
+            return "D", (stuck[0].wchan if stuck else None) or said.get("wchan") or "?"
+        return "R", "?"
+    state = _state(proc.state if proc is not None else said.get("state"))
+    if said.get("state") == "D":
+        state = "D"
+    return state, (proc.wchan if proc is not None else None) or said.get("wchan") or "?"
+
+
 def _unattributed(plan, after, scope, ctx) -> list[Unattributed]:
-    """Memory over threshold that no listed process accounts for, with its likely cause."""
+    """Memory over threshold that no listed process accounts for, with where it may be. GPU
+    clients (monitors, exporters: no CUDA context, policy.holder_role) never hold it."""
     out = []
     minor_of = {g.index: (g.minor if g.minor is not None else g.index) for g in after.gpus}
+    roles = policy.holder_roles(after, max(plan.threshold_mib.values(), default=0))
     for row in ledger(after):
         if row.index not in scope or row.unattributed_mib is None:
             continue
@@ -373,10 +459,10 @@ def _unattributed(plan, after, scope, ctx) -> list[Unattributed]:
             continue
         dev = f"/dev/nvidia{minor_of[row.index]}"
         hidden, display = [], []
-        for holder in after.holders:
-            if holder.pid in after.listed_pids():
-                continue
-            if dev not in holder.devices and "/dev/dxg" not in holder.devices:
+        for holder in after.unlisted_holders():
+            role = roles.get(holder.pid)
+            if (dev not in holder.devices and "/dev/dxg" not in holder.devices) or \
+                    (role is not None and role.role == policy.ROLE_CLIENT):
                 continue
             proc = after.processes.get(holder.pid)
             if proc is not None and policy.protected_daemon(proc) in _DISPLAY:
@@ -384,25 +470,36 @@ def _unattributed(plan, after, scope, ctx) -> list[Unattributed]:
             elif proc is None or policy.never_signal_reason(proc, ctx) is None:
                 hidden.append(str(holder.pid))
         invisible = sorted(a.pid for a in after.apps_on(row.index) if a.pid not in after.processes)
-        if after.facts.wsl2:
-            cause, detail = CAUSE_WSL2, ("Windows and the WSL2 GPU driver hold memory that no "
-                                         "Linux process owns")
-        elif hidden or invisible or after.facts.in_container:
-            who = []
-            if hidden:
-                who.append("unlisted holders PID " + ", ".join(hidden))
-            if invisible:
-                who.append("PIDs " + ", ".join(map(str, invisible)) + " not visible here")
-            if after.facts.in_container:
-                who.append(f"the agent runs in container {after.facts.container or '?'}")
-            cause, detail = CAUSE_NAMESPACE, "hidden PIDs / in a container: " + "; ".join(who)
-        elif display:
-            cause, detail = CAUSE_DISPLAY, ("graphics clients are not in nvidia-smi's "
-                                            "compute-apps: " + ", ".join(display))
-        else:
-            cause, detail = CAUSE_LEAK, "memory no process holds; a GPU reset frees it"
+        cause, detail = _where(after, hidden, invisible, display)
         out.append(Unattributed(row.index, row.unattributed_mib, cause, detail))
     return out
+
+
+# Where memory no visible process explains may be, for people: NVML and nvidia-smi give the
+# host's PIDs, which a process in another PID namespace knows by other numbers (NSpid).
+_NSPID = "NVML gives host PIDs: find them by NSpid in /proc/PID/status"
+
+
+def _where(after: Snapshot, hidden: list[str], invisible: list[int], display: list[str]
+           ) -> tuple[str, str]:
+    """(likely cause, where the memory may be) for one GPU's unexplained memory."""
+    if after.facts.wsl2:
+        return CAUSE_WSL2, "WSL2: Windows and its GPU driver hold memory no Linux process owns"
+    if hidden or invisible or after.facts.in_container:
+        who = []
+        if invisible:
+            who.append("listed PIDs " + ", ".join(map(str, invisible)) + " are not in this /proc")
+        if hidden:
+            who.append("unlisted holders PID " + ", ".join(hidden))
+        if after.facts.in_container:
+            who.append(f"the agent runs in container {after.facts.container or '?'}")
+        return CAUSE_NAMESPACE, (f"likely another PID namespace ({'; '.join(who)}; {_NSPID}), "
+                                 "else the driver")
+    if display:
+        return CAUSE_DISPLAY, ("display clients (graphics memory is not in compute-apps): "
+                               + ", ".join(display))
+    return CAUSE_LEAK, ("the driver (a leak, or a process it still tears down) or another PID "
+                        f"namespace ({_NSPID})")
 
 
 _DISPLAY = frozenset(

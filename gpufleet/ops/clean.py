@@ -28,7 +28,7 @@ from gpufleet.config.selection import parse_gpu_list
 from gpufleet.core.cancel import cancel_unanswered, cancel_undelivered, cancelled_reason
 from gpufleet.core.hostlock import lock_failure
 from gpufleet.core.model import HostResult, Snapshot, parse_snapshot
-from gpufleet.core.plan import Plan, make_plan, to_request
+from gpufleet.core.plan import Plan, make_plan, release_floors, to_request
 from gpufleet.core.results import Failure, HostOutcome
 from gpufleet.errors import SnapshotError, UsageError, first_line, kind_of
 from gpufleet.ops import audit
@@ -59,6 +59,9 @@ class CleanOptions:
     job_uid: Optional[int] = None  # a Slurm job's user: nobody else's process is signalled
     smi_timeout_s: float = 10.0  # the after-snapshot's nvidia-smi bound
     idle_s: float = 3600.0  # the agent waits this long for the clean request after its plan
+    # How long the memory wait gives memory nothing signalled can free (plan.release_floors);
+    # None: the whole timeout (a Slurm epilog runs while the driver frees the job's memory).
+    release_wait_s: Optional[float] = None
     audit_extra: tuple[tuple[str, Any], ...] = ()  # more audit keys (a Slurm job id, its user)
     owners: tuple[str, ...] = ()  # owners the operator names (PID or unit): planned first
     settle_s: Optional[float] = None  # None: the plan's default (plan/owners.py)
@@ -159,6 +162,9 @@ def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[S
     request["cuda_version"] = False
     if before is not None:
         request["wait_floor_mib"] = wait_floors(plan, before)
+        if opts.release_wait_s is not None:
+            request["release_floor_mib"] = release_floors(plan, before)
+            request["release_wait_s"] = float(opts.release_wait_s)
     return request
 
 

@@ -427,12 +427,30 @@ def wait_memory(req, scope, end, deadline, retaken=None):
                 ", ".join(str(i) for i in pending))
             out["held_by_others"] = True
             break
+        if _beyond_signals(req, used, pending, thresholds, default, floors, t0):
+            out["error"] = "GPU %s still above threshold: nothing signalled can free it" % (
+                ", ".join(str(i) for i in pending))
+            out["held_by_others"] = True
+            break
         if time.monotonic() + poll > min(end, deadline.end):
             out["error"] = "GPU %s still above threshold" % ", ".join(str(i) for i in pending)
             break
         time.sleep(poll)
     out["seconds"] = round(time.monotonic() - t0, 3)
     return out
+
+
+def _beyond_signals(req, used, pending, thresholds, default, floors, t0):
+    """Whether what is left over the thresholds is only memory no signalled process can free
+    (the request's release_floor_mib: unattributed memory on GPUs no target could hold) and
+    release_wait_s has passed: by then a driver releasing a process already gone is done,
+    and a driver's leak or another PID namespace's process stays whatever the wait."""
+    release_s = req.get("release_wait_s")
+    if release_s is None or time.monotonic() - t0 < release_s:
+        return False
+    releasing = req.get("release_floor_mib") or {}
+    return all(used[i] <= thresholds.get(str(i), default) + floors.get(str(i), 0)
+               + releasing.get(str(i), 0) for i in pending)
 
 
 def clean_shm(req, res, proc=PROC):

@@ -78,12 +78,19 @@ MAPS_TIMEOUT_S = 0.5
 def mapped_devices(pid, proc=PROC, timeout=MAPS_TIMEOUT_S):
     """The NVIDIA device files PID has mapped: a CUDA context maps /dev/nvidiaN and
     /dev/nvidia-uvm, an NVML client maps none, a running nvidia-smi only /dev/nvidiactl
-    (recorded). None = not available: unreadable, too big, too slow (a D-state process holds
-    its memory lock), or a zombie leader (its maps are empty while its threads still run)."""
+    (recorded). A zombie leader's own maps are empty while its threads still run (recorded on
+    the H200): a live thread's maps are the process's. None = not available: unreadable, too
+    big, too slow (a D-state process holds its memory lock), a zombie with no thread left."""
     st = read_stat(pid, proc)
-    if st is None or st["state"] in ("Z", "X"):
+    if st is None:
         return None
-    raw, timed_out = read_bytes_bounded("%s/%d/maps" % (proc, pid), timeout, MAPS_LIMIT + 1)
+    path = "%s/%d/maps" % (proc, pid)
+    if st["state"] in ("Z", "X"):
+        live = live_threads(pid, st, proc)
+        if not live:
+            return None
+        path = "%s/%d/task/%d/maps" % (proc, pid, live[0][0])
+    raw, timed_out = read_bytes_bounded(path, timeout, MAPS_LIMIT + 1)
     if timed_out or raw is None or len(raw) > MAPS_LIMIT:
         return None
     return parse_maps_devices(raw.decode("utf-8", "replace"))
@@ -161,6 +168,48 @@ def leader_gone_fd_dirs(pid, proc=PROC):
     return []
 
 
+TASKS_MAX = 512  # threads read under one zombie leader (a torch process runs ~20-100)
+
+
+def live_threads(pid, st, proc=PROC):
+    """[(tid, stat)] of the threads still running under a zombie leader (none for a live
+    leader, a true zombie or a kernel thread): after the main thread exits (pthread_exit, or
+    a kill whose threads are stuck in the driver) they hold what the process holds."""
+    if st["state"] not in ("Z", "X") or st["num_threads"] <= 1:
+        return []
+    try:
+        tids = sorted(int(t) for t in os.listdir("%s/%d/task" % (proc, pid)) if t.isdigit())
+    except OSError:
+        return []
+    out = []
+    for tid in tids[:TASKS_MAX]:
+        if tid == pid:
+            continue
+        text = read_text("%s/%d/task/%d/stat" % (proc, pid, tid))
+        try:
+            tst = parse_stat(text) if text else None
+        except ParseError:
+            tst = None
+        if tst is not None and tst["state"] not in ("Z", "X"):
+            out.append((tid, tst))
+    return out
+
+
+def thread_facts(pid, st, proc=PROC):
+    """Under a zombie leader: how many threads still run, and those in uninterruptible sleep
+    (D) with their wchan -- a killed process's threads stuck in the driver, which no signal
+    ends. {} for any other process (nothing read)."""
+    live = live_threads(pid, st, proc)
+    if not live:
+        return {}
+    stuck = []
+    for tid, tst in live:
+        if tst["state"] == "D":
+            w = (read_text("%s/%d/task/%d/wchan" % (proc, pid, tid)) or "").strip()
+            stuck.append({"tid": tid, "wchan": w if w not in ("", "0") else None})
+    return {"live_threads": len(live), "stuck_threads": stuck}
+
+
 def read_stat(pid, proc=PROC):
     text = read_text("%s/%d/stat" % (proc, pid))
     if text is None:
@@ -234,15 +283,7 @@ def process_entry(pid, ctx, proc=PROC):
     cgroup = parse_cgroup(cgroup_text)
     wchan = (read_text(base + "wchan") or "").strip()
     exe, exe_root = exe_evidence(pid, proc)
-    if pid == ctx.get("self_pid"):
-        relation = "self"
-    elif pid in ctx.get("ancestors", ()):
-        relation = "ancestor"
-    elif ctx.get("session") is not None and st["session"] == ctx.get("session"):
-        relation = "session"
-    else:
-        relation = None
-    return {
+    entry = {
         "pid": pid,
         "ppid": st["ppid"],
         "starttime": st["starttime"],
@@ -263,9 +304,22 @@ def process_entry(pid, ctx, proc=PROC):
         "pgid": st["pgid"],
         "kernel_thread": is_kernel_thread(st),
         "wchan": wchan if wchan not in ("", "0") else None,
-        "relation": relation,
-        "threads": st["num_threads"],  # > 1 with state Z: still tearing down, still holding
+        "relation": relation_of(pid, st, ctx),
+        "threads": st["num_threads"],  # > 1 with state Z: its threads still hold
     }
+    entry.update(thread_facts(pid, st, proc))  # live_threads, stuck_threads: zombie leaders
+    return entry
+
+
+def relation_of(pid, st, ctx):
+    """The process's relation to the agent: self, ancestor, session, or None."""
+    if pid == ctx.get("self_pid"):
+        return "self"
+    if pid in ctx.get("ancestors", ()):
+        return "ancestor"
+    if ctx.get("session") is not None and st["session"] == ctx.get("session"):
+        return "session"
+    return None
 
 
 SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")

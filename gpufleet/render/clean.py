@@ -87,7 +87,8 @@ def outcome_table(results: Sequence[Any]) -> str:
         if r.error:
             reasons.append(f"{r.host}: {r.error}")
         elif r.reason and r.verdict not in ("clean", "planned"):
-            reasons.append(f"{r.host}: {r.reason}")
+            # a dirty verdict's reason is a line per GPU (and per problem): each its own line
+            reasons.extend(f"{r.host}: {line}" for line in r.reason.splitlines())
     return text + ("\n" + "\n".join(reasons) if reasons else "")
 
 

@@ -164,7 +164,7 @@ def _step_clean(ctx: _HostRun, step: Step, end: float) -> str:
     kills = sum(1 for _, sig in sent if sig == "KILL")
     counts = f"GPUs {format_gpu_list(plan.scope)}: {len(plan.targets)} target(s), TERM {terms}, KILL {kills}"
     if not result.ok or result.verdict != "clean":
-        why = result.error or result.reason or result.verdict
+        why = result.error or "; ".join((result.reason or "").splitlines()) or result.verdict
         raise StepFailed(f"{result.verdict}: {why}; {counts}")
     parts = [counts]
     if plan.refused:

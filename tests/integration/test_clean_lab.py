@@ -118,7 +118,9 @@ def test_clean_0_3_frees_the_vllm_family_and_spares_the_trainer(train_node: Any,
     assert host.proc_state(host.engine) == "Z"
     (zombie,) = doc["verdict_detail"]["survivors"]
     assert (zombie["pid"], zombie["kind"]) == (host.engine, "zombie")
-    assert zombie["detail"].startswith("zombie, parent PID %d " % host.api), zombie
+    assert zombie["detail"].startswith("zombie (exited, no thread left), parent PID %d "
+                                       % host.api), zombie
+    assert zombie["detail"].endswith("holds nothing"), zombie
     assert host.alive(sshd)
     assert host.ssh("echo still-here").stdout.strip() == "still-here"
 
@@ -393,8 +395,9 @@ def test_wsl2_reservation_is_clean_when_expected_and_dirty_when_not(lab: Any, ma
     assert run.rc == 1, str(run)
     doc = run.host("wsl-box")
     assert doc["verdict"] == "dirty"
-    assert "1680 MiB unattributed" in doc["reason"]
-    assert "likely WSL2 reservation" in doc["reason"]
+    assert doc["reason"].startswith("GPU 0: 1680 MiB left (threshold 64): 1680 MiB no process "
+                                    "here explains: WSL2"), doc["reason"]
+    assert doc["verdict_detail"]["unattributed"][0]["cause"] == "WSL2 reservation"
     assert host.gpu_used() == [1680]
 
 

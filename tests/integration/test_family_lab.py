@@ -50,7 +50,8 @@ def test_a_scope_cutting_a_family_signals_nothing_and_says_why(lab: Any, make_ho
     text = clean(home, inv, "--gpus", "0,1", "--yes", *FAST)
     assert_no_traceback(text)
     assert text.rc == 1 and " dirty " in text.stdout, str(text)
-    assert f"{workers[0]} VLLM::Worker_TP0 on GPU 0 (refused: {why}" in text.stdout, text.stdout
+    assert (f"tp4-node: GPU 0: {WORKER_MIB} MiB left (threshold 73): PID {workers[0]} "
+            f"VLLM::Worker_TP0 ({WORKER_MIB} MiB) refused: {why}") in text.stdout, text.stdout
     assert all(host.alive(p) for p in family), "a family member died"
 
     whole = clean(home, inv, "--gpus", "0,1", "--include-spanning", "--dry-run", "--json", *FAST)

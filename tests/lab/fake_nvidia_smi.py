@@ -10,8 +10,10 @@ State lives in ``$FAKEGPU_ROOT`` (default /run/fakegpu, per lab host):
 * ``config.json``: the GPUs and the failure modes (see ``DEFAULTS``);
 * ``procs/<pid>.json``: one record per holder (written by fakecuda.py):
   ``{"pid", "starttime", "alloc": {"<index>": MiB}}``. A holder counts while /proc/<pid> exists
-  with the same starttime and is not a zombie (recorded: a zombie holds no GPU memory); once
-  dead, its memory stays ``release_delay_s`` more, then the record is deleted;
+  with the same starttime and is not a zombie (recorded: a zombie holds no GPU memory) -- a
+  zombie *leader* whose other threads still run counts (recorded on the H200: NVML listed it
+  with its 5638 MiB, tests/fixtures/real-h200/clean-cases/probe-1.log part D); once dead, its
+  memory stays ``release_delay_s`` more, then the record is deleted;
 * ``procs/<pid>.dead``: the time a holder was first seen dead (text, seconds since the epoch),
   written once (linked into place, first writer wins) by this fake or by the lab's fake
   ``libnvidia-ml.so.1`` (tests/lab/fakenvml/fakenvml.c), so the two never disagree about when
@@ -189,14 +191,21 @@ def gpus_of(cfg):
 
 
 def proc_state(pid):
-    """(state, starttime) of a pid in this PID namespace, or None when it does not exist."""
+    """(state, starttime, threads) of a pid in this PID namespace, or None when it does not
+    exist."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
             data = f.read().decode("ascii", "replace")
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     rest = data[data.rindex(")") + 2 :].split()
-    return rest[0], int(rest[19])
+    return rest[0], int(rest[19]), int(rest[17])
+
+
+def holds(st, starttime):
+    """Whether the process (proc_state's answer) still holds its memory: the same process, and
+    not a zombie -- unless other threads still run under its zombie leader."""
+    return st is not None and st[1] == starttime and (st[0] not in ("Z", "X") or st[2] > 1)
 
 
 def process_name(pid):
@@ -283,7 +292,7 @@ def holders(cfg):
         except (OSError, ValueError):
             continue
         st = proc_state(int(rec["pid"]))
-        live = st is not None and st[0] not in ("Z", "X") and st[1] == int(rec["starttime"])
+        live = holds(st, int(rec["starttime"]))
         if live:
             out.append((rec, True))
             continue

@@ -22,9 +22,20 @@ Usage (all optional)::
     fakecuda.py --gpus 0,1 --mib 716 [--title VLLM::Worker] [--ignore-term] [--term-delay 1.5]
                 [--spawn-child 'ARGS'] ... [--ready-file PATH] [--cuda-visible 1,0]
                 [--no-devices] [--zombie-child MIB] [--exit-after S] [--detach] [--monitor]
+                [--leader-exit [--stuck]]
 
 ``--monitor``: an NVML client (nvtop, nvitop, gpustat, dcgm-exporter): opens /dev/nvidiactl,
 /dev/nvidia-uvm and every /dev/nvidiaN, maps none, allocates and registers nothing.
+
+``--leader-exit``: the process of the real H200 probe (tests/gpu/probe_clean_cases.py part D,
+tests/fixtures/real-h200/clean-cases/probe-1.log): a second thread opens and maps the devices
+and registers the memory, then the main thread calls ``pthread_exit`` through ctypes. The
+leader is a zombie (``Z``, its fd table and maps empty) while the process, through its live
+thread, still holds everything; SIGKILL of the PID ends it. ``--stuck`` (root): the holding
+thread then sleeps uninterruptibly in the kernel (``D``, wchan ``handle_userfault``: it reads,
+through process_vm_readv, a userfaultfd page nobody fills), as a killed process's threads
+stuck in the driver show. Only what /proc says is simulated: that sleep is TASK_KILLABLE, so
+unlike a thread stuck in the NVIDIA driver it ends on SIGKILL.
 
 ``--mib`` is one number for every GPU or one per GPU (``716,1024``). ``--gpus ''`` allocates
 nothing (CUDA initialised, no memory). ``--detach`` daemonises (setsid, stdio to /dev/null or
@@ -61,6 +72,10 @@ def parse(argv):
     p.add_argument("--exit-after", type=float, default=None)
     p.add_argument("--detach", action="store_true")
     p.add_argument("--monitor", action="store_true", help="an NVML client: no CUDA context")
+    p.add_argument("--leader-exit", action="store_true",
+                   help="hold in a second thread, then pthread_exit the main thread")
+    p.add_argument("--stuck", action="store_true",
+                   help="with --leader-exit: the holding thread then sleeps in D state")
     p.add_argument("--log", default=os.devnull)
     return p.parse_args(argv)
 
@@ -227,6 +242,98 @@ def zombie_child(index, mib, minors):
     return pid
 
 
+def setup(args, cfg, phys, minors, alloc, visible):
+    """Open (and map) the device files and register the memory, as a CUDA context does;
+    returns (fds, alloc)."""
+    if args.monitor:
+        alloc = {}
+    fds = [] if args.no_devices else open_devices(phys, minors, args.monitor)
+    check_free(alloc)
+    ngpus = int(cfg.get("gpus", 1))
+    if visible:
+        seen = [int(v) for v in visible.split(",") if v.strip() != ""]
+    else:
+        seen = list(range(ngpus))
+    register(alloc, None if args.no_devices or args.monitor else seen)
+    return fds, alloc
+
+
+def hold_in_thread(work, stuck):
+    """Run ``work`` (the holding) in a second thread, which then stays: asleep, or with
+    ``stuck`` in uninterruptible sleep; returns (its result, its thread id) once it holds (and
+    is in D state)."""
+    import threading
+
+    box = {}
+    ready = threading.Event()
+
+    def run():
+        try:
+            box["result"] = work()
+        except BaseException as exc:  # check_free's SystemExit: out of memory
+            box["error"] = exc
+            ready.set()
+            return
+        box["tid"] = threading.get_native_id()
+        ready.set()
+        if stuck:
+            sleep_in_kernel()
+        while True:
+            time.sleep(3600)
+
+    threading.Thread(target=run, daemon=True).start()
+    ready.wait()
+    if "error" in box:
+        raise box["error"]
+    if stuck:
+        wait_state(box["tid"], "D", 10.0)
+    return box["result"], box["tid"]
+
+
+def wait_state(tid, state, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with open("/proc/self/task/%d/stat" % tid, "rb") as f:
+            data = f.read().decode("ascii", "replace")
+        if data[data.rindex(")") + 2 :].split()[0] == state:
+            return
+        time.sleep(0.01)
+    raise SystemExit("fakecuda: thread %d not in state %s after %.0fs" % (tid, state, timeout))
+
+
+USERFAULTFD_NR = {"x86_64": 323, "aarch64": 282}  # asm/unistd_64.h, asm-generic/unistd.h
+UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api): linux/userfaultfd.h
+UFFDIO_REGISTER = 0xC020AA00  # _IOWR(0xAA, 0x00, struct uffdio_register)
+
+
+def sleep_in_kernel():
+    """Sleep in D state for good: read, through process_vm_readv (the kernel's own access,
+    TASK_KILLABLE), a page registered with userfaultfd that nobody ever fills. Needs root
+    (vm.unprivileged_userfaultfd)."""
+    import ctypes
+    import fcntl
+    import mmap
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    nr = USERFAULTFD_NR.get(os.uname()[4])
+    uffd = libc.syscall(ctypes.c_long(nr), ctypes.c_int(os.O_CLOEXEC)) if nr else -1
+    if uffd < 0:
+        raise OSError(ctypes.get_errno(), "userfaultfd unavailable")
+    fcntl.ioctl(uffd, UFFDIO_API, bytearray(struct.pack("QQQ", 0xAA, 0, 0)))
+    page = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    fcntl.ioctl(uffd, UFFDIO_REGISTER, bytearray(struct.pack("QQQQ", addr, 4096, 1, 0)))
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    buf = ctypes.create_string_buffer(16)
+    libc.process_vm_readv(os.getpid(), ctypes.byref(Iovec(ctypes.addressof(buf), 16)), 1,
+                          ctypes.byref(Iovec(addr, 16)), 1, 0)
+
+
 def detach(args, argv):
     """Daemonise; the parent prints the ready document and exits when the family is set up."""
     rfd, wfd = os.pipe()
@@ -298,16 +405,15 @@ def main(argv=None):
 
     if args.title:
         rename(args.title)
-    if args.monitor:
-        alloc = {}
-    fds = [] if args.no_devices else open_devices(phys, minors, args.monitor)
-    check_free(alloc)
-    ngpus = int(cfg.get("gpus", 1))
-    if visible:
-        seen = [int(v) for v in visible.split(",") if v.strip() != ""]
+
+    def hold():
+        return setup(args, cfg, phys, minors, alloc, visible)
+
+    thread = None
+    if args.leader_exit:
+        (fds, alloc), thread = hold_in_thread(hold, args.stuck)
     else:
-        seen = list(range(ngpus))
-    register(alloc, None if args.no_devices or args.monitor else seen)
+        fds, alloc = hold()
     zombie = None
     if args.zombie_child is not None:
         zombie = zombie_child(phys[0] if phys else 0, args.zombie_child, minors)
@@ -335,12 +441,19 @@ def main(argv=None):
         "fds": len(fds),
         "children": children,
         "zombie": zombie,
+        "leader_exit": bool(args.leader_exit),
+        "thread": thread,
+        "stuck": bool(args.stuck),
     }
     if args.ready_file:
         write_json(args.ready_file, doc)
     if pipe is not None:
         os.write(pipe, json.dumps(doc).encode())
         os.close(pipe)
+    if args.leader_exit:
+        import ctypes
+
+        ctypes.CDLL(None).pthread_exit(None)  # as the H200 probe: the leader becomes a zombie
 
     deadline = None if args.exit_after is None else time.time() + args.exit_after
     while deadline is None or time.time() < deadline:

@@ -170,6 +170,10 @@ def _holder_args(spec: Mapping[str, Any]) -> list[str]:
         args += ["--zombie-child", str(spec["zombie_child"])]
     if spec.get("exit_after") is not None:
         args += ["--exit-after", str(spec["exit_after"])]
+    if spec.get("leader_exit") or spec.get("stuck"):
+        args.append("--leader-exit")
+    if spec.get("stuck"):
+        args.append("--stuck")
     for child in spec.get("children") or ():
         args += ["--spawn-child", shlex.join(_holder_args(child))]
     return args
@@ -181,6 +185,7 @@ class HolderPid(int):
     starttime: Optional[int]
     children: list["HolderPid"]
     zombie: Optional[int]
+    thread: Optional[int]
     doc: dict
 
     @classmethod
@@ -189,6 +194,7 @@ class HolderPid(int):
         obj.starttime = doc.get("starttime")
         obj.children = [cls.from_doc(c) for c in doc.get("children") or ()]
         obj.zombie = doc.get("zombie")
+        obj.thread = doc.get("thread")
         obj.doc = dict(doc)
         return obj
 
@@ -403,16 +409,22 @@ class LabHost:
         python: Optional[str] = None,
         via: str = "ssh",
         monitor: bool = False,
+        leader_exit: bool = False,
+        stuck: bool = False,
     ) -> HolderPid:
         """Start a fakecuda holder (and its children) fully detached; returns its pid.
 
         ``children`` are dicts with the same keys (gpus, mib, title, ignore_term, term_delay,
         children, ...). ``via="exec"`` starts it through nsenter instead of SSH (faster).
+        ``leader_exit``: the holding is done by a second thread and the main thread then calls
+        pthread_exit (a zombie leader that still holds, as on the H200); ``stuck`` (root) also
+        puts that thread in uninterruptible sleep (D). Returns once the leader is a zombie.
         """
         spec = dict(
             gpus=list(gpus), mib=mib, title=title, ignore_term=ignore_term, term_delay=term_delay,
             children=children, cuda_visible=cuda_visible, no_devices=no_devices,
             zombie_child=zombie_child, exit_after=exit_after, monitor=monitor,
+            leader_exit=leader_exit, stuck=stuck,
         )
         py = python or self.holder_python(user)
         log = "/tmp/fakecuda-%d.log" % time.time_ns()
@@ -433,7 +445,11 @@ class LabHost:
             raise LabError(
                 "spawn_holder on %s: unreadable answer %r %r" % (self.name, res.stdout, res.stderr)
             ) from None
-        return HolderPid.from_doc(doc)
+        holder = HolderPid.from_doc(doc)
+        if (leader_exit or stuck) and not self._wait_state(holder, "Z", 10.0):
+            raise LabError("spawn_holder on %s: leader %d not a zombie after 10 s (state %s)"
+                           % (self.name, holder, self.proc_state(holder)))
+        return holder
 
     def spawn_monitor(self, title: Optional[str] = None, user: str = "root",
                       via: str = "ssh") -> HolderPid:
@@ -500,9 +516,46 @@ class LabHost:
             return None
         return data[data.rindex(")") + 2 :].split()[0]
 
+    def threads(self, pid: int) -> Optional[int]:
+        """The number of threads of a pid inside the host (its leader counted), None if gone."""
+        try:
+            data = self.path("/proc/%d/stat" % pid).read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        return int(data[data.rindex(")") + 2 :].split()[17])
+
+    def task_states(self, pid: int) -> dict[int, tuple[str, str]]:
+        """{tid: (state letter, wchan)} of every thread of a pid inside the host."""
+        out = {}
+        try:
+            tids = [int(t) for t in os.listdir(self.path("/proc/%d/task" % pid))]
+        except (FileNotFoundError, ProcessLookupError):
+            return out
+        for tid in tids:
+            base = self.path("/proc/%d/task/%d" % (pid, tid))
+            try:
+                data = (base / "stat").read_text()
+                wchan = (base / "wchan").read_text().strip()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out[tid] = (data[data.rindex(")") + 2 :].split()[0], wchan)
+        return out
+
     def alive(self, pid: int) -> bool:
-        """True while the pid exists in the host and is not a zombie."""
-        return self.proc_state(pid) not in (None, "Z", "X")
+        """True while the pid exists in the host and is not a zombie; a zombie leader whose
+        other threads still run is alive (it holds what they hold)."""
+        state = self.proc_state(pid)
+        if state in ("Z", "X"):
+            return (self.threads(pid) or 0) > 1
+        return state is not None
+
+    def _wait_state(self, pid: int, state: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc_state(pid) == state:
+                return True
+            time.sleep(0.01)
+        return False
 
     def comm(self, pid: int) -> str:
         return self.path("/proc/%d/comm" % pid).read_text().rstrip("\n")

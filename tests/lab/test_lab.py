@@ -282,6 +282,45 @@ def test_zombie_holds_no_memory(lab_host):
     assert lab_host.gpu_used() == [0, 100]
 
 
+def test_leader_exit_holder_is_a_zombie_leader_that_still_holds(lab_host):
+    """As recorded on the H200 (probe-1.log part D): the main thread is gone (Z, empty fd table
+    and maps), a live thread holds the device files and maps; nvidia-smi lists the PID with its
+    memory; SIGKILL of the PID ends every thread and frees it."""
+    pid = lab_host.spawn_holder(gpus=[1], mib=700, title="zleader", leader_exit=True)
+    assert lab_host.proc_state(pid) == "Z" and lab_host.threads(pid) >= 2
+    assert lab_host.alive(pid)
+    assert lab_host.fds(pid) == []
+    thread = pid.thread
+    assert pid.thread != pid and lab_host.task_states(pid)[thread][0] == "S"
+    fds = {os.readlink(lab_host.path("/proc/%d/task/%d/fd/%s" % (pid, thread, fd)))
+           for fd in os.listdir(lab_host.path("/proc/%d/task/%d/fd" % (pid, thread)))}
+    assert {"/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"} <= fds
+    maps = lab_host.path("/proc/%d/task/%d/maps" % (pid, thread)).read_text()
+    assert "/dev/nvidia-uvm" in maps and "/dev/nvidia1" in maps
+    assert lab_host.path("/proc/%d/maps" % pid).read_text() == ""
+    assert lab_host.gpu_used() == [0, 700]
+    apps = lab_host.smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+    assert apps.stdout.split() == ["%d," % pid, "700"], apps.stdout
+    lab_host.kill(pid)
+    assert lab_host.wait_gone(pid) and lab_host.proc_state(pid) is None
+    assert lab_host.gpu_used() == [0, 0]
+
+
+def test_stuck_holder_has_a_thread_in_d_state(lab_host):
+    """``stuck``: the holding thread sleeps uninterruptibly (D) in the kernel, as a killed
+    process's threads stuck in the driver show; signals other than SIGKILL leave it there."""
+    pid = lab_host.spawn_holder(gpus=[0], mib=500, leader_exit=True, stuck=True)
+    states = lab_host.task_states(pid)
+    assert states[pid][0] == "Z" and states[pid.thread] == ("D", "handle_userfault"), states
+    assert lab_host.alive(pid) and lab_host.gpu_used() == [500, 0]
+    lab_host.kill(pid, signal.SIGSTOP)
+    time.sleep(0.2)
+    assert lab_host.task_states(pid)[pid.thread][0] == "D"
+    lab_host.kill(pid, signal.SIGKILL)
+    assert lab_host.wait_gone(pid)
+    assert lab_host.gpu_used() == [0, 0]
+
+
 def test_ignore_term_survives_sigterm(lab_host):
     pid = lab_host.spawn_holder(gpus=[0], mib=500, ignore_term=True)
     lab_host.kill(pid, signal.SIGTERM)

@@ -695,6 +695,27 @@ def test_clean_memory_verdict_waits_for_memory(tmp_path, children):
     assert target.wait(timeout=5) == -signal.SIGTERM and other.poll() is None
 
 
+def test_clean_memory_nothing_signalled_can_free_ends_the_wait_after_the_release_time(
+        tmp_path, children):
+    """release_floor_mib: memory no signalled process can free (the controller's
+    release_floors). Past release_wait_s -- a driver releasing a process already gone -- the
+    wait stops instead of running out its timeout; memory beyond that floor is waited for."""
+    other = children.holder("not-signalled")
+    stub = Stub(tmp_path / "stub", apps=[gpu_app(other, 500)])
+    t0 = time.monotonic()
+    doc = run_agent(clean_request(tmp_path, stub, [], timeout_s=8.0, release_wait_s=0.3,
+                                  release_floor_mib={"0": 500}), env=agent_env(tmp_path))
+    mw = doc["memory_wait"]
+    assert time.monotonic() - t0 < 5
+    assert mw["ok"] is False and mw["held_by_others"] is True and 0.3 <= mw["seconds"] < 2
+    assert mw["error"] == "GPU 0 still above threshold: nothing signalled can free it"
+    # more memory than the floor explains: that can still come back, so it is waited for
+    doc = run_agent(clean_request(tmp_path, stub, [], timeout_s=1.0, release_wait_s=0.3,
+                                  release_floor_mib={"0": 100}), env=agent_env(tmp_path))
+    assert doc["memory_wait"]["seconds"] >= 0.9 and "held_by_others" not in doc["memory_wait"]
+    assert other.poll() is None
+
+
 def test_clean_units_are_argv_data(tmp_path):
     systemctl = tmp_path / "systemctl"
     log = tmp_path / "systemctl.log"
@@ -969,12 +990,68 @@ def test_parse_maps_devices_reads_the_pathname_column():
     assert agent.parse_maps_devices(text) == ["/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"]
 
 
-def test_maps_of_a_zombie_leader_are_not_available(tmp_path, children):
-    from gpufleet.remote import agent
-    z = children([sys.executable, "-c", ZOMBIE_LEADER, "/dev/null"])
+# The H200 probe's part D (tests/fixtures/real-h200/clean-cases/probe-1.log): the device files
+# are opened and mapped, then the main thread calls pthread_exit while another runs on (or,
+# with "stuck", sits in uninterruptible sleep: tests/lab/fakecuda.py's sleep_in_kernel).
+ZOMBIE_LEADER_MAPPED = r'''
+import ctypes, mmap, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import fakecuda
+held = [(f, mmap.mmap(f.fileno(), 1, prot=mmap.PROT_READ))
+        for f in [open(p, "rb") for p in sys.argv[3:]]]
+_, tid = fakecuda.hold_in_thread(lambda: None, sys.argv[2] == "stuck")
+print("ready", flush=True)
+print(tid, flush=True)
+ctypes.CDLL(None).pthread_exit(None)
+'''
+
+
+def zombie_leader_mapping(children, how):
+    """A zombie leader whose live thread keeps /dev/nvidia0 and /dev/nvidia-uvm (one-byte files
+    on a private /dev) open and mapped; returns (process, the live thread's tid)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare")
+    if subprocess.run(["unshare", "-m", "--propagation", "private", "true"]).returncode != 0:
+        pytest.skip("unshare -m not permitted here")
+    script = ("mount -t tmpfs tmpfs /dev && for f in nvidia0 nvidia-uvm; do printf x > /dev/$f; "
+              "done && exec \"$0\" -c \"$1\" \"$2\" \"$3\" /dev/nvidia0 /dev/nvidia-uvm")
+    z = children(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
+                  sys.executable, ZOMBIE_LEADER_MAPPED, str(REPO / "tests" / "lab"), how])
+    tid = int(z.stdout.readline())
     wait_state(z.pid, "Z")
-    assert agent.mapped_devices(z.pid) is None  # its maps read empty: not "maps nothing"
+    return z, tid
+
+
+def test_maps_of_a_zombie_leader_are_its_live_threads(tmp_path, children):
+    """Recorded on the H200: the leader's maps are empty, its live threads' show the devices.
+    Read through a live thread, the holder is a CUDA context again (policy.holder_role)."""
+    from gpufleet.remote import agent
+    z, tid = zombie_leader_mapping(children, "hold")
+    assert Path("/proc/%d/maps" % z.pid).read_text() == ""
+    assert agent.mapped_devices(z.pid) == ["/dev/nvidia-uvm", "/dev/nvidia0"]
     assert agent.mapped_devices(os.getpid()) is not None
+    doc = run_agent(snap_request(Stub(tmp_path / "stub")))
+    (held,) = [h for h in doc["holders"] if h["pid"] == z.pid]
+    assert held["mapped"] == ["/dev/nvidia-uvm", "/dev/nvidia0"]
+    entry = doc["processes"][str(z.pid)]
+    assert (entry["state"], entry["threads"], entry["live_threads"], entry["stuck_threads"]) == (
+        "Z", 2, 1, [])
+    snap = parse_snapshot(doc)
+    assert snap.processes[z.pid].threads == 2 and snap.processes[z.pid].stuck_threads == ()
+
+
+def test_a_zombie_leaders_thread_in_d_state_is_reported_with_its_wchan(tmp_path, children):
+    """A killed process's threads stuck in the driver: the zombie leader's live threads all
+    in D. The agent reports each with its wchan (here the kernel's handle_userfault)."""
+    z, tid = zombie_leader_mapping(children, "stuck")
+    doc = run_agent(snap_request(Stub(tmp_path / "stub")))
+    entry = doc["processes"][str(z.pid)]
+    assert entry["live_threads"] == 1
+    assert entry["stuck_threads"] == [{"tid": tid, "wchan": "handle_userfault"}]
+    (held,) = [h for h in doc["holders"] if h["pid"] == z.pid]
+    assert held["mapped"] == ["/dev/nvidia-uvm", "/dev/nvidia0"]
+    (stuck,) = parse_snapshot(doc).processes[z.pid].stuck_threads
+    assert (stuck.tid, stuck.wchan) == (tid, "handle_userfault")
 
 
 def test_holder_gone_before_its_details_are_read_is_not_a_holder(tmp_path, children,

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -215,8 +215,9 @@ class State:
         tmp.write_text(json.dumps(cfg))
         os.rename(tmp, path)
 
-    def holder(self, alloc: dict, **extra: Any) -> subprocess.Popen:
-        p = subprocess.Popen(["sleep", "120"])
+    def holder(self, alloc: dict, argv: Optional[list[str]] = None, **extra: Any
+               ) -> subprocess.Popen:
+        p = subprocess.Popen(argv or ["sleep", "120"])
         self.procs.append(p)
         rec = dict({"pid": p.pid, "starttime": stat_starttime(p.pid), "alloc": alloc}, **extra)
         (self.root / "procs" / ("%d.json" % p.pid)).write_text(json.dumps(rec))
@@ -312,6 +313,22 @@ def _zombie(s: State) -> None:
     time.sleep(0.1)  # unreaped: a zombie holds nothing (recorded)
 
 
+# The H200 probe's part D (tests/fixtures/real-h200/clean-cases/probe-1.log): the main thread
+# calls pthread_exit while another thread runs on.
+ZOMBIE_LEADER = ("import ctypes, threading, time\n"
+                 "threading.Thread(target=time.sleep, args=(120,)).start()\n"
+                 "ctypes.CDLL(None).pthread_exit(None)\n")
+
+
+def _zombie_leader(s: State) -> None:
+    s.config(gpus=2)
+    p = s.holder({"1": 5638}, argv=[sys.executable, "-c", ZOMBIE_LEADER])
+    deadline = time.monotonic() + 10
+    while Path("/proc/%d/stat" % p.pid).read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the leader never became a zombie"
+        time.sleep(0.01)
+
+
 def _ghost(s: State) -> None:
     s.config(gpus=2, ghost_mib={"1": 1680})
     s.holder({"1": 500})
@@ -341,7 +358,8 @@ def _explicit_and_clamped(s: State) -> None:
     s.holder({"0": 9000})  # more than fits: used is clamped at total - reserved
 
 
-SCENARIOS = [_idle, _holders, _dead_within_delay, _dead_past_delay, _zombie, _ghost, _wsl2, _hidden,
+SCENARIOS = [_idle, _holders, _dead_within_delay, _dead_past_delay, _zombie, _zombie_leader,
+             _ghost, _wsl2, _hidden,
              _unlisted_and_touch, _explicit_and_clamped]
 
 
@@ -352,6 +370,14 @@ def test_nvml_and_nvidia_smi_report_the_same(nvml: NVML, state: State, scenario)
     smi = state.smi_query()
     assert first == smi
     assert nvml.query() == first  # and reading again changes nothing
+
+
+def test_zombie_leader_with_a_live_thread_still_holds(nvml: NVML, state: State) -> None:
+    """Recorded on the H200: NVML listed the zombie leader with its memory (probe-1.log D)."""
+    _zombie_leader(state)
+    gpus = nvml.query()["gpus"]
+    assert [g["used"] for g in gpus] == [0, 5638]
+    assert [pid for pid, _ in gpus[1]["apps"]] == [state.procs[-1].pid]
 
 
 def test_holders_scenario_is_not_trivial(nvml: NVML, state: State) -> None:

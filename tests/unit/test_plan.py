@@ -98,8 +98,7 @@ def test_scope_cutting_a_family_refuses_the_parent_of_the_outside_child() -> Non
     # worker on GPU 2 (issue 10 part 6: before, 4362 was a target, half a family)
     assert pids(plan) == {4340, 4360, 4361}
     family = ("its family (root PID 4341 VLLM::EngineCore_DP1) also uses GPU 3, outside the "
-              "scope: ending part of it can end the whole family; pass --include-spanning to "
-              "clean the family as a whole")
+              "scope: pass --include-spanning to clean the whole family")
     assert refused(plan)[4341] == refused(plan)[4362] == (planmod.FAMILY, family)
     assert 4363 not in refused(plan)
     # the job-level risk is said, not guessed at
@@ -168,7 +167,9 @@ def test_other_users_and_zombies_and_driver_only_holders() -> None:
     r = refused(plan)
     assert r[6100] == (policy.OWNER, "owned by bob; connect as root or with sudo")
     # the zombie child of finetune.py holds nothing and is said to be a zombie
-    assert r[5310] == (policy.ZOMBIE, "zombie, parent PID 5300 (python)")
+    assert r[5310] == (policy.ZOMBIE, "zombie (exited, no thread left), parent PID 5300 "
+                       "(python): holds nothing; any memory on its GPUs is held elsewhere "
+                       "(another process, or the driver)")
     # ...and it does not stop its parent from being signalled
     assert plan.target(5300).wave == 0
     # 5500 holds only nvidiactl + nvidia-uvm, is not listed, and no memory is unexplained: a
@@ -204,7 +205,42 @@ def test_zombie_with_gpu_evidence_is_never_a_target() -> None:
     d["processes"]["5400"]["state"] = "Z"
     plan = make_plan(parse_snapshot(d), (0,))
     assert pids(plan) == set()
-    assert refused(plan)[5400] == (policy.ZOMBIE, "zombie, parent PID 1 (systemd)")
+    kind, reason = refused(plan)[5400]
+    assert kind == policy.ZOMBIE
+    assert reason.startswith("zombie (exited, no thread left), parent PID 1 (systemd): "
+                             "holds nothing")
+
+
+def test_zombie_leader_whose_threads_hold_the_gpu_is_a_target() -> None:
+    """The H200 finding (probe-1.log part D): `Zl` with 19 threads, listed with its memory;
+    it was refused as a zombie and the memory stayed. SIGKILL of the PID frees it."""
+    d = doc("shared-node")
+    d["processes"]["5400"].update(state="Z", threads=19, live_threads=18, stuck_threads=[])
+    plan = make_plan(parse_snapshot(d), (0,))
+    assert [(t.pid, t.evidence, t.gpus, t.used_mib) for t in plan.targets] == [
+        (5400, "nvidia-smi", (0,), 10240)]
+    assert plan.refusal_of(5400) is None
+    assert to_request(plan, 1.0, 10.0, False, False, "op")["targets"] == [
+        {"pid": 5400, "starttime": 730010, "wave": 0}]
+
+
+def test_stuck_zombie_leader_is_refused_and_does_not_block_its_parent() -> None:
+    """Every thread left in D state: no signal ends it, so it is not signalled (and nothing
+    waits for it); its parent, which holds memory of its own, is still a target."""
+    d = doc("shared-node")
+    d["processes"]["5400"].update(ppid=5300, state="Z", threads=2, live_threads=1,
+                                  stuck_threads=[{"tid": 5401, "wchan": "os_acquire_mutex"}])
+    plan = make_plan(parse_snapshot(d), (0, 1, 2, 3))
+    assert refused(plan)[5400] == (policy.STUCK, "stuck: main thread gone, thread 5401 in D "
+                                   "state in os_acquire_mutex; signals cannot end it")
+    assert 5300 in pids(plan) and 5400 not in pids(plan)
+    # what can still be done, said in the plan: no reset here (alice is not root, and the
+    # GPU's device file is open), so drain the node and reboot
+    (note,) = [n for n in plan.notes if n.startswith("PID 5400")]
+    assert note == ("PID 5400 (python) is stuck: no signal ends it and nothing waits for it; "
+                    "no GPU reset here (not root; its device file is open in 3 processes): "
+                    "drain the node (Slurm: scontrol update nodename=shared-node state=drain "
+                    "reason=...) and reboot")
 
 
 # -------------------------------------------------------- hidden PIDs, containers, WSL2
@@ -796,8 +832,7 @@ def test_vanished_holders_are_counted_in_a_note() -> None:
 
 TP4 = (4340, 4360, 4361, 4362, 4363)  # EngineCore_DP0 (device files only) -> Worker_TP0..TP3
 TP4_REASON = ("its family (root PID 4340 VLLM::EngineCore_DP0) also uses GPU 2,3, outside the "
-              "scope: ending part of it can end the whole family; pass --include-spanning to "
-              "clean the family as a whole")
+              "scope: pass --include-spanning to clean the whole family")
 
 
 def test_scope_cutting_a_family_refuses_all_of_it_naming_the_family() -> None:
@@ -846,3 +881,52 @@ def test_include_spanning_refuses_the_family_when_policy_refuses_a_member() -> N
         "(VLLM::Worker) refused: protected by 'VLLM::Worker_TP3'")
     plain = make_plan(load("vllm-tp4"), (0, 1), protect=("VLLM::Worker_TP3",))
     assert not set(TP4) & pids(plain) and refused(plain)[4360] == (planmod.FAMILY, TP4_REASON)
+
+
+# ------------------------------------------------------------------ what the clean cannot free
+
+
+def test_release_floors_are_the_memory_no_target_can_free() -> None:
+    """Memory nvidia-smi attributes to no process, beyond the driver's share for the listed
+    ones, on GPUs where every target is listed: no signal frees it, so the memory wait gives
+    it only planmod.RELEASE_WAIT_S (a driver releasing a process already gone)."""
+    d = doc("train-node")
+    # GPU 0: 15 MiB unattributed, the driver's share for its two listed processes; GPUs 1 and
+    # 3: 15 MiB for one process, 6 MiB more than its share
+    assert planmod.release_floors(make_plan(parse_snapshot(d), (0, 1, 2, 3)),
+                                  parse_snapshot(d)) == {"1": 6, "3": 6}
+    d["gpus"][0]["memory_used_mib"] += 5000  # a leak, or another namespace's process
+    before = parse_snapshot(d)
+    plan = make_plan(before, (0, 1, 2, 3))
+    assert pids(plan) and planmod.release_floors(plan, before) == {"0": 5000, "1": 6, "3": 6}
+    # nothing to signal at all (the families span GPUs 1 and 3): the same floor
+    cut = make_plan(before, (0, 2))
+    assert pids(cut) == set() and planmod.release_floors(cut, before) == {"0": 5000}
+    # a unit to stop may end more than the targets: wait for all of it
+    unit = load("unit-vllm")
+    stop = make_plan(unit, stop_units=True)
+    assert stop.units_to_stop and planmod.release_floors(stop, unit) == {}
+
+
+def test_an_unlisted_family_root_holds_no_memory_the_listing_would_not_show() -> None:
+    """vLLM's EngineCore (device files only, a target as its workers' family root): nvidia-smi
+    lists this namespace's processes, so its own memory would be listed; GPU 0's 5000 MiB
+    that nobody explains is beyond every target."""
+    d = doc("vllm-tp4")
+    d["gpus"][0]["memory_used_mib"] += 5000
+    before = parse_snapshot(d)
+    plan = make_plan(before)
+    assert plan.target(4340) is not None and plan.target(4340).evidence == "device-file"
+    assert planmod.release_floors(plan, before)["0"] == 5006
+
+
+def test_release_floors_leave_gpus_a_target_the_listing_misses_may_hold() -> None:
+    """A host that cannot list its holders (another PID namespace): a device-file target may
+    hold the unexplained memory, so its GPUs get no floor; with nothing signalled they do."""
+    hidden = load("hidden-pids")
+    full = make_plan(hidden)
+    assert {t.evidence for t in full.targets} == {"device-file"}
+    assert planmod.release_floors(full, hidden) == {}
+    part = make_plan(hidden, (0,))
+    assert pids(part) == set()
+    assert planmod.release_floors(part, hidden) == {"0": 126410}

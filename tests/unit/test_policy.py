@@ -193,13 +193,63 @@ def test_unmatched_protect_patterns_ignore_the_agents_own_processes() -> None:
     assert got == ("train_dlfash", "import sys", "root@notty", "*nothing*")
 
 
-def test_zombie_names_its_parent() -> None:
+HELD_ELSEWHERE = ("holds nothing; any memory on its GPUs is held elsewhere (another process, "
+                  "or the driver)")
+
+
+def test_zombie_names_its_parent_and_says_it_holds_nothing() -> None:
     shared = load("shared-node")
     ctx = PolicyContext.from_snapshot(shared)
-    assert signal_refusal(shared.processes[5310], ctx) == (policy.ZOMBIE,
-                                                     "zombie, parent PID 5300 (python)")
+    assert signal_refusal(shared.processes[5310], ctx) == (
+        policy.ZOMBIE, "zombie (exited, no thread left), parent PID 5300 (python): "
+        + HELD_ELSEWHERE)
     orphan = dataclasses.replace(shared.processes[5310], ppid=424242)
-    assert refusal_reason(orphan, ctx) == "zombie, parent PID 424242 (?)"
+    assert refusal_reason(orphan, ctx) == ("zombie (exited, no thread left), parent PID 424242 "
+                                           "(?): " + HELD_ELSEWHERE)
+
+
+def _leader(threads: int, live: int = 0, stuck: tuple[tuple[int, str], ...] = ()) -> ProcessInfo:
+    """alice's eval.py (shared-node) as the agent reports it once its main thread is gone."""
+    d = json.loads((SCENARIOS / "shared-node.json").read_text())
+    d["processes"]["5400"].update(state="Z", threads=threads, live_threads=live or None,
+                                  stuck_threads=[{"tid": t, "wchan": w} for t, w in stuck])
+    return parse_snapshot(d).processes[5400]
+
+
+def test_zombie_leader_whose_threads_run_is_not_a_zombie_and_may_be_signalled() -> None:
+    """Recorded on the H200 (probe-1.log part D): `Zl`, 19 threads, NVML listing 5638 MiB;
+    SIGKILL of the PID freed it in 0.13 s. It holds what its threads hold."""
+    ctx = PolicyContext.from_snapshot(load("shared-node"))  # the agent runs as alice
+    leader = _leader(threads=19, live=18)
+    assert policy.leader_gone(leader) and not policy.is_zombie(leader)
+    assert signal_refusal(leader, ctx) is None
+    # the other rules still apply to it: bob's is bob's
+    bobs = dataclasses.replace(leader, uid=1001, user="bob")
+    assert signal_refusal(bobs, ctx)[0] == policy.OWNER
+    # one thread (the leader itself) or a count an older agent did not give: a true zombie
+    for threads in (1, None):
+        zombie = dataclasses.replace(leader, threads=threads)
+        assert policy.is_zombie(zombie) and not policy.leader_gone(zombie)
+        assert signal_refusal(zombie, ctx)[0] == policy.ZOMBIE
+
+
+def test_zombie_leader_whose_every_live_thread_is_in_d_state_is_stuck() -> None:
+    ctx = PolicyContext.from_snapshot(load("shared-node"))
+    stuck = _leader(threads=2, live=1, stuck=((5412, "uvm_va_space_destroy"),))
+    assert signal_refusal(stuck, ctx) == (
+        policy.STUCK, "stuck: main thread gone, thread 5412 in D state in "
+        "uvm_va_space_destroy; signals cannot end it")
+    many = _leader(threads=6, live=5, stuck=tuple((5410 + n, "os_acquire_mutex")
+                                                  for n in range(5)))
+    assert signal_refusal(many, ctx) == (
+        policy.STUCK, "stuck: main thread gone, threads 5410, 5411, 5412 and 2 more in D "
+        "state in os_acquire_mutex; signals cannot end it")
+    # a thread still runs: SIGKILL ends it, the rest is reported after the clean
+    partly = _leader(threads=4, live=3, stuck=((5412, "uvm_va_space_destroy"),))
+    assert policy.stuck_reason(partly) is None and signal_refusal(partly, ctx) is None
+    # without live_threads (not given), the kernel's count less the leader decides
+    counted = dataclasses.replace(stuck, live_threads=None)
+    assert signal_refusal(counted, ctx)[0] == policy.STUCK
 
 
 def test_other_users_need_root_or_sudo() -> None:
@@ -690,3 +740,22 @@ def test_units_pods_containers_and_jobs_own_what_runs_in_them() -> None:
         proc = _family_proc(60, 1, "python3", "python3 train.py", **extra)
         owner = policy.owner_of(proc, {60: proc})
         assert owner is not None and (owner.kind, owner.name) == (kind, name), extra
+
+
+def test_a_gpu_reset_is_advised_only_where_the_agent_would_do_it() -> None:
+    """The agent's reset_refusal, in words: root, the host itself, not WSL2, and nothing with
+    the GPU's device file open; else the node is drained and rebooted."""
+    d = json.loads((SCENARIOS / "train-node.json").read_text())
+    snap = parse_snapshot(d)
+    # the vLLM ranks, the trainer's and the driver daemons hold every device file
+    assert policy.gpu_reset_blockers(snap, 3) == ["its device file is open in 12 processes"]
+    assert policy.reset_or_drain(snap, (3,), "train-node") == (
+        "no GPU reset here (its device file is open in 12 processes): drain the node (Slurm: "
+        "scontrol update nodename=train-node state=drain reason=...) and reboot")
+    d["holders"] = [h for h in d["holders"] if "/dev/nvidia3" not in h["devices"]]
+    free = parse_snapshot(d)
+    assert policy.gpu_reset_blockers(free, 3) == []
+    assert policy.reset_or_drain(free, (3,)) == "a GPU reset frees it: clean again with --reset"
+    d["facts"].update(is_root=False, in_container=True, container="docker-1", wsl2=True)
+    assert policy.gpu_reset_blockers(parse_snapshot(d), 3) == [
+        "not root", "in container docker-1", "WSL2 has no GPU reset"]

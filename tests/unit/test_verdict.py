@@ -104,11 +104,14 @@ def test_stuck_worker_makes_it_dirty_and_says_why() -> None:
     (s,) = v.survivors
     assert (s.pid, s.name, s.gpus, s.used_mib, s.kind) == (4363, "VLLM::Worker", (3,), 44136,
                                                            V.STUCK)
-    assert "uvm_va_space_destroy" in s.detail
-    assert v.reason.startswith("GPU 3: 44138 MiB left (threshold 64); survivors: 4363 "
-                               "VLLM::Worker on GPU 3 (stuck: uninterruptible sleep in "
-                               "uvm_va_space_destroy")
-    assert "GPU reset not possible here:" in v.reason
+    assert s.detail == "D state in uvm_va_space_destroy: signals cannot end it"
+    # one line for the one dirty GPU: who, why, and what can still be done instead of waiting
+    # (the ranks and nvidia-persistenced hold GPU 3's device file: no reset, so drain)
+    assert v.reason == ("GPU 3: 44138 MiB left (threshold 64): PID 4363 VLLM::Worker "
+                        "(44136 MiB) stuck: D state in uvm_va_space_destroy: signals cannot end "
+                        "it; no GPU reset here (its device file is open in 7 processes): drain "
+                        "the node and reboot")
+    assert not v.reset_possible
 
 
 def test_target_alive_but_off_the_gpu_is_reported_from_the_agents_survivors() -> None:
@@ -131,9 +134,10 @@ def test_driver_leak_and_reset_possible() -> None:
     (u,) = v.unattributed
     assert (u.gpu, u.mib, u.cause) == (1, 1500, V.CAUSE_LEAK)
     assert v.reset_possible and v.reset_blockers == ()
-    assert v.reason == ("GPU 1: 1500 MiB left (threshold 64); GPU 1: 1500 MiB unattributed, "
-                        "likely driver leak (memory no process holds; a GPU reset frees it); "
-                        "a GPU reset is possible here (--reset)")
+    assert v.reason == ("GPU 1: 1500 MiB left (threshold 64): 1500 MiB no process here "
+                        "explains: the driver (a leak, or a process it still tears down) or "
+                        "another PID namespace (NVML gives host PIDs: find them by NSpid in "
+                        "/proc/PID/status); a GPU reset frees it: clean again with --reset")
     assert v.freed_mib == 2 * 125019 - (2 + 1500)
 
 
@@ -211,7 +215,8 @@ def test_zombie_survivor_named_by_the_agent() -> None:
     agent = [{"pid": 4361, "state": "Z", "wchan": "0", "reason": "zombie"}]
     v = V.make_verdict(plan, clean_doc(after, survivors=agent), before)
     (s,) = v.survivors
-    assert s.kind == V.ZOMBIE and s.detail.startswith("zombie, parent PID 4340")
+    assert s.kind == V.ZOMBIE and s.detail == ("zombie (exited, no thread left), parent PID "
+                                               "4340 (VLLM::EngineCore_DP0): holds nothing")
     assert v.verdict == "clean"
 
 
@@ -336,3 +341,74 @@ def test_a_retake_outranks_free_memory_and_names_who_and_what_to_do() -> None:
         assert v.reason.startswith("retaken: ") and all(w in v.reason for w in words), v.reason
     v = V.make_verdict(plan, clean_doc(after, settle={"seconds": 5.0, "retaken": []}), before)
     assert v.verdict == V.CLEAN
+
+
+def with_monitor(d: dict[str, Any]) -> dict[str, Any]:
+    """An nvtop on the host (recorded: every device file open, nothing mapped, no memory)."""
+    d = copy.deepcopy(d)
+    devices = sorted({dev for h in d["holders"] for dev in h["devices"]})
+    d["holders"].append({"pid": 461, "devices": devices, "mapped": []})
+    d["processes"]["461"] = dict(d["processes"]["3902"], pid=461, ppid=3902, starttime=777,
+                                 comm="nvtop", cmdline="nvtop", relation=None)
+    return d
+
+
+def test_memory_no_process_explains_is_never_blamed_on_a_gpu_client() -> None:
+    """The monitor holds device files and no memory: the reason says where unexplained memory
+    may be (the driver, another PID namespace) and never names the monitor."""
+    before = parse_snapshot(with_monitor(doc("train-node")))
+    plan = make_plan(before, (0, 1, 2, 3))
+    assert [c.pid for c in plan.clients] == [461]
+    after = with_monitor(after_doc("train-node", gone=VLLM, used={2: 5000}))
+    v = V.make_verdict(plan, clean_doc(after), before)
+    assert v.verdict == "dirty"
+    (u,) = v.unattributed
+    assert (u.gpu, u.mib, u.cause) == (2, 5000, V.CAUSE_LEAK) and "461" not in u.detail
+    assert v.reason == ("GPU 2: 5000 MiB left (threshold 64): 5000 MiB no process here "
+                        "explains: the driver (a leak, or a process it still tears down) or "
+                        "another PID namespace (NVML gives host PIDs: find them by NSpid in "
+                        "/proc/PID/status); no GPU reset here (its device file is open in 7 "
+                        "processes): drain the node and reboot")
+
+
+def test_a_line_per_dirty_gpu_naming_each_refused_holder_with_its_reason() -> None:
+    before = parse_snapshot(doc("train-node"))
+    plan = make_plan(before, (0, 2))  # both vLLM families also use GPU 1 or 3: refused
+    assert plan.targets == ()
+    v = V.make_verdict(plan, clean_doc(after_doc("train-node")), before)
+    lines = v.reason.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["GPU 0", "GPU 2"]
+    why = {r.pid: r.reason for r in plan.refused}
+    assert why[4340] == why[4360]  # one family, one reason: said once
+    assert lines[0] == (f"GPU 0: 44558 MiB left (threshold {GPU0_THRESHOLD}): PIDs 4340 "
+                        f"VLLM::EngineCore_DP0 (420 MiB), 4360 VLLM::Worker (44136 MiB) "
+                        f"refused: {why[4340]}")
+    assert lines[1].startswith("GPU 2: 44558 MiB left") and why[4341] in lines[1]
+    assert all(len(line) < 300 for line in lines), lines
+
+
+def test_a_zombie_leader_left_holding_is_no_zombie_and_a_stuck_one_gets_advice() -> None:
+    """A target whose main thread is gone while its threads still hold (the H200's `Zl`):
+    it survived, it is not a zombie that holds nothing; with its threads in D state, it is
+    stuck, and the line says what can still be done."""
+    before = parse_snapshot(doc("train-node"))
+    plan = make_plan(before, (0, 1, 2, 3))
+    after = after_doc("train-node", gone=VLLM, keep=[4363])
+    after["processes"]["4363"].update(state="Z", threads=19, live_threads=18, stuck_threads=[])
+    v = V.make_verdict(plan, clean_doc(after), before)
+    (s,) = v.survivors
+    assert (s.pid, s.kind, s.gpus, s.used_mib) == (4363, V.SURVIVED, (3,), 44136)
+    assert "PID 4363 VLLM::Worker (44136 MiB) survived" in v.reason
+    after["processes"]["4363"].update(threads=2, live_threads=1, stuck_threads=[
+        {"tid": 4377, "wchan": "uvm_va_space_destroy"}])
+    v = V.make_verdict(plan, clean_doc(after), before)
+    (s,) = v.survivors
+    assert (s.kind, s.detail) == (V.STUCK, "D state in uvm_va_space_destroy: signals cannot "
+                                           "end it")
+    assert v.reason.endswith("no GPU reset here (its device file is open in 7 processes): "
+                             "drain the node and reboot")
+    # where --reset could do it (root, the host itself, nothing else has the file open)
+    alone = copy.deepcopy(after)
+    alone["holders"] = [h for h in alone["holders"] if h["pid"] == 4363]
+    v = V.make_verdict(plan, clean_doc(alone), before)
+    assert v.reason.endswith("its device file is open in 1 process): drain the node and reboot")

@@ -24,7 +24,9 @@ each):
    members are refused with the family's reason; with include_spanning the whole family is
    planned (and a note says so). Never a half-family by surprise.
 3. policy (gpufleet.core.policy.signal_refusal) refuses the never-signal list, zombies (they
-   hold no GPU memory, measured), other users' processes without root, containers, and
+   hold no GPU memory, measured; a zombie *leader* whose threads still run holds theirs and
+   is a target), processes whose every thread left is stuck in D state (no signal ends
+   them), other users' processes without root, containers, and
    systemd services unless stop_units.
 4. families and services: a target whose process subtree holds a process that must not be
    signalled is refused too, because a family root shuts its children down; a service is
@@ -61,7 +63,7 @@ from gpufleet.core.plan.families import (
 )
 from gpufleet.core.plan.notes import NoteInputs, plan_notes, unreadable_fds_note
 from gpufleet.core.plan.owners import owner_notes, plan_owners, watch_fields
-from gpufleet.core.plan.request import to_request
+from gpufleet.core.plan.request import RELEASE_WAIT_S, release_floors, to_request
 from gpufleet.core.plan.types import (
     AMBIGUOUS,
     EVIDENCE_DEVICE,
@@ -85,9 +87,9 @@ from gpufleet.errors import UsageError
 
 __all__ = [
     "AMBIGUOUS", "EVIDENCE_DEVICE", "EVIDENCE_FAMILY", "EVIDENCE_SMI", "EVIDENCE_SMI_UNVERIFIED",
-    "FAMILY", "INVISIBLE_REASON", "NO_EVIDENCE", "SPANNING", "UNREADABLE", "UNTRUSTED_ROW",
-    "Client", "Invisible", "Plan", "Refusal", "Target", "UnitStop", "format_gpu_indices",
-    "make_plan", "to_request", "unreadable_fds_note",
+    "FAMILY", "INVISIBLE_REASON", "NO_EVIDENCE", "RELEASE_WAIT_S", "SPANNING", "UNREADABLE",
+    "UNTRUSTED_ROW", "Client", "Invisible", "Plan", "Refusal", "Target", "UnitStop",
+    "format_gpu_indices", "make_plan", "release_floors", "to_request", "unreadable_fds_note",
 ]
 
 
@@ -138,8 +140,9 @@ def make_plan(
     refuse_untrusted(rules, untrusted)
     targets, owner_units = plan_owners(snapshot, assemble_targets(rules.dec, tree), owners,
                                        ctx, rules.dec.refused)
+    stuck = tuple(r for r in rules.dec.refused.values() if r.kind == policy.STUCK)
     notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
-                                  tuple(family_notes), dropped, host, sources)
+                                  tuple(family_notes), dropped, host, sources, stuck)
                        ) + tuple(owner_notes(targets))
 
     refused = rules.dec.refused

@@ -27,8 +27,11 @@ from gpufleet.core.plan.types import (
 )
 
 # Refusals that do NOT stop a relative from being signalled: these processes hold no memory we
-# can attribute outside the scope, and would have been targets in a full scope.
-SOFT_KINDS = frozenset({AMBIGUOUS, NO_EVIDENCE, policy.ZOMBIE})
+# can attribute outside the scope, and would have been targets in a full scope; or, stuck,
+# are already ending and no parent's shutdown changes them.
+SOFT_KINDS = frozenset({AMBIGUOUS, NO_EVIDENCE, policy.ZOMBIE, policy.STUCK})
+# Policy's refusals that outrank what the evidence says: final whatever the scope.
+_FINAL_KINDS = (policy.PROTECTED, policy.ZOMBIE, policy.STUCK)
 # Evidence refusals a family's own reason replaces (it says more than "ambiguous").
 _DOUBT_KINDS = frozenset({AMBIGUOUS, NO_EVIDENCE})
 
@@ -158,8 +161,8 @@ def plan_whole_families(ev: Evidence, tree: Tree, scope: PlanScope,
             notes.append(f"include_spanning: {head[4:]} outside the scope; the whole family is "
                          f"planned: PIDs {', '.join(map(str, fam.members))}")
             continue
-        reason = f"{head}, outside the scope: ending part of it can end the whole family; " \
-                 "pass --include-spanning to clean the family as a whole"
+        # short: it is quoted in the plan and on the dirty GPU's line of the verdict
+        reason = f"{head}, outside the scope: pass --include-spanning to clean the whole family"
         for pid in fam.members:
             cand, doubt = ev.candidates.get(pid), ev.refusals.get(pid)
             if cand is not None:
@@ -194,7 +197,8 @@ def _include_family(fam: Family, ev: Evidence, tree: Tree) -> None:
 
 
 def apply_policy(ev: Evidence, tree: Tree, ctx: policy.PolicyContext) -> Decisions:
-    """Policy has the last word. Absolute protection and zombies outrank evidence reasons."""
+    """Policy has the last word. Absolute protection, zombies and stuck processes outrank
+    evidence reasons."""
     dec = Decisions(refused=dict(ev.unreadable))
     for pid in sorted(set(ev.candidates) | set(ev.refusals)):
         proc = tree.procs[pid]
@@ -202,7 +206,7 @@ def apply_policy(ev: Evidence, tree: Tree, ctx: policy.PolicyContext) -> Decisio
         doubt = ev.refusals.get(pid)
         gpus = cand.gpus if cand is not None else doubt.gpus if doubt is not None else ()
         pol = policy.signal_refusal(proc, ctx)
-        if pol is not None and pol[0] in (policy.PROTECTED, policy.ZOMBIE):
+        if pol is not None and pol[0] in _FINAL_KINDS:
             dec.refused[pid] = Refusal(pid, proc.name, pol[1], pol[0], gpus)
         elif doubt is not None:
             dec.refused[pid] = doubt

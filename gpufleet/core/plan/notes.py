@@ -10,7 +10,7 @@ from typing import Optional
 from gpufleet.core import policy
 from gpufleet.core.model import ComputeApp, Snapshot, ledger
 from gpufleet.core.plan.evidence import Evidence
-from gpufleet.core.plan.types import PlanScope, Target
+from gpufleet.core.plan.types import PlanScope, Refusal, Target
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class NoteInputs:
     untrusted_rows: tuple[ComputeApp, ...] = ()  # rows of refused listings (not in snapshot)
     host: str = "?"
     protect: tuple[tuple[str, str], ...] = ()  # (where it comes from, pattern)
+    stuck: tuple[Refusal, ...] = ()  # refused as stuck: what can still be done is said
 
 
 def plan_notes(inp: NoteInputs) -> tuple[str, ...]:
@@ -156,6 +157,11 @@ def leftover_notes(inp: NoteInputs) -> list[str]:
             f"{len(clients)} GPU client(s) with device files open but no evidence of GPU memory "
             "(monitors, exporters, nvidia-smi runs) are left alone: "
             + ", ".join(f"{c.pid} {c.name}" for c in clients))
+    for ref in sorted(inp.stuck, key=lambda r: r.pid):
+        advice = policy.reset_or_drain(inp.snapshot, ref.gpus or inp.scope.indices,
+                                       inp.snapshot.facts.hostname or "?")
+        notes.append(f"PID {ref.pid} ({ref.name}) is stuck: no signal ends it and nothing waits "
+                     f"for it; {advice}")
     vanished = inp.snapshot.holders_vanished
     if vanished:
         notes.append(

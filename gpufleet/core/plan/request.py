@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from gpufleet.core.plan.types import Plan, Target
+from gpufleet.core import policy
+from gpufleet.core.model import Snapshot, ledger
+from gpufleet.core.plan.types import EVIDENCE_SMI, Plan, Target
 from gpufleet.errors import UsageError
+
+#: How long the memory wait gives memory nothing signalled can free (release_floors): a driver
+#: still releasing a process that is already gone frees it within moments (0.13-0.23 s after
+#: SIGKILL on the H200: tests/fixtures/real-h200/clean-cases/probe-1.log, parts B and D);
+#: anything else -- a driver's leak, another PID namespace's process, WSL2 -- no wait changes.
+RELEASE_WAIT_S = 2.0
 
 
 def _target(t: Target, plan: Plan) -> dict[str, Any]:
@@ -66,3 +74,29 @@ def to_request(
         "lock_path": lock_path,
         "operator": operator,
     }
+
+
+def release_floors(plan: Plan, before: Snapshot) -> dict[str, int]:
+    """Per scope GPU, MiB that no target of the plan can free: what nvidia-smi attributes to no
+    process, beyond the driver's share for the listed ones, on a GPU where no target could
+    hold memory the listing does not show. An unlisted target could (a device-file holder
+    taken on memory evidence), unless it is the family root of listed processes while
+    nvidia-smi lists this PID namespace's processes: its own memory would be listed too. No
+    GPU with units to stop (they may end more than the targets), or whose memory is not
+    known. The memory wait stops once only this and the wait floors are left, after
+    RELEASE_WAIT_S: waiting longer cannot change the verdict."""
+    if plan.units_to_stop:
+        return {}
+    lists_here = any(a.pid in before.processes for a in before.compute_apps)
+    hidden = [t for t in plan.targets if t.evidence != EVIDENCE_SMI
+              and not (lists_here and policy.has_listed_descendant(before, t.pid))]
+    out: dict[str, int] = {}
+    for row in ledger(before):
+        if row.index not in plan.scope or row.unattributed_mib is None:
+            continue
+        if any(not t.gpus or row.index in t.gpus for t in hidden):
+            continue
+        extra = row.unattributed_mib - row.driver_allowance_mib
+        if extra > 0:
+            out[str(row.index)] = extra
+    return out

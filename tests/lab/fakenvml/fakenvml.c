@@ -624,7 +624,8 @@ static double now_s(void) {
 }
 
 /* (state, starttime) of a pid in this PID namespace; 0 when it does not exist. */
-static int proc_state(long pid, char *state, unsigned long long *start) {
+/* state, starttime and number of threads of a pid (fields 3, 22 and 20 of proc(5)) */
+static int proc_state(long pid, char *state, unsigned long long *start, long *threads) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%ld/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -637,10 +638,11 @@ static int proc_state(long pid, char *state, unsigned long long *start) {
     if (!p || p[1] != ' ') return 0;
     p += 2;
     *state = *p;
-    /* fields after the comm: state is [0], starttime is [19] */
+    /* fields after the comm: state is [0], num_threads [17], starttime [19] */
     for (int field = 0; field < 19 && p; field++) {
         p = strchr(p, ' ');
         if (p) p++;
+        if (p && field == 16) *threads = strtol(p, NULL, 10);
     }
     if (!p) return 0;
     *start = strtoull(p, NULL, 10);
@@ -825,8 +827,12 @@ static void take(const config *c, snapshot_t *s) {
         if (!r->ok) continue;
         char state = 0;
         unsigned long long start = 0;
-        int exists = proc_state(r->pid, &state, &start);
-        int live = exists && state != 'Z' && state != 'X' && start == r->starttime;
+        long threads = 1;
+        int exists = proc_state(r->pid, &state, &start, &threads);
+        /* a zombie holds nothing, but a zombie leader whose other threads run holds what they
+         * hold (recorded on the H200: NVML listed it, probe-1.log part D) */
+        int live = exists && ((state != 'Z' && state != 'X') || threads > 1) &&
+                   start == r->starttime;
         if (!live) {
             double since = 0;
             int known = dead_since(dead_path, c->release_delay_s, now, &since);
