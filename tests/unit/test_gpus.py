@@ -9,10 +9,9 @@ def test_indices_format_is_the_planners() -> None:
     """One definition: core/plan and core/verdict use core/gpus', and keep no copy."""
     from pathlib import Path
 
-    from gpufleet.core import plan, verdict
+    from gpufleet.core import plan
 
     assert plan.format_gpu_indices is gpus.format_gpu_indices
-    assert verdict.format_gpu_indices is gpus.format_gpu_indices
     core = Path(plan.__file__).resolve().parent.parent
     for path in [*core.joinpath("plan").glob("*.py"), core / "verdict.py", core / "policy.py"]:
         assert "def fmt_gpus" not in path.read_text(), path

@@ -221,7 +221,8 @@ def test_zombie_leader_whose_threads_hold_the_gpu_is_a_target() -> None:
         (5400, "nvidia-smi", (0,), 10240)]
     assert plan.refusal_of(5400) is None
     assert to_request(plan, 1.0, 10.0, False, False, "op")["targets"] == [
-        {"pid": 5400, "starttime": 730010, "wave": 0}]
+        {"pid": 5400, "starttime": 730010, "wave": 0, "name": "python",
+         "cmdline": "python eval.py --device cuda:0"}]
 
 
 def test_stuck_zombie_leader_is_refused_and_does_not_block_its_parent() -> None:

@@ -144,11 +144,9 @@ def make_plan(
     notes = plan_notes(NoteInputs(snapshot, plan_scope, threshold, ev, targets,
                                   tuple(family_notes), dropped, host, sources, stuck)
                        ) + tuple(owner_notes(targets))
-
-    refused = rules.dec.refused
     return Plan(
         host=host, scope=plan_scope.indices, full_scope=plan_scope.full, targets=targets,
-        refused=tuple(sorted(refused.values(), key=lambda r: r.pid)),
+        refused=tuple(sorted(rules.dec.refused.values(), key=lambda r: r.pid)),
         units_to_stop=unit_stops(targets, tree, stop_units, disable_units) + owner_units,
         invisible=ev.invisible, threshold_mib=after_thresholds(snapshot, plan_scope.indices, threshold, targets),
         notes=notes, clients=tuple(sorted(ev.clients.values(), key=lambda c: c.pid)),
