@@ -486,7 +486,8 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
     Evidence, in order:
     1. a client by name (CLIENT_NAMES): client (names add protection, never a target);
     2. it is the family root of processes nvidia-smi lists (vLLM's EngineCore above its
-       Workers): holder -- the plan's family rule decides whether it is signalled;
+       Workers), or a CUDA MPS client a verified daemon lists (NVML counts its memory in the
+       server's row): holder -- the plan's family rule decides whether it is signalled;
     3. its maps show no nvidia-uvm (an NVML client maps nothing or nvidiactl, a running
        nvidia-smi nothing or nvidiactl, a cuInit-only process nvidia0 and nvidiactl): client;
     4. memory above ``threshold_mib`` on its GPUs that nothing visible here explains (the
@@ -508,6 +509,9 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
             return HolderRole(ROLE_CLIENT, f"a GPU monitor ({name}): never signalled")
         if _has_listed_descendant(snapshot, holder_pid):
             return HolderRole(ROLE_HOLDER, "parent of processes nvidia-smi lists (family root)")
+        mps_client = _mps_client_reason(snapshot, holder_pid)
+        if mps_client is not None:
+            return HolderRole(ROLE_HOLDER, mps_client)
     kind = maps_kind(holder.mapped, snapshot.facts.wsl2)
     if kind == MAPS_CLIENT:
         shown = ", ".join(holder.mapped or ()) or "no NVIDIA device"
@@ -535,6 +539,19 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
                           "memory of it and no memory on its GPUs is unexplained")
     return HolderRole(ROLE_CLIENT, "open device files only: nvidia-smi lists no memory of it "
                       "and no memory on its GPUs is unexplained (a GPU client)")
+
+
+def _mps_client_reason(snapshot: Snapshot, pid: int) -> Optional[str]:
+    """Why an unlisted holder is a CUDA MPS client whose memory NVML counts in its server's
+    row (the verified daemon's own list, core/mps.py), or None."""
+    if not snapshot.mps:
+        return None
+    from gpufleet.core import mps  # core/mps builds on this module's evidence rules
+
+    server = mps.unlisted_clients(snapshot).get(pid)
+    if server is None:
+        return None
+    return mps.client_reason(server, snapshot.gpu_indices_of_app(server))
 
 
 def holder_roles(snapshot: Snapshot, threshold_mib: int) -> dict[int, HolderRole]:

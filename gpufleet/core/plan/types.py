@@ -13,6 +13,7 @@ from gpufleet.core.model import ProcessInfo
 EVIDENCE_SMI = "nvidia-smi"
 EVIDENCE_DEVICE = "device-file"
 EVIDENCE_FAMILY = "family"  # device-file holder whose GPU processes below are all targets
+EVIDENCE_MPS = "mps-client"  # unlisted CUDA MPS client a verified daemon lists (core/mps.py)
 
 # Refusal kinds decided by the planner (policy's kinds are in gpufleet.core.policy).
 SPANNING = "spanning"
