@@ -15,7 +15,8 @@ expected on their GPUs while MPS runs (``expected_server_mib``: the memory ledge
 after-clean threshold count it). Where NVML lists only the server (some drivers and
 containers do), its row also holds its clients' memory; the daemon's own lists (the agent asks
 it: ``get_server_list``, ``get_client_list``; ``Snapshot.mps``) say who its clients are, taken
-as a claim: only processes with NVIDIA device files open count (``listed_clients``).
+as a claim: only processes with NVIDIA device files open count (``listed_clients``); the
+server's own share is then the measured one (``MEASURED_SERVER_MIB``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ from typing import Optional
 from gpufleet.core import policy
 from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import Holder, MpsDaemon, Snapshot
+
+#: An MPS server's own memory on a GPU, with or without clients: 66 MiB on the H200
+#: (probe-1.log part C, NVML's row of the server before and after its client's SIGKILL). Used
+#: only where NVML counts the clients' memory in the server's row, so its own is not known.
+MEASURED_SERVER_MIB = 66
 
 #: Where the daemon and its clients meet when CUDA_MPS_PIPE_DIRECTORY is not set (NVIDIA's
 #: MPS documentation).
@@ -50,9 +56,12 @@ def _answer(snapshot: Snapshot, daemon: int) -> Optional[MpsDaemon]:
 
 def listed_clients(snapshot: Snapshot) -> dict[int, tuple[int, ...]]:
     """server PID -> its clients as a verified daemon lists them: a server only if it is one
-    on evidence (policy.mps_server), a client only if it has NVIDIA device files open (the
-    list is the daemon's claim, and a PID can be reused by the time it is read)."""
-    holding = {h.pid for h in snapshot.holders}
+    on evidence (policy.mps_server), a client only if it has NVIDIA device files open and,
+    where its maps are readable, a CUDA context (nvidia-uvm mapped: recorded for the client
+    on the H200). The list is the daemon's claim, and a PID can be reused by the time it is
+    read: a monitor it names stays a GPU client."""
+    holding = {h.pid for h in snapshot.holders
+               if policy.maps_kind(h.mapped, snapshot.facts.wsl2) != policy.MAPS_CLIENT}
     out: dict[int, tuple[int, ...]] = {}
     for pid in daemons(snapshot):
         answer = _answer(snapshot, pid)
@@ -75,21 +84,23 @@ def unlisted_clients(snapshot: Snapshot) -> dict[int, int]:
 
 
 def expected_servers(snapshot: Snapshot) -> frozenset[int]:
-    """The MPS servers whose listed memory is their own, expected while MPS runs. A server
-    whose row also counts clients NVML does not list has no share of its own that is known:
-    none of it is expected (the safe side: a clean that leaves it says dirty)."""
-    return servers(snapshot) - set(unlisted_clients(snapshot).values())
+    """The MPS servers NVML lists here: their memory is expected while MPS runs
+    (expected_server_mib), so they are no floor of the memory wait (ops/clean.py)."""
+    return servers(snapshot)
 
 
 def expected_server_mib(snapshot: Snapshot) -> dict[int, int]:
-    """GPU index -> MiB the MPS servers hold there, expected while MPS runs
-    (expected_servers)."""
+    """GPU index -> MiB the MPS servers hold there, expected while MPS runs: a server's row,
+    or, where that row also counts clients NVML does not list, at most MEASURED_SERVER_MIB of
+    it (its own share cannot be read there; a larger one leaves the clean dirty)."""
+    mixed = set(unlisted_clients(snapshot).values())
     out: dict[int, int] = {}
     for pid in expected_servers(snapshot):
         for gpu in snapshot.gpus:
             for app in snapshot.apps_on(gpu.index):
                 if app.pid == pid and app.used_mib is not None:
-                    out[gpu.index] = out.get(gpu.index, 0) + app.used_mib
+                    own = min(app.used_mib, MEASURED_SERVER_MIB) if pid in mixed else app.used_mib
+                    out[gpu.index] = out.get(gpu.index, 0) + own
     return out
 
 

@@ -9,6 +9,7 @@ import time
 
 from .jobs import Background, Job, find_nvidia_smi, run_cmd, smi_failure  # joined
 from .kmsg import kernel_log  # joined
+from .mps import mps_report  # joined
 from .nvml import nvml_decided, nvml_error_code, open_nvml, read_bounded, read_devices  # joined
 from .parse import (  # joined
     AGENT_VERSION,
@@ -123,6 +124,7 @@ def snapshot(req, deadline, proc=PROC):
     processes, vanished = _settle_holders(holders, seen_start, apps, own, ctx, jobs,
                                           warnings, proc)
     confirm_units(processes, req, deadline, warnings)
+    extra["mps"] = mps_report(processes, deadline, proc) if req.get("mps", True) else []
     facts = _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc)
     facts.update(gpu_source=source, gpu_source_reason=reason)
     smi_doc["seconds"] = round(smi_doc["seconds"], 3)

@@ -194,9 +194,12 @@ def test_clients_from_the_daemons_list_are_targets_and_claims_need_device_files(
     plan = make_plan(snap, (0,))
     assert [(t.pid, t.evidence, t.gpus) for t in plan.targets] == [(CLIENT, "mps-client", (0,))]
     assert policy.holder_role(snap, CLIENT, 64).role == policy.ROLE_HOLDER
-    # its server's row is not its own: none of it is expected, the safe side
-    assert ledger(snap)[0].mps_server_mib == 0
-    assert plan.threshold_mib == {0: 64 + driver_allowance_mib(1)}
+    # the server's row is not all its own: only the measured share is expected (66 MiB)
+    assert ledger(snap)[0].mps_server_mib == SERVER_MIB
+    assert plan.threshold_mib == {0: 64 + SERVER_MIB + driver_allowance_mib(1)}
+    d2 = copy.deepcopy(d)  # a smaller row (a smaller server) is all expected, never more
+    d2["compute_apps"][0]["used_mib"] = 40
+    assert ledger(parse_snapshot(d2))[0].mps_server_mib == 40
     # a list is taken only from the daemon's own binary: a python "daemon" lists nothing
     fake = copy.deepcopy(d)
     fake["processes"][str(DAEMON)]["exe"] = PYTHON
