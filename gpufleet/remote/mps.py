@@ -9,7 +9,10 @@ claim: the directory is used only when no one but the daemon's user (and root) c
 or changed it (a user could pre-create /tmp/nvidia-mps and answer on its pipe), and the
 controller counts a listed client only when it has NVIDIA device files open (core/mps.py).
 Recorded answers (tests/fixtures/real-h200/clean-cases/probe-1.log part C): get_server_list
-'908\\n', get_client_list 908 '891\\n', rc 0, nothing on stderr.
+'908\\n', get_client_list 908 '891\\n', rc 0, nothing on stderr; and the same answers from the
+daemon's binary run as /proc/self/fd/N with the pipe directory given through /proc/PID/root
+(probe-mps-agent.log). The daemon listens on a socket there (``control``): a path longer than
+a socket's (107 bytes) fails, as a value like any other failure.
 """
 import os
 import stat

@@ -187,9 +187,13 @@ def server_only_doc(clients: list[int]) -> dict[str, Any]:
 
 
 def test_clients_from_the_daemons_list_are_targets_and_claims_need_device_files() -> None:
-    d = server_only_doc([CLIENT, 4242])
+    d = server_only_doc([CLIENT, 4242, 4343])
     d["processes"]["4242"] = dict(d["processes"][str(CLIENT)], pid=4242, comm="bash",
                                   cmdline="-bash", exe="/usr/bin/bash")  # no device file open
+    d["processes"]["4343"] = dict(d["processes"][str(CLIENT)], pid=4343, comm="python3",
+                                  cmdline="python3 poll_nvml.py")  # a monitor: nothing mapped
+    d["holders"].append({"pid": 4343, "devices": ["/dev/nvidia-uvm", "/dev/nvidia0",
+                                                  "/dev/nvidiactl"], "mapped": []})
     snap = parse_snapshot(d)
     plan = make_plan(snap, (0,))
     assert [(t.pid, t.evidence, t.gpus) for t in plan.targets] == [(CLIENT, "mps-client", (0,))]

@@ -21,11 +21,14 @@
  *                                then ends the daemon, which ends its server)
  *
  * Both names give the comm "nvidia-cuda-mps" (the kernel cuts it at 15 bytes), as recorded.
- * The real daemon and client talk over a named pipe in CUDA_MPS_PIPE_DIRECTORY (default
- * /tmp/nvidia-mps); this fake's client answers from the daemon's state in that directory
- * instead: fakemps.state ("DAEMON_PID SERVER_PID SERVER_STARTTIME") and one file per client
- * in fakemps-clients/ (named by PID, holding its start time; tests/lab/fakecuda.py --mps-pipe
- * writes it). The mode is chosen by the name of the running binary (/proc/self/exe).
+ * The real daemon and client talk over a socket in CUDA_MPS_PIPE_DIRECTORY (default
+ * /tmp/nvidia-mps; recorded there: control and control_privileged sockets, control_lock, a log
+ * FIFO and nvidia-cuda-mps-control.pid, tests/fixtures/real-h200/clean-cases/
+ * probe-mps-agent.log); this fake writes the pid file too, and its client answers from the
+ * daemon's state in that directory: fakemps.state ("DAEMON_PID SERVER_PID SERVER_STARTTIME")
+ * and one file per client in fakemps-clients/ (named by PID, holding its start time;
+ * tests/lab/fakecuda.py --mps-pipe writes it). The mode is chosen by the name of the running
+ * binary (/proc/self/exe).
  *
  * Environment (the lab sets it): FAKEGPU_ROOT (/run/fakegpu), FAKEMPS_DAEMON_MAP and
  * FAKEMPS_SERVER_MAP (minors of the /dev/nvidiaN each maps, "0,1"), FAKEMPS_SERVER_ALLOC
@@ -212,6 +215,10 @@ static int daemon_run(int ready) {
     if (server <= 0 || !alive(server, start)) return 1;
     snprintf(text, sizeof text, "%d %ld %llu\n", (int)getpid(), server, start);
     if (write_file(state_path, text, 0644) < 0) return 1;
+    snprintf(state_path, sizeof state_path, "%s/nvidia-cuda-mps-control.pid", dir);
+    snprintf(text, sizeof text, "%d\n", (int)getpid());
+    if (write_file(state_path, text, 0666) < 0) return 1; /* as the real one (recorded) */
+    snprintf(state_path, sizeof state_path, "%s/" STATE, dir);
     if (write(ready, "ok", 2) != 2) return 1;
     close(ready);
     while (!g_quit) {
