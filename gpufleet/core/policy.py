@@ -275,6 +275,8 @@ def never_signal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
     if is_sshd(proc):
         return "sshd (never signalled)"
     daemon = protected_daemon(proc)
+    if daemon is None and is_mps_daemon(proc):  # the executable alone says so
+        daemon = MPS_CONTROL
     if daemon is None and mps_server(proc, ctx.processes):
         daemon = MPS_SERVER
     if daemon is not None:

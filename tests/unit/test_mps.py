@@ -163,6 +163,24 @@ def test_the_plan_says_how_to_stop_mps(snap: Snapshot) -> None:
     assert "/run/mps pipes" not in note and "default /tmp/nvidia-mps" in note
 
 
+def test_a_renamed_daemon_is_still_the_daemon_by_its_executable(snap: Snapshot) -> None:
+    renamed = dataclasses.replace(snap.processes[DAEMON], comm="mpsd", cmdline="mpsd")
+    found = policy.signal_refusal(renamed, ctx(snap))
+    assert found is not None and found[1].startswith(MPS_CONTROL + " (")
+
+
+def test_a_slurm_epilog_counts_the_mps_server_as_no_holder(snap: Snapshot) -> None:
+    """After the job's client is gone, only MPS is left: the GPU is free for the next job."""
+    from gpufleet.core.slurm import gpu_problems, plan_holders
+
+    after = parse_snapshot(after_doc(73))
+    plan = make_plan(after, (0,))
+    assert gpu_problems(after, plan.scope, plan.threshold_mib, plan_holders(plan, after)) == []
+    plan = make_plan(snap, (0,))  # with the client: it is the one holder named
+    held = gpu_problems(snap, plan.scope, plan.threshold_mib, plan_holders(plan, snap))
+    assert [h.gpu for h in held] == [0] and str(CLIENT) in held[0].text, held
+
+
 def test_status_shows_the_servers_memory_and_a_gpu_with_only_it_is_free(snap: Snapshot) -> None:
     after = parse_snapshot(after_doc(73))
     gpu = after.gpus[0]
