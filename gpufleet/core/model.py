@@ -57,6 +57,9 @@ slow, or an older agent): then only the memory evidence decides (gpufleet.core.p
 concurrent nvidia-smi run); they are not holders. ``fd_unreadable``: processes whose open files
 could not be read, with the reason ("permission denied as root", ...).
 ``facts.hidepid``: /proc is mounted hidepid and the agent is not root.
+``mps`` (added later; absent: none asked): ``[{"pid", "pipe_dir", "pipe_dir_trusted",
+"servers": [{"pid", "clients": [pid]}] | null, "error"}]``, one per CUDA MPS control daemon
+(its executable root's nvidia-cuda-mps-control), its lists as it answers them (remote/mps.py).
 
 NVML (added later): ``facts.gpu_source`` is "nvml" or "nvidia-smi" (what read the GPUs) and
 ``facts.gpu_source_reason`` why it is not the default (NVML unavailable, forced by the
@@ -241,6 +244,28 @@ class Holder:
 
 
 @dataclass(frozen=True)
+class MpsServer:
+    """An MPS server and its clients, as its control daemon lists them (a claim)."""
+
+    pid: int
+    clients: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MpsDaemon:
+    """What the agent learnt from one CUDA MPS control daemon (remote/mps.py): its pipe
+    directory (CUDA_MPS_PIPE_DIRECTORY in its environment, else the default), whether that
+    directory is one only the daemon's user can write, and its lists (None: not asked, or no
+    answer: ``error`` says why)."""
+
+    pid: int
+    pipe_dir: Optional[str] = None
+    pipe_dir_trusted: bool = False
+    servers: Optional[tuple[MpsServer, ...]] = None
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class FdUnreadable:
     """A process whose open files the agent could not read, and why (for the operator)."""
 
@@ -295,6 +320,7 @@ class Snapshot:
     kernel_log: Optional[KernelLog] = None  # None: an agent before issue 16, or not read
     nvidia_smi_exit_code: Optional[int] = None  # 9 driver not loaded, 14 InfoROM, 15 lost
     nvml_error_code: Optional[int] = None  # NVML's code when it could not be opened
+    mps: tuple[MpsDaemon, ...] = ()  # CUDA MPS control daemons the agent asked (remote/mps.py)
 
     @property
     def gpu_reader(self) -> str:
@@ -452,6 +478,19 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
     )
 
 
+def _mps_daemon(raw: Mapping[str, Any]) -> MpsDaemon:
+    servers = raw.get("servers")
+    return MpsDaemon(
+        pid=int(raw["pid"]),
+        pipe_dir=raw.get("pipe_dir") if isinstance(raw.get("pipe_dir"), str) else None,
+        pipe_dir_trusted=raw.get("pipe_dir_trusted") is True,
+        servers=None if servers is None else tuple(
+            MpsServer(pid=int(s["pid"]), clients=tuple(int(c) for c in s.get("clients") or ()))
+            for s in servers),
+        error=raw.get("error") if isinstance(raw.get("error"), str) else None,
+    )
+
+
 def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
     """Turn the agent's JSON into a Snapshot; a malformed document raises SnapshotError."""
     if not isinstance(doc, Mapping):
@@ -502,6 +541,7 @@ def parse_snapshot(doc: Mapping[str, Any]) -> Snapshot:
             kernel_log=_kernel_log(doc.get("kernel_log")),
             nvidia_smi_exit_code=_opt_int(smi.get("exit_code")),
             nvml_error_code=_opt_int((doc.get("nvml") or {}).get("code")),
+            mps=tuple(_mps_daemon(d) for d in doc.get("mps") or ()),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SnapshotError(f"malformed agent document: {exc}") from None
@@ -538,6 +578,7 @@ class GpuLedger:
     unattributed_mib: Optional[int]
     expected_unattributed_mib: int
     driver_allowance_mib: int = 0  # the driver's per-process share (driver_allowance_mib)
+    mps_server_mib: int = 0  # attributed to CUDA MPS servers: expected while MPS runs
 
     @property
     def unexpected_mib(self) -> Optional[int]:
@@ -550,7 +591,11 @@ class GpuLedger:
 
 
 def ledger(snapshot: Snapshot, expected_unattributed_mib: int = 0) -> tuple[GpuLedger, ...]:
-    """Per-GPU memory ledger; per-process memory that is "not available" leaves attribution unknown."""
+    """Per-GPU memory ledger; per-process memory that is "not available" leaves attribution
+    unknown. Memory of CUDA MPS servers is expected while MPS runs (core/mps.py)."""
+    from gpufleet.core.mps import expected_server_mib  # core/mps reads this module's values
+
+    mps = expected_server_mib(snapshot)
     rows = []
     for gpu in snapshot.gpus:
         apps = snapshot.apps_on(gpu.index)
@@ -573,6 +618,7 @@ def ledger(snapshot: Snapshot, expected_unattributed_mib: int = 0) -> tuple[GpuL
                 unattributed_mib=unattributed,
                 expected_unattributed_mib=expected_unattributed_mib,
                 driver_allowance_mib=driver_allowance_mib(len({a.pid for a in apps})),
+                mps_server_mib=mps.get(gpu.index, 0),
             )
         )
     return tuple(rows)

@@ -41,7 +41,13 @@ PROTECTED_DAEMONS: Mapping[str, str] = {
     "sway": "display compositor",
     "Hyprland": "display compositor",
     "weston": "display compositor",
+    # CUDA MPS: the control daemon and the servers it starts serve every MPS client on the
+    # host; both have comm "nvidia-cuda-mps" (cut at 15 bytes), so a comm claims both names.
+    "nvidia-cuda-mps-control": "CUDA MPS control daemon",
+    "nvidia-cuda-mps-server": "CUDA MPS server",
 }
+MPS_CONTROL = "nvidia-cuda-mps-control"
+MPS_SERVER = "nvidia-cuda-mps-server"
 
 # OpenSSH >= 9.8 splits the daemon into sshd-session / sshd-auth; all of them are sshd.
 SSHD_COMMS = frozenset({"sshd", "sshd-session", "sshd-auth"})
@@ -154,22 +160,44 @@ def is_sshd(proc: ProcessInfo) -> bool:
     return claims_sshd(proc) and runs_as(proc, "sshd", SSHD_COMMS) is not False
 
 
+def claimed_daemons(proc: ProcessInfo) -> tuple[str, ...]:
+    """Every protected daemon this process NAMES itself as (comm or argv[0]), evidence aside:
+    a comm cut at 15 bytes can be several ("nvidia-cuda-mps": the MPS control daemon and the
+    MPS server). Whole names first, then those a cut name begins."""
+    exact = [n for n in PROTECTED_DAEMONS if n in _names(proc)]
+    return tuple(exact + [n for n in PROTECTED_DAEMONS if n not in exact and _is_named(proc, n)])
+
+
 def claimed_daemon(proc: ProcessInfo) -> Optional[str]:
-    """The protected daemon this process NAMES itself as (comm or argv[0]), evidence aside."""
-    for name in PROTECTED_DAEMONS:
-        if _is_named(proc, name):
+    """The protected daemon this process names itself as first (claimed_daemons)."""
+    claims = claimed_daemons(proc)
+    return claims[0] if claims else None
+
+
+def protected_daemon(proc: ProcessInfo) -> Optional[str]:
+    """The protected daemon this process is: a name it claims, and its executable root's
+    binary of that name (runs_as). Every claimed name is tried, so the one the executable
+    confirms wins. Used only to protect."""
+    for name in claimed_daemons(proc):
+        if runs_as(proc, name, EXE_NAMES.get(name, frozenset({name}))) is not False:
             return name
     return None
 
 
-def protected_daemon(proc: ProcessInfo) -> Optional[str]:
-    """The protected daemon this process is: its name, and its executable root's binary of
-    that name (runs_as). Used only to protect."""
-    name = claimed_daemon(proc)
-    if name is None:
-        return None
-    exe_names = EXE_NAMES.get(name, frozenset({name}))
-    return name if runs_as(proc, name, exe_names) is not False else None
+def is_mps_daemon(proc: ProcessInfo) -> bool:
+    """The CUDA MPS control daemon on evidence alone: its executable is root's
+    nvidia-cuda-mps-control (a name proves nothing here: it may only add protection)."""
+    return exe_basename(proc) == MPS_CONTROL
+
+
+def mps_server(proc: ProcessInfo, processes: Mapping[int, ProcessInfo]) -> bool:
+    """A CUDA MPS server on evidence: it runs root's nvidia-cuda-mps-server, or it is a child
+    of a verified control daemon (the daemon's only children are its servers; a server runs
+    as the user of its first client, so its owner proves nothing)."""
+    if exe_basename(proc) == MPS_SERVER:
+        return True
+    parent = processes.get(proc.ppid) if proc.ppid is not None else None
+    return parent is not None and parent.pid != proc.pid and is_mps_daemon(parent)
 
 
 def false_claim(proc: ProcessInfo) -> Optional[str]:
@@ -311,6 +339,10 @@ def never_signal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
     if is_sshd(proc):
         return "sshd (never signalled)"
     daemon = protected_daemon(proc)
+    if daemon is None and is_mps_daemon(proc):  # the executable alone says so
+        daemon = MPS_CONTROL
+    if daemon is None and mps_server(proc, ctx.processes):
+        daemon = MPS_SERVER
     if daemon is not None:
         return f"{daemon} ({PROTECTED_DAEMONS[daemon]}, never signalled)"
     glob = matching_glob(proc, ctx.protect)
@@ -562,7 +594,8 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
     Evidence, in order:
     1. a client by name (CLIENT_NAMES): client (names add protection, never a target);
     2. it is the family root of processes nvidia-smi lists (vLLM's EngineCore above its
-       Workers): holder -- the plan's family rule decides whether it is signalled;
+       Workers), or a CUDA MPS client a verified daemon lists (NVML counts its memory in the
+       server's row): holder -- the plan's family rule decides whether it is signalled;
     3. its maps show no nvidia-uvm (an NVML client maps nothing or nvidiactl, a running
        nvidia-smi nothing or nvidiactl, a cuInit-only process nvidia0 and nvidiactl): client;
     4. memory above ``threshold_mib`` on its GPUs that nothing visible here explains (the
@@ -584,6 +617,9 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
             return HolderRole(ROLE_CLIENT, f"a GPU monitor ({name}): never signalled")
         if has_listed_descendant(snapshot, holder_pid):
             return HolderRole(ROLE_HOLDER, "parent of processes nvidia-smi lists (family root)")
+        mps_client = _mps_client_reason(snapshot, holder_pid)
+        if mps_client is not None:
+            return HolderRole(ROLE_HOLDER, mps_client)
     kind = maps_kind(holder.mapped, snapshot.facts.wsl2)
     if kind == MAPS_CLIENT:
         shown = ", ".join(holder.mapped or ()) or "no NVIDIA device"
@@ -611,6 +647,19 @@ def holder_role(snapshot: Snapshot, holder_pid: int, threshold_mib: int) -> Hold
                           "memory of it and no memory on its GPUs is unexplained")
     return HolderRole(ROLE_CLIENT, "open device files only: nvidia-smi lists no memory of it "
                       "and no memory on its GPUs is unexplained (a GPU client)")
+
+
+def _mps_client_reason(snapshot: Snapshot, pid: int) -> Optional[str]:
+    """Why an unlisted holder is a CUDA MPS client whose memory NVML counts in its server's
+    row (the verified daemon's own list, core/mps.py), or None."""
+    if not snapshot.mps:
+        return None
+    from gpufleet.core import mps  # core/mps builds on this module's evidence rules
+
+    server = mps.unlisted_clients(snapshot).get(pid)
+    if server is None:
+        return None
+    return mps.client_reason(server, snapshot.gpu_indices_of_app(server))
 
 
 def holder_roles(snapshot: Snapshot, threshold_mib: int) -> dict[int, HolderRole]:

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from gpufleet.core import policy
+from gpufleet.core import mps, policy
 from gpufleet.core.gpus import format_gpu_indices, format_gpu_ranges
 from gpufleet.core.model import Snapshot
 from gpufleet.core.plan import Plan
@@ -189,12 +189,14 @@ _NO_MEMORY_KINDS = (policy.PROTECTED, policy.ZOMBIE)
 
 def plan_holders(plan: Plan, snapshot: Snapshot) -> list[tuple[int, Sequence[int], str]]:
     """Every process that keeps the plan's GPUs from being free: its targets, its refusals
-    (with their reason; driver daemons and zombies only when nvidia-smi lists them there) and
-    processes nvidia-smi lists that this PID namespace cannot see."""
+    (with their reason; driver daemons and zombies only when nvidia-smi lists them there, CUDA
+    MPS servers never: their memory is expected) and processes nvidia-smi lists that this PID
+    namespace cannot see."""
     out: list[tuple[int, Sequence[int], str]] = [(t.pid, t.gpus, "") for t in plan.targets]
     listed = {a.pid for i in plan.scope for a in snapshot.apps_on(i)}
+    expected = mps.expected_servers(snapshot)  # in the plan's threshold: a job can start
     out += [(r.pid, r.gpus, f": {r.reason}") for r in plan.refused
-            if r.kind not in _NO_MEMORY_KINDS or r.pid in listed]
+            if (r.kind not in _NO_MEMORY_KINDS or r.pid in listed) and r.pid not in expected]
     out += [(i.pid, (i.gpu,), " (not visible from this PID namespace)") for i in plan.invisible]
     return out
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.config.selection import parse_gpu_list
+from gpufleet.core import mps
 from gpufleet.core.cancel import cancel_unanswered, cancel_undelivered, cancelled_reason
 from gpufleet.core.hostlock import lock_failure
 from gpufleet.core.model import HostResult, Snapshot, parse_snapshot
@@ -169,13 +170,14 @@ def clean_request(host: Host, plan: Plan, opts: CleanOptions, before: Optional[S
 
 
 def wait_floors(plan: Plan, before: Snapshot) -> dict[str, int]:
-    """Per scope GPU, MiB that nvidia-smi lists for processes the plan will not signal.
+    """Per scope GPU, MiB that nvidia-smi lists for processes the plan will not signal (CUDA
+    MPS servers aside: the threshold expects theirs already).
 
     That memory will not come back, so the agent stops waiting once only it is left. A GPU
     with a listed process of unknown memory (WSL2 n/a) gets no floor: wait the full time.
     """
     floors: dict[str, int] = {}
-    targets = plan.target_pids
+    targets = plan.target_pids | mps.expected_servers(before)
     for index in plan.scope:
         others = [a for a in before.apps_on(index) if a.pid not in targets]
         if not others or any(a.used_mib is None for a in others):

@@ -9,6 +9,7 @@ import time
 
 from .jobs import Background, Job, find_nvidia_smi, run_cmd, smi_failure  # joined
 from .kmsg import kernel_log  # joined
+from .mps import mps_report  # joined
 from .nvml import (  # joined
     nvml_decided,
     nvml_error_code,
@@ -134,6 +135,7 @@ def snapshot(req, deadline, proc=PROC):
     confirm_units(processes, req, deadline, warnings)
     for pid in set(denied) & set(int(p) for p in processes):
         processes[str(pid)]["fds_readable"] = False
+    extra["mps"] = mps_report(processes, deadline, proc) if req.get("mps", True) else []
     facts = _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc)
     facts.update(gpu_source=source, gpu_source_reason=reason)
     smi_doc["seconds"] = round(smi_doc["seconds"], 3)

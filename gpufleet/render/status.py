@@ -8,11 +8,12 @@ import json
 from typing import Any, Iterable, Optional, Sequence
 
 
-from gpufleet.core import health, policy
+from gpufleet.core import health, mps, policy
 from gpufleet.core.health import OK, RANK, GpuHealth, HostHealth
 from gpufleet.core.live import STALE, LiveHost
 from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
+from gpufleet.core.model import driver_allowance_mib
 from gpufleet.core.results import Failure
 from gpufleet.errors import COMMAND, TIMEOUT
 from gpufleet.render.table import render_table
@@ -35,13 +36,16 @@ def _process_name(snapshot: Snapshot, pid: int, fallback: str) -> str:
 def holders_text(snapshot: Snapshot, gpu: GpuInfo,
                  refused: Optional[dict[int, policy.ListingCheck]] = None) -> str:
     """`VLLM::Worker 1234 700MiB`, one per line: what nvidia-smi attributes to this GPU; a
-    listed process that holds nothing of it is marked (policy.listing_check)."""
+    listed process that holds nothing of it is marked (policy.listing_check), and so is a CUDA
+    MPS server's memory (expected while MPS runs)."""
     parts = []
+    servers = mps.servers(snapshot)
     for app in snapshot.apps_on(gpu.index):
         name = _process_name(snapshot, app.pid, app.process_name)
         mark = "" if app.pid in snapshot.processes else " (not in /proc)"
         if refused and app.pid in refused:
             mark = " (untrusted row)"
+        mark += " (MPS server)" if app.pid in servers else ""
         parts.append(f"{name} {app.pid} {fmt_mib(app.used_mib)}{mark}")
     return "\n".join(parts) if parts else "-"
 
@@ -67,9 +71,15 @@ def unlisted_holders_text(snapshot: Snapshot, expected_mib: int = 0,
 
 
 def gpu_is_busy(snapshot: Snapshot, gpu: GpuInfo, expected_mib: int) -> bool:
-    if snapshot.apps_on(gpu.index):
+    """Someone's processes are listed on it, or more memory is used than the host is expected
+    to keep (CUDA MPS servers' memory counts as expected: a model can start beside it)."""
+    servers = mps.servers(snapshot)
+    apps = snapshot.apps_on(gpu.index)
+    if any(a.pid not in servers for a in apps):
         return True
     used = gpu.memory_used_mib
+    expected_mib += mps.expected_server_mib(snapshot).get(gpu.index, 0) + \
+        driver_allowance_mib(len(apps))
     return used is not None and used > expected_mib + BUSY_TOLERANCE_MIB
 
 
@@ -268,6 +278,7 @@ def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger,
         "expected_unattributed_mib": row.expected_unattributed_mib,
         "unexpected_unattributed_mib": row.unexpected_mib,
         "driver_allowance_mib": row.driver_allowance_mib,
+        "mps_server_mib": row.mps_server_mib,
         "utilization_pct": gpu.utilization_pct,
         "persistence_mode": gpu.persistence_mode,
         "temperature_c": gpu.temperature_c,

@@ -9,7 +9,8 @@ State lives in ``$FAKEGPU_ROOT`` (default /run/fakegpu, per lab host):
 
 * ``config.json``: the GPUs and the failure modes (see ``DEFAULTS``);
 * ``procs/<pid>.json``: one record per holder (written by fakecuda.py):
-  ``{"pid", "starttime", "alloc": {"<index>": MiB}}``. A holder counts while /proc/<pid> exists
+  ``{"pid", "starttime", "alloc": {"<index>": MiB}}`` (an MPS client: also ``"mps_server":
+  PID``, see ``mps_server_only``). A holder counts while /proc/<pid> exists
   with the same starttime and is not a zombie (recorded: a zombie holds no GPU memory) -- a
   zombie *leader* whose other threads still run counts (recorded on the H200: NVML listed it
   with its 5638 MiB, tests/fixtures/real-h200/clean-cases/probe-1.log part D); once dead, its
@@ -49,6 +50,10 @@ DEFAULTS = {
     "hang": False,
     "garbage": False,
     "touch_mib": 0,  # recorded 4 MiB on a GPU a CUDA process sees but allocates nothing on
+    # CUDA MPS clients (records with "mps_server": PID) are listed as themselves, as recorded
+    # on the H200 (type M+C); True: their memory is listed in their server's row instead, as
+    # some drivers and containers do (the server's row is then the sum)
+    "mps_server_only": False,
     # Measured on real H200s (tests/fixtures/real-h200, docs/real-gpu.md): memory.used is the
     # listed per-process memory + ~2 MiB + ~6 MiB per listed process (base 2, per process 6).
     "unlisted_mib_base": 0,
@@ -309,6 +314,27 @@ def holders(cfg):
     return out
 
 
+def listed_pid(cfg, rec):
+    """The PID a holder's memory is listed under: its own, or its MPS server's
+    (mps_server_only)."""
+    if cfg.get("mps_server_only") and rec.get("mps_server"):
+        return int(rec["mps_server"])
+    return int(rec["pid"])
+
+
+def merge_rows(apps):
+    """One row per (GPU, PID), as the driver lists them (an MPS server's row holds its
+    clients' memory when mps_server_only)."""
+    out = {}
+    for a in apps:
+        key = (a["gpu"]["index"], a["pid"])
+        if key in out:
+            out[key]["mib"] += a["mib"]
+        else:
+            out[key] = dict(a)
+    return list(out.values())
+
+
 def snapshot(cfg):
     gpus = gpus_of(cfg)
     by_index = {g["index"]: g for g in gpus}
@@ -323,7 +349,7 @@ def snapshot(cfg):
                 continue
             g["used"] += int(mib)
             if live:
-                apps.append({"pid": int(rec["pid"]), "gpu": g, "mib": int(mib)})
+                apps.append({"pid": listed_pid(cfg, rec), "gpu": g, "mib": int(mib)})
     touch = int(cfg.get("touch_mib") or 0)
     if touch:
         # Recorded (h200-two-gpus.log, probe): while a CUDA process with every GPU visible held
@@ -351,6 +377,7 @@ def snapshot(cfg):
             counts[a["gpu"]["index"]] = counts.get(a["gpu"]["index"], 0) + 1
         for idx, n in counts.items():
             by_index[idx]["used"] += base + per_process * n
+    apps = merge_rows(apps)  # after the driver's share: how NVML lists is no memory
     for g in gpus:
         g["used"] = min(g["used"], g["total"] - g["reserved"])
         g["free"] = g["total"] - g["reserved"] - g["used"]

@@ -22,7 +22,7 @@ Usage (all optional)::
     fakecuda.py --gpus 0,1 --mib 716 [--title VLLM::Worker] [--ignore-term] [--term-delay 1.5]
                 [--spawn-child 'ARGS'] ... [--ready-file PATH] [--cuda-visible 1,0]
                 [--no-devices] [--zombie-child MIB] [--exit-after S] [--detach] [--monitor]
-                [--leader-exit [--stuck]]
+                [--leader-exit [--stuck]] [--mps-pipe DIR]
 
 ``--monitor``: an NVML client (nvtop, nvitop, gpustat, dcgm-exporter): opens /dev/nvidiactl,
 /dev/nvidia-uvm and every /dev/nvidiaN, maps none, allocates and registers nothing.
@@ -36,6 +36,8 @@ thread then sleeps uninterruptibly in the kernel (``D``, wchan ``handle_userfaul
 through process_vm_readv, a userfaultfd page nobody fills), as a killed process's threads
 stuck in the driver show. Only what /proc says is simulated: that sleep is TASK_KILLABLE, so
 unlike a thread stuck in the NVIDIA driver it ends on SIGKILL.
+``--mps-pipe DIR``: a CUDA MPS client of the lab's fake MPS daemon started with that pipe
+directory (tests/lab/fakemps/fakemps.c): registered where the daemon's lists see it.
 
 ``--mib`` is one number for every GPU or one per GPU (``716,1024``). ``--gpus ''`` allocates
 nothing (CUDA initialised, no memory). ``--detach`` daemonises (setsid, stdio to /dev/null or
@@ -77,6 +79,8 @@ def parse(argv):
     p.add_argument("--stuck", action="store_true",
                    help="with --leader-exit: the holding thread then sleeps in D state")
     p.add_argument("--log", default=os.devnull)
+    p.add_argument("--mps-pipe", default=None, metavar="DIR",
+                   help="a CUDA MPS client of the lab's fake MPS daemon (tests/lab/fakemps)")
     return p.parse_args(argv)
 
 
@@ -200,7 +204,7 @@ def check_free(alloc):
             sys.exit(1)
 
 
-def register(alloc, visible=None):
+def register(alloc, visible=None, mps_server=None):
     if not alloc:
         return
     pdir = os.path.join(ROOT, "procs")
@@ -208,7 +212,21 @@ def register(alloc, visible=None):
     doc = {"pid": pid, "starttime": starttime(), "alloc": alloc}
     if visible is not None:
         doc["visible"] = visible
+    if mps_server is not None:
+        doc["mps_server"] = mps_server
     write_json(os.path.join(pdir, "%d.json" % pid), doc)
+
+
+def mps_connect(pipe_dir):
+    """Become a client of the fake MPS daemon whose state is in ``pipe_dir``: its server's PID
+    (NVML lists this client's memory in that server's row under mps_server_only), and this
+    client's entry, which the fake control client answers get_client_list from."""
+    with open(os.path.join(pipe_dir, "fakemps.state")) as f:
+        server = int(f.read().split()[1])
+    path = os.path.join(pipe_dir, "fakemps-clients", str(os.getpid()))
+    with open(path, "w") as f:
+        f.write("%d\n" % starttime())
+    return server
 
 
 def wait_file(path, timeout):
@@ -254,7 +272,8 @@ def setup(args, cfg, phys, minors, alloc, visible):
         seen = [int(v) for v in visible.split(",") if v.strip() != ""]
     else:
         seen = list(range(ngpus))
-    register(alloc, None if args.no_devices or args.monitor else seen)
+    server = mps_connect(args.mps_pipe) if args.mps_pipe else None
+    register(alloc, None if args.no_devices or args.monitor else seen, server)
     return fds, alloc
 
 

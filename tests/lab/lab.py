@@ -174,6 +174,8 @@ def _holder_args(spec: Mapping[str, Any]) -> list[str]:
         args.append("--leader-exit")
     if spec.get("stuck"):
         args.append("--stuck")
+    if spec.get("mps_pipe"):
+        args += ["--mps-pipe", str(spec["mps_pipe"])]
     for child in spec.get("children") or ():
         args += ["--spawn-child", shlex.join(_holder_args(child))]
     return args
@@ -411,6 +413,7 @@ class LabHost:
         monitor: bool = False,
         leader_exit: bool = False,
         stuck: bool = False,
+        mps: Optional[Any] = None,
     ) -> HolderPid:
         """Start a fakecuda holder (and its children) fully detached; returns its pid.
 
@@ -419,12 +422,14 @@ class LabHost:
         ``leader_exit``: the holding is done by a second thread and the main thread then calls
         pthread_exit (a zombie leader that still holds, as on the H200); ``stuck`` (root) also
         puts that thread in uninterruptible sleep (D). Returns once the leader is a zombie.
+        ``mps``: a client of that fake MPS (``spawn_mps``'s value): its daemon lists it.
         """
         spec = dict(
             gpus=list(gpus), mib=mib, title=title, ignore_term=ignore_term, term_delay=term_delay,
             children=children, cuda_visible=cuda_visible, no_devices=no_devices,
             zombie_child=zombie_child, exit_after=exit_after, monitor=monitor,
             leader_exit=leader_exit, stuck=stuck,
+            mps_pipe=mps.pipe_dir if mps is not None else None,
         )
         py = python or self.holder_python(user)
         log = "/tmp/fakecuda-%d.log" % time.time_ns()
@@ -457,6 +462,16 @@ class LabHost:
         /dev/nvidia-uvm and every /dev/nvidiaN open, nothing mapped, no GPU memory, not in
         nvidia-smi's compute-apps (recorded on the H200: a pynvml poller)."""
         return self.spawn_holder(gpus=[], mib=0, title=title, user=user, via=via, monitor=True)
+
+    def spawn_mps(self, gpus: Sequence[int] = (0,), server_mib: int = 66,
+                  pipe_dir: str = "/tmp/nvidia-mps", user: str = "root") -> Any:
+        """A CUDA MPS control daemon and its server, real processes running root's binaries
+        named nvidia-cuda-mps-control / nvidia-cuda-mps-server (tests/lab/labmps.py, the
+        fake tests/lab/fakemps/fakemps.c); returns an ``Mps`` (``.daemon``, ``.server``,
+        ``.pipe_dir``, ``.ask(*commands)``, ``.quit()``). Clients: ``spawn_holder(mps=...)``."""
+        import labmps
+
+        return labmps.start(self, gpus, server_mib, pipe_dir, user=user)
 
     def spawn_smi_loop(self, interval_s: float = 0.05, user: str = "root") -> int:
         """A `watch nvidia-smi`-like loop (sh running the host's nvidia-smi every interval),

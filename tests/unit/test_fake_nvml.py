@@ -358,9 +358,22 @@ def _explicit_and_clamped(s: State) -> None:
     s.holder({"0": 9000})  # more than fits: used is clamped at total - reserved
 
 
+def _mps(s: State, server_only: bool = False) -> subprocess.Popen:
+    """A CUDA MPS server (66 MiB, recorded) and two clients; returns the server."""
+    s.config(gpus=2, mps_server_only=server_only, unlisted_mib_base=3, unlisted_mib_per_process=6)
+    server = s.holder({"0": 66, "1": 66})
+    s.holder({"0": 3588}, mps_server=server.pid)
+    s.holder({"0": 1000, "1": 500}, mps_server=server.pid)
+    return server
+
+
+def _mps_server_only(s: State) -> None:
+    _mps(s, server_only=True)
+
+
 SCENARIOS = [_idle, _holders, _dead_within_delay, _dead_past_delay, _zombie, _zombie_leader,
-             _ghost, _wsl2, _hidden,
-             _unlisted_and_touch, _explicit_and_clamped]
+             _ghost, _wsl2, _hidden, _unlisted_and_touch, _explicit_and_clamped, _mps,
+             _mps_server_only]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[f.__name__.strip("_") for f in SCENARIOS])
@@ -386,6 +399,20 @@ def test_holders_scenario_is_not_trivial(nvml: NVML, state: State) -> None:
     assert [g["used"] for g in gpus] == [21504, 0, 716]
     assert [len(g["apps"]) for g in gpus] == [2, 0, 1]
     assert gpus[0]["apps"][0][1] in (20480, 1024)
+
+
+def test_mps_clients_are_listed_as_themselves_or_in_their_servers_row(nvml: NVML, state: State
+                                                                       ) -> None:
+    """Recorded on the H200: NVML lists the server (66 MiB) and each client; where NVML lists
+    only the server (mps_server_only), its row is the sum, and memory.used is the same."""
+    server = _mps(state)
+    gpus = nvml.query()["gpus"]
+    assert [len(g["apps"]) for g in gpus] == [3, 2]
+    used = [g["used"] for g in gpus]
+    state.config(mps_server_only=True)
+    gpus = nvml.query()["gpus"]
+    assert [g["apps"] for g in gpus] == [[(server.pid, 66 + 3588 + 1000)], [(server.pid, 566)]]
+    assert [g["used"] for g in gpus] == used  # how NVML lists is no memory
 
 
 def test_release_delay_is_counted_from_the_first_sighting_by_either_fake(nvml: NVML, state: State) -> None:

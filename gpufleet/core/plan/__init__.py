@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from gpufleet.core import policy
+from gpufleet.core import mps, policy
 from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import Snapshot, driver_allowance_mib
 from gpufleet.core.plan.evidence import gather_evidence, resolve_scope
@@ -166,8 +166,11 @@ def refuse_untrusted(rules: Rules, untrusted: dict[int, policy.ListingCheck]) ->
 
 def after_thresholds(snapshot: Snapshot, scope: tuple[int, ...], threshold: int,
                      targets: tuple[Target, ...]) -> dict[int, int]:
-    """What may stay on each GPU after the clean: the threshold plus the driver's own share
-    for the listed processes the plan does not signal (model.driver_allowance_mib)."""
+    """What may stay on each GPU after the clean: the threshold, the driver's own share for
+    the listed processes the plan does not signal (model.driver_allowance_mib), and the
+    memory of CUDA MPS servers, expected while MPS runs (core/mps.py)."""
     signalled = {t.pid for t in targets}
-    return {i: threshold + driver_allowance_mib(len({a.pid for a in snapshot.apps_on(i)} - signalled))
+    servers = mps.expected_server_mib(snapshot)
+    return {i: threshold + servers.get(i, 0)
+            + driver_allowance_mib(len({a.pid for a in snapshot.apps_on(i)} - signalled))
             for i in scope}

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gpufleet.core import policy
+from gpufleet.core import mps, policy
 from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import Holder, ProcessInfo, Snapshot
 from gpufleet.core.plan.types import (
     AMBIGUOUS,
     EVIDENCE_DEVICE,
+    EVIDENCE_MPS,
     EVIDENCE_SMI,
     EVIDENCE_SMI_UNVERIFIED,
     NO_EVIDENCE,
@@ -47,6 +48,7 @@ class Evidence:
     invisible: tuple[Invisible, ...] = ()
     # visible processes with GPU evidence that are not GPU clients: who can be in a family
     family_members: frozenset[int] = frozenset()
+    include_spanning: bool = False
 
     def refuse(self, proc: ProcessInfo, kind: str, reason: str, gpus: tuple[int, ...]) -> None:
         self.candidates.pop(proc.pid, None)
@@ -116,7 +118,7 @@ def gather_evidence(snapshot: Snapshot, scope: PlanScope, threshold_mib: int,
                     ctx: policy.PolicyContext, include_spanning: bool) -> Evidence:
     """Rules 1-2 of the module docstring of gpufleet.core.plan, and the GPU clients."""
     ev = Evidence(listed=listed_usage(snapshot), checks=policy.listing_checks(snapshot),
-                  invisible=invisible_rows(snapshot, scope))
+                  invisible=invisible_rows(snapshot, scope), include_spanning=include_spanning)
     _judge_listed(snapshot, scope, include_spanning, ev)
     roles = policy.holder_roles(snapshot, threshold_mib)
     for holder in sorted(snapshot.holders, key=lambda h: h.pid):
@@ -161,11 +163,30 @@ def _judge_holder(snapshot: Snapshot, scope: PlanScope, holder: Holder,
             policy.never_signal_reason(proc, ctx) is None:
         ev.clients[holder.pid] = Client(holder.pid, proc.name, held, role.reason)
         return
+    server = mps.unlisted_clients(snapshot).get(holder.pid) if snapshot.mps else None
+    if server is not None:
+        _judge_mps_client(snapshot, scope, holder, proc, server, ev)
+        return
     why = None if scope.full else _partial_scope_doubt(snapshot, scope, holder, held)
     if why is None:
         ev.candidates[holder.pid] = Candidate(proc, EVIDENCE_DEVICE, held, None)
     else:
         ev.refuse(proc, why[0], why[1], held)
+
+
+def _judge_mps_client(snapshot: Snapshot, scope: PlanScope, holder: Holder, proc: ProcessInfo,
+                      server: int, ev: Evidence) -> None:
+    """An MPS client NVML does not list (its memory is in its server's row): placed on the
+    server's GPUs it maps, judged like a listed process (rule 1)."""
+    gpus = mps.client_gpus(snapshot, holder, server)
+    if not scope.touches(gpus):
+        return
+    if scope.covers(gpus) or ev.include_spanning:
+        ev.candidates[holder.pid] = Candidate(proc, EVIDENCE_MPS, gpus, None)
+        return
+    ev.refuse(proc, SPANNING, f"an MPS client of server PID {server} on GPUs "
+              f"{format_gpu_indices(gpus)} (GPU {format_gpu_indices(scope.outside(gpus))} "
+              "outside the scope; pass --include-spanning)", gpus)
 
 
 def _partial_scope_doubt(snapshot: Snapshot, scope: PlanScope, holder: Holder,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gpufleet.core import policy
+from gpufleet.core import mps, policy
 from gpufleet.core.model import ComputeApp, Snapshot, ledger
 from gpufleet.core.plan.evidence import Evidence
 from gpufleet.core.plan.types import PlanScope, Refusal, Target
@@ -149,7 +149,8 @@ def target_notes(inp: NoteInputs) -> list[str]:
 
 
 def leftover_notes(inp: NoteInputs) -> list[str]:
-    """What is left alone on purpose: GPU clients, vanished holders, or nothing at all."""
+    """What is left alone on purpose: GPU clients, vanished holders, CUDA MPS (and how to stop
+    it), or nothing at all."""
     notes = []
     clients = sorted(inp.ev.clients.values(), key=lambda c: c.pid)
     if clients:
@@ -167,6 +168,9 @@ def leftover_notes(inp: NoteInputs) -> list[str]:
         notes.append(
             f"{len(vanished)} process(es) with device files open exited before "
             "their details were read (short runs such as a concurrent nvidia-smi); not holders")
+    mps_note = mps.stop_note(inp.snapshot, inp.scope.indices)
+    if mps_note is not None:
+        notes.append(mps_note)
     if not inp.targets:
         notes.append("nothing to signal")
     return notes

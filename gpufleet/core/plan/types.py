@@ -16,6 +16,7 @@ EVIDENCE_SMI_UNVERIFIED = "nvidia-smi (unverified)"  # listed; its device files 
 EVIDENCE_DEVICE = "device-file"
 EVIDENCE_FAMILY = "family"  # device-file holder whose GPU processes below are all targets
 EVIDENCE_OWNER = "owner"  # named by the operator (clean --owner): it restarts a target
+EVIDENCE_MPS = "mps-client"  # unlisted CUDA MPS client a verified daemon lists (core/mps.py)
 
 # Refusal kinds decided by the planner (policy's kinds are in gpufleet.core.policy).
 SPANNING = "spanning"

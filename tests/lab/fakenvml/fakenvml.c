@@ -405,7 +405,7 @@ typedef struct {
     char driver[80];
     int cuda; /* "13.0" -> 13000, as cuDriverGetVersion */
     double release_delay_s;
-    int hidden_pids, wsl2, fail, hang;
+    int hidden_pids, wsl2, fail, hang, mps_server_only;
     long long touch_mib, unlisted_base, unlisted_per_process;
     unsigned temp_c, power_w;
     int init_error; /* nvml_init_error: a lab host with a broken library (README) */
@@ -533,6 +533,7 @@ static void parse_config(jnode *doc, config *c) {
     jnode *delay = jget(doc, "release_delay_s");
     c->release_delay_s = (delay && delay->type == J_NUM) ? delay->num : 0.0;
     c->hidden_pids = jtruthy(jget(doc, "hidden_pids"));
+    c->mps_server_only = jtruthy(jget(doc, "mps_server_only"));
     c->wsl2 = jtruthy(jget(doc, "wsl2"));
     c->fail = jtruthy(jget(doc, "fail"));
     c->hang = jtruthy(jget(doc, "hang"));
@@ -697,6 +698,22 @@ static int cmp_app(const void *a, const void *b) {
     return x->pid < y->pid ? -1 : x->pid > y->pid;
 }
 
+/* One row per (GPU, PID), as the driver lists them: an MPS server's row holds its clients'
+ * memory when mps_server_only (fake_nvidia_smi.merge_rows). */
+static void merge_rows(snapshot_t *s) {
+    if (s->napps < 2) return;
+    qsort(s->apps, (size_t)s->napps, sizeof(app), cmp_app);
+    int n = 1;
+    for (int a = 1; a < s->napps; a++) {
+        app *last = &s->apps[n - 1];
+        if (s->apps[a].gpu == last->gpu && s->apps[a].pid == last->pid)
+            last->mib += s->apps[a].mib;
+        else
+            s->apps[n++] = s->apps[a];
+    }
+    s->napps = n;
+}
+
 typedef struct {
     int idx;
     long long mib;
@@ -713,6 +730,7 @@ typedef struct {
     ino_t ino;
     int ok;
     long pid;
+    long mps_server; /* an MPS client's server (0: none): its row when mps_server_only */
     unsigned long long starttime;
     int nal, nvis;
     alloc_t al[MAX_GPUS];
@@ -732,6 +750,7 @@ static void parse_record(const char *path, record *r) {
     if (r->ok) {
         r->pid = (long)num_or(jget(rec, "pid"), 0);
         r->starttime = (unsigned long long)num_or(jget(rec, "starttime"), 0);
+        r->mps_server = (long)num_or(jget(rec, "mps_server"), 0);
         jnode *alloc = jget(rec, "alloc");
         if (alloc && alloc->type == J_OBJ)
             for (jnode *m = alloc->child; m && r->nal < MAX_GPUS; m = m->next)
@@ -856,7 +875,8 @@ static void take(const config *c, snapshot_t *s) {
                     if (!grown) continue;
                     s->apps = grown;
                 }
-                s->apps[s->napps++] = (app){(unsigned)r->pid, idx, r->al[a].mib};
+                long listed = c->mps_server_only && r->mps_server ? r->mps_server : r->pid;
+                s->apps[s->napps++] = (app){(unsigned)listed, idx, r->al[a].mib};
             }
         }
         if (counted_live) counted_live[k] = live && r->nal;
@@ -886,6 +906,7 @@ static void take(const config *c, snapshot_t *s) {
         if (s->used[i] > room) s->used[i] = room;
         s->free[i] = room - s->used[i];
     }
+    merge_rows(s); /* after the driver's share, as fake_nvidia_smi.snapshot */
     qsort(s->apps, (size_t)s->napps, sizeof(app), cmp_app);
     if (c->hidden_pids) s->napps = 0; /* container PID namespace: the driver lists none */
     free(g_recs);
