@@ -132,10 +132,7 @@ def snapshot(req, deadline, proc=PROC):
         a["gpu_index"] = by_uuid.get(a["gpu_uuid"])
     processes, vanished = _settle_holders(holders, seen_start, apps, own, ctx, jobs,
                                           warnings, proc)
-    confirm_units(processes, req, deadline, warnings)
-    for pid in set(denied) & set(int(p) for p in processes):
-        processes[str(pid)]["fds_readable"] = False
-    extra["mps"] = mps_report(processes, deadline, proc) if req.get("mps", True) else []
+    extra["mps"] = _what_runs_them(processes, denied, req, deadline, warnings, proc)
     facts = _snapshot_facts(ctx, smi, driver, cuda, can_read_all, hidden, proc)
     facts.update(gpu_source=source, gpu_source_reason=reason)
     smi_doc["seconds"] = round(smi_doc["seconds"], 3)
@@ -158,6 +155,15 @@ def snapshot(req, deadline, proc=PROC):
     }
     doc.update(extra)
     return doc
+
+
+def _what_runs_them(processes, denied, req, deadline, warnings, proc):
+    """What the processes' own details cannot say: their units as systemd confirms them,
+    whose open files were refused, and the CUDA MPS daemon's servers and clients (returned)."""
+    confirm_units(processes, req, deadline, warnings)
+    for pid in set(denied) & set(int(p) for p in processes):
+        processes[str(pid)]["fds_readable"] = False
+    return mps_report(processes, deadline, proc) if req.get("mps", True) else []
 
 
 #: The request's gpu_source (the inventory's): auto = NVML when it loads and initialises, else

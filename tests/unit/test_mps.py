@@ -241,6 +241,8 @@ def test_an_mps_client_is_placed_on_the_gpus_its_context_maps() -> None:
     client = next(h for h in d["holders"] if h["pid"] == CLIENT)
     client["devices"] = sorted(client["devices"] + ["/dev/nvidia1"])  # CUDA opens them all
     client["mapped"] = sorted(client["mapped"] + ["/dev/nvidia1"])  # its context: both GPUs
+    server = next(h for h in d["holders"] if h["pid"] == d["compute_apps"][0]["pid"])
+    server["devices"] = sorted(server["devices"] + ["/dev/nvidia1"])  # it serves GPU 1 too
     plan = make_plan(parse_snapshot(d), (0,))
     refusal = plan.refusal_of(CLIENT)
     assert plan.target_pids == frozenset() and refusal is not None, plan
