@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """gpufleet against parallel-ssh, Ansible and a sequential ssh loop, on the same lab hosts.
 
-    sudo python3 bench/run.py            # the full run (~10 min on 2 cores) -> bench/RESULTS.md
-    sudo python3 bench/run.py --quick    # a short smoke run (~1 min) -> RESULTS.md too
+    sudo python3 bench/run.py            # the full run (~10 min on 2 cores) -> bench/RESULTS-run.md
+    sudo python3 bench/run.py --quick    # a short smoke run (~1 min) -> RESULTS-run.md too
 
 What and how: bench/README.md. Needs root (namespaces, TUN, cgroups), the test lab's
 prerequisites and `pip install -e '.[bench]'`. Not a test: pytest never collects bench/.
@@ -92,7 +92,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="skip what is left (listed in the report) once the run is this old; 0: none")
     ap.add_argument("--machine-label", default="", help="names the machine in the report's title")
-    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    ap.add_argument("--out", type=Path, default=HERE / "RESULTS-run.md")
     ap.add_argument("--plot", type=Path, default=HERE / "wall_vs_n.png")
     ap.add_argument("--raw", type=Path, default=HERE / "results.json")
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
@@ -951,7 +951,7 @@ def scale_table(rows: list[dict]) -> list[str]:
 
 
 def write_outputs(bench: "Bench", args: argparse.Namespace, command: str, started: str) -> None:
-    """results.json, RESULTS.md and the plot, from what the bench measured."""
+    """results.json, the report (RESULTS-run.md) and the plot, from what the bench measured."""
     seconds = time.monotonic() - T0
     saved = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "real"}
     raw = {"command": command, "date": started, "seconds": round(seconds, 1), "args": saved,

@@ -200,13 +200,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         click.echo("gpufleet: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
-        sys.exit(1)
+        _exit_unwritten(1, argv)
     except OSError as exc:  # the output could not be written (a full disk, a dead terminal)
         _say_output_failed(exc)
-        sys.exit(EXIT_FAILED)
+        _exit_unwritten(EXIT_FAILED, argv)
     if rc == EXIT_INTERRUPTED or argv is None:
         _exit_now(rc or 0)
     sys.exit(rc or 0)
+
+
+def _exit_unwritten(code: int, argv: Optional[Sequence[str]]) -> None:
+    """Exit after output that could not be written. Run as the program, never through the
+    interpreter's teardown: stdout (block-buffered without PYTHONUNBUFFERED) still holds the
+    text, its final flush fails again and Python turns the exit into 120 with a second message."""
+    if argv is None:
+        _exit_now(code)
+    sys.exit(code)
 
 
 def _say_output_failed(exc: OSError) -> None:

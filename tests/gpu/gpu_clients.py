@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from portable import write_json
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 POLLER = HERE / "gpu_nvml_poll.py"
@@ -108,10 +110,10 @@ class Run:
             with cf.ThreadPoolExecutor(2) as pool:
                 docs = list(pool.map(lambda _: self.cli("status", "--json"), range(2)))
             for i, res in enumerate(docs):
-                (self.out / ("cli-clients-status-%d.json" % i)).write_text(json.dumps(res, indent=1) + "\n")
+                write_json(self.out / ("cli-clients-status-%d.json" % i), res, {"TMPDIR": self.tmp, "OUTDIR": self.out})
                 self.check_status(i, res, pids)
             clean = self.cli("clean", "--all", "--yes", "--json")
-            (self.out / "cli-clients-clean.json").write_text(json.dumps(clean, indent=1) + "\n")
+            write_json(self.out / "cli-clients-clean.json", clean, {"TMPDIR": self.tmp, "OUTDIR": self.out})
             self.check_clean(clean, pids)
         finally:
             for p in self.procs.values():
@@ -119,7 +121,7 @@ class Run:
                     p.kill()
                 p.wait()
         doc = {"checks": self.checks, "ok": all(c["ok"] for c in self.checks)}
-        (self.out / "clients-results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(self.out / "clients-results.json", doc, {"TMPDIR": self.tmp, "OUTDIR": self.out})
         return doc
 
     def check_status(self, i: int, res: dict[str, Any], pids: dict[str, int]) -> None:

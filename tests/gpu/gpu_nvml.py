@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from portable import write_json
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
@@ -279,7 +281,7 @@ class Run:
     def save(self) -> None:
         doc = {"checks": self.checks, "ok": all(c["ok"] for c in self.checks),
                "results": self.results}
-        (self.out / "nvml-results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(self.out / "nvml-results.json", doc, {"TMPDIR": self.tmp, "OUTDIR": self.out})
 
     def run(self) -> dict[str, Any]:
         try:

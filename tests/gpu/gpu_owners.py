@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from portable import write_json
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -82,7 +84,7 @@ class Run:
                            timeout=300, cwd=str(self.tmp))
         res = {"argv": ["gpufleet", "-i", "fleet.yaml"] + list(args), "exit_code": r.returncode,
                "stdout": r.stdout, "stderr": r.stderr, "seconds": round(time.monotonic() - t0, 3)}
-        (self.out / ("cli-owners-%s.json" % name)).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(self.out / ("cli-owners-%s.json" % name), res, {"TMPDIR": self.tmp, "OUTDIR": self.out})
         return res
 
     def wait_child(self, sup: subprocess.Popen, timeout: float = 120) -> int:
@@ -135,7 +137,7 @@ class Run:
                 sup.kill()
             sup.wait()
         doc = {"checks": self.checks, "timings": timings}
-        (self.out / "owners-results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(self.out / "owners-results.json", doc, {"TMPDIR": self.tmp, "OUTDIR": self.out})
         return doc
 
 

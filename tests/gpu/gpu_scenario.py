@@ -48,6 +48,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
+from portable import write_json
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 HOLDERS = HERE / "gpu_holders.py"
@@ -313,6 +315,10 @@ class Scenario:
 
     # ------------------------------------------------------------------ plumbing
 
+    def places(self) -> dict[str, Path]:
+        """This run's own directories, as words in what it records (tests/gpu/portable.py)."""
+        return {"TMPDIR": self.tmp, "OUTDIR": self.out}
+
     def log(self, msg: str) -> None:
         line = "[%8.3f] %s" % (time.monotonic() % 100000, msg)
         self.logf.write(line + "\n")
@@ -393,7 +399,7 @@ class Scenario:
         """CLI output + the raw agent exchanges behind it, as fixtures."""
         doc = {"argv": res["argv"], "exit_code": res["rc"], "stdout": res["stdout"],
                "stderr": res["stderr"], "agent": res["agent"]}
-        (self.fix / ("cli-%s.json" % name)).write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(self.fix / ("cli-%s.json" % name), doc, self.places())
 
     def start(self, role: str, *args: str, env_extra: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, Path]:
         n = len(self.started)
@@ -629,7 +635,7 @@ class Scenario:
         rec: dict[str, Any] = {"round": n, "stubborn": stubborn, "grace_s": grace if grace is not None else 10.0,
                                "manifest": self.manifest_doc(m), "idle0_nvml_mib": idle0}
         if checks:
-            (self.fix / "manifest.json").write_text(json.dumps(self.manifest_doc(m), indent=1) + "\n")
+            write_json(self.fix / "manifest.json", self.manifest_doc(m), self.places())
             self.status_phase(m)
         self.phase = "clean" if n == 1 else "clean-timed"
         pre = self.smi_state(save="round%d-pre" % n if checks else None, full=checks)
@@ -842,7 +848,7 @@ class Scenario:
                 self.poller.stop()
             self.kill_started()
             self.watcher.close()
-            (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str) + "\n")
+            write_json(self.out / "results.json", self.results, self.places(), default=str)
             self.logf.close()
         return self.results
 

@@ -176,7 +176,7 @@ ALL_MODULES_WRAPPER = (
     "from gpufleet.cli import main\n"
     "main(sys.argv[1:])\n"
 )
-NOT_FOR_STATUS = ("tabulate", "wcwidth", "gpufleet.core.metrics", "gpufleet.core.slurm",
+NOT_FOR_STATUS = ("gpufleet.core.metrics", "gpufleet.core.slurm",
                   "gpufleet.core.plan", "gpufleet.core.fit", "gpufleet.render.clean",
                   "gpufleet.cli.clean_cmd", "gpufleet.cli.fit_cmd", "gpufleet.cli.slurm_cmd",
                   "gpufleet.cli.export_cmd", "gpufleet.cli.run_cmd", "gpufleet.cli.top")
@@ -186,8 +186,8 @@ NOT_FOR_STATUS = ("tabulate", "wcwidth", "gpufleet.core.metrics", "gpufleet.core
                          ids=lambda a: " ".join(a))
 def test_a_local_status_imports_only_what_status_needs(tmp_path: Path, local_fleet: Path,
                                                        args: list[str]) -> None:
-    """No other command's modules, no tabulate (render/table.py draws the table), no metrics,
-    Slurm, clean plan or fit arithmetic; the table and the JSON document are still complete."""
+    """No other command's modules, no metrics, Slurm, clean plan or fit arithmetic; tabulate only
+    where a table is drawn (never for --json or --help); the table and JSON are still complete."""
     out = tmp_path / "modules.json"
     env = {k: v for k, v in os.environ.items() if k not in ("GPUFLEET_INVENTORY", "SSH_AUTH_SOCK")}
     env.update(GF_MODULES_OUT=str(out), HOME=str(tmp_path),
@@ -199,6 +199,8 @@ def test_a_local_status_imports_only_what_status_needs(tmp_path: Path, local_fle
     mods = set(json.loads(out.read_text()))
     unwanted = sorted(m for m in mods if any(m == n or m.startswith(n + ".") for n in NOT_FOR_STATUS))
     assert unwanted == [], "gpufleet %s imported %s" % (" ".join(args), unwanted)
+    draws_a_table = args in (["status"], ["hosts"])
+    assert ("tabulate" in mods) == draws_a_table, "gpufleet %s and tabulate" % " ".join(args)
     if args == ["status"]:
         assert res.stdout.splitlines()[0].split() == ["HOST", "GPU", "NAME", "MEMORY", "UTIL",
                                                       "UNATTRIBUTED", "HOLDERS", "HEALTH"]

@@ -833,7 +833,7 @@ _HELD = []
 
 def hold_devices():
     """What the real nvidia-smi does while it runs (recorded on the H200, driver 580.159.04:
-    shared/recorded/h200-clients-and-timings.log): /dev/nvidiactl, /dev/nvidia-uvm and every
+    tests/fixtures/recorded/logs/h200-clients-and-timings.log): /dev/nvidiactl, /dev/nvidia-uvm and every
     /dev/nvidiaN open, only /dev/nvidiactl mapped, comm "nvidia-smi". So a concurrent run shows
     up in other agents' fd scans, as on real hosts. WSL2 (no /dev/nvidia*) is unrecorded: none."""
     try:

@@ -687,3 +687,78 @@ def test_full_query_costs_well_under_a_millisecond_per_gpu(nvml: NVML, state: St
                      % (gpus, holders, median * 1e6, sorted(times)[int(len(times) * 0.9)] * 1e6))
     # Measured here: see tests/lab/README.md. Generous bound for a loaded 2-core machine.
     assert median < 1e-3 * gpus
+
+
+# --- threads ---------------------------------------------------------------------------------------
+
+THREADS_CHILD = r"""
+import ctypes, json, os, sys, threading, time
+lib = ctypes.CDLL(sys.argv[1])
+root, expected = sys.argv[2], json.loads(sys.argv[3])
+MIB, INSUFFICIENT_SIZE = 1024 * 1024, 7
+
+class MemoryV2(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint), ("total", ctypes.c_ulonglong),
+                ("reserved", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+class ProcessInfo(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+
+wrong, stop = [], time.monotonic() + float(sys.argv[4])
+
+def query():
+    assert lib.nvmlInit_v2() == 0
+    seen = {}
+    for i in range(2):
+        dev = ctypes.c_void_p()
+        assert lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(dev)) == 0
+        mem = MemoryV2(version=ctypes.sizeof(MemoryV2) | 2 << 24)
+        assert lib.nvmlDeviceGetMemoryInfo_v2(dev, ctypes.byref(mem)) == 0
+        n = ctypes.c_uint(0)
+        assert lib.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(n), None) == INSUFFICIENT_SIZE
+        infos = (ProcessInfo * n.value)()
+        assert lib.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(n), infos) == 0
+        seen[str(i)] = [mem.used // MIB, sorted([p.pid, p.usedGpuMemory // MIB] for p in infos[: n.value])]
+    assert lib.nvmlShutdown() == 0
+    return seen
+
+def reader():
+    while time.monotonic() < stop:
+        got = query()
+        if got != expected:
+            wrong.append(got)
+
+def rewriter():  # a new config.json (same values): every reader's next call parses it again
+    text = open(os.path.join(root, "config.json")).read()
+    while time.monotonic() < stop:
+        tmp = os.path.join(root, "config.json.tmp")
+        with open(tmp, "w") as f:
+            f.write(text + " " * (int(time.monotonic() * 1000) % 7))
+        os.rename(tmp, os.path.join(root, "config.json"))
+
+threads = [threading.Thread(target=reader) for _ in range(8)] + [threading.Thread(target=rewriter)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"wrong": len(wrong), "first": wrong[:1]}))
+"""
+
+
+def test_calls_from_many_threads_at_once_see_one_consistent_state(nvml: NVML, state: State,
+                                                                  fake_nvml_library: Path) -> None:
+    """An NVML client may call from several threads (a pynvml poller beside the main thread);
+    the library's parsed config and snapshot cache are shared, so its calls take one lock.
+    Run in a child so that a crash (a freed cache read by another thread) fails the test."""
+    state.config(gpus=2, total_mib=143771, reserved_mib=616)
+    holders = [state.holder({"0": 1000 + k, "1": 500 + k}) for k in range(6)]
+    expected = nvml.query()
+    want = {str(g["index"]): [g["used"], sorted([pid, int(mib)] for pid, mib in g["apps"])]
+            for g in expected["gpus"]}
+    assert all(len(v[1]) == len(holders) for v in want.values())
+    res = subprocess.run([sys.executable, "-c", THREADS_CHILD, str(fake_nvml_library), str(state.root),
+                          json.dumps(want), "3"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, FAKEGPU_ROOT=str(state.root)))
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
+    assert json.loads(res.stdout) == {"wrong": 0, "first": []}

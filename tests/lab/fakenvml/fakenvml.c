@@ -17,6 +17,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <pthread.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -920,6 +921,26 @@ static void take(const config *c, snapshot_t *s) {
 
 /* --- library state ---------------------------------------------------------------------------- */
 
+/* One lock over everything above that is shared (the parsed config, the records and snapshot
+ * cache, the devices): an NVML client may call from several threads (a poller beside the main
+ * thread), a call keeps using the config it loaded, and take() frees the cache it replaces.
+ * Every API call holds it from start to return (LOCKED_CALL, released by the cleanup on any
+ * return; a call made inside another call counts as the same), except while a hang sleeps. */
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static __thread int t_depth;
+
+static int lock_call(void) {
+    if (t_depth++ == 0) pthread_mutex_lock(&g_lock);
+    return 1;
+}
+
+static void unlock_call(int *held) {
+    (void)held;
+    if (--t_depth == 0) pthread_mutex_unlock(&g_lock);
+}
+
+#define LOCKED_CALL __attribute__((cleanup(unlock_call), unused)) int locked_call_ = lock_call()
+
 static int g_refcount;
 static struct nvmlDevice_st g_devices[MAX_GPUS];
 
@@ -930,7 +951,9 @@ static nvmlReturn_t current(const config **out) {
     for (int waited = 0; c && c->hang; waited += 50) {
         if (waited >= 600000) return NVML_ERROR_TIMEOUT;
         struct timespec ts = {0, 50 * 1000 * 1000};
+        if (t_depth) pthread_mutex_unlock(&g_lock); /* other threads' calls see the hang too */
         nanosleep(&ts, NULL);
+        if (t_depth) pthread_mutex_lock(&g_lock);
         c = load_config();
     }
     if (!c) return NVML_ERROR_UNKNOWN; /* config.json unreadable */
@@ -964,6 +987,7 @@ static nvmlReturn_t put_string(char *dst, unsigned int length, const char *src) 
 /* --- the API ------------------------------------------------------------------------------------ */
 
 API nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    LOCKED_CALL;
     (void)flags;
     const config *c;
     nvmlReturn_t rc = current(&c);
@@ -981,6 +1005,7 @@ API nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
 API nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 
 API nvmlReturn_t nvmlShutdown(void) {
+    LOCKED_CALL;
     if (g_refcount <= 0) return NVML_ERROR_UNINITIALIZED;
     __atomic_sub_fetch(&g_refcount, 1, __ATOMIC_SEQ_CST);
     return NVML_SUCCESS;
@@ -1018,6 +1043,7 @@ API const char *nvmlErrorString(nvmlReturn_t result) {
 }
 
 API nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    LOCKED_CALL;
     if (g_refcount <= 0) return NVML_ERROR_UNINITIALIZED;
     const config *c = load_config();
     if (!c) return NVML_ERROR_UNKNOWN;
@@ -1025,6 +1051,7 @@ API nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) 
 }
 
 API nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion) {
+    LOCKED_CALL;
     if (!cudaDriverVersion) return NVML_ERROR_INVALID_ARGUMENT;
     const config *c = load_config();
     if (!c) return NVML_ERROR_UNKNOWN;
@@ -1033,10 +1060,12 @@ API nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion) {
 }
 
 API nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion) {
+    LOCKED_CALL;
     return nvmlSystemGetCudaDriverVersion_v2(cudaDriverVersion);
 }
 
 API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
+    LOCKED_CALL;
     if (g_refcount <= 0) return NVML_ERROR_UNINITIALIZED;
     if (!deviceCount) return NVML_ERROR_INVALID_ARGUMENT;
     const config *c;
@@ -1047,6 +1076,7 @@ API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
 }
 
 API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    LOCKED_CALL;
     if (g_refcount <= 0) return NVML_ERROR_UNINITIALIZED;
     if (!device) return NVML_ERROR_INVALID_ARGUMENT;
     const config *c;
@@ -1061,6 +1091,7 @@ API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t 
 }
 
 API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1068,6 +1099,7 @@ API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int
 }
 
 API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1075,6 +1107,7 @@ API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int
 }
 
 API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1097,6 +1130,7 @@ API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci
 }
 
 API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1107,6 +1141,7 @@ API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *min
 
 /* v1: recorded on the H200 (probe3), used = the reservation + allocations; free as v2. */
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1122,6 +1157,7 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memo
 }
 
 API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1139,6 +1175,7 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t
 }
 
 API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1201,25 +1238,30 @@ static nvmlReturn_t processes(nvmlDevice_t device, unsigned int *infoCount, void
 
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
                                                          nvmlProcessInfo_t *infos) {
+    LOCKED_CALL;
     return processes(device, infoCount, infos, 0, 0);
 }
 
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
                                                          nvmlProcessInfo_t *infos) {
+    LOCKED_CALL;
     return processes(device, infoCount, infos, 0, 0);
 }
 
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
                                                       nvmlProcessInfo_v1_t *infos) {
+    LOCKED_CALL;
     return processes(device, infoCount, infos, 1, 0);
 }
 
 API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
                                                           nvmlProcessInfo_t *infos) {
+    LOCKED_CALL;
     return processes(device, infoCount, infos, 0, 1);
 }
 
 API nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1230,6 +1272,7 @@ API nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode) {
 }
 
 API nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensorType, unsigned int *temp) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1239,6 +1282,7 @@ API nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensorType, u
 }
 
 API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1249,6 +1293,7 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *powe
 
 API nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
                                                         unsigned long long *clocksEventReasons) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1259,6 +1304,7 @@ API nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
 
 API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int counterType,
                                              unsigned long long *eccCounts) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1273,6 +1319,7 @@ API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType,
 API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,
                                            unsigned int *uncRows, unsigned int *isPending,
                                            unsigned int *failureOccurred) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1286,6 +1333,7 @@ API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *co
 }
 
 API nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *isPending) {
+    LOCKED_CALL;
     const config *c;
     nvmlReturn_t rc = device_call(device, &c);
     if (rc) return rc;
@@ -1310,14 +1358,18 @@ static nvmlReturn_t pcie(nvmlDevice_t device, unsigned int *out, int which) {
 
 /* recorded on the H200: current and max generation 5, width 16 (the defaults) */
 API nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *currLinkGen) {
+    LOCKED_CALL;
     return pcie(device, currLinkGen, 0);
 }
 API nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *currLinkWidth) {
+    LOCKED_CALL;
     return pcie(device, currLinkWidth, 1);
 }
 API nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *maxLinkGen) {
+    LOCKED_CALL;
     return pcie(device, maxLinkGen, 2);
 }
 API nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *maxLinkWidth) {
+    LOCKED_CALL;
     return pcie(device, maxLinkWidth, 3);
 }

@@ -16,7 +16,7 @@ from typing import Optional
 
 SOURCE = Path(__file__).resolve().parent / "fakenvml.c"
 SONAME = "libnvidia-ml.so.1"
-CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
+CFLAGS = ["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
           "-fvisibility=hidden", "-Wl,-soname," + SONAME]
 
 
