@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,8 @@ def fleet(lab: Any) -> Iterator[tuple[list[Any], Path]]:
     finally:
         for host in hosts:
             lab.remove_host(host)
+        shutil.rmtree(inventory.parent, ignore_errors=True)
+        shutil.rmtree(HOME, ignore_errors=True)
 
 
 @pytest.fixture
