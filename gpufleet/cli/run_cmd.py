@@ -61,11 +61,7 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
         _print_plan(runbook, selected, as_json)
         if dry_run:
             return EXIT_OK
-        changing = ", ".join(sorted({s.kind for s in runbook.steps if s.mutating}))
-        if as_json or not sys.stdin.isatty():
-            raise UsageError(f"this runbook changes hosts ({changing}); not a terminal and no "
-                             "--yes: plan shown, nothing done")
-        if not click.confirm(f"Run these steps ({changing}) on {len(selected)} host(s)?", default=False):
+        if not _confirmed(runbook, selected, as_json):
             click.echo("nothing done")
             return EXIT_USAGE
 
@@ -73,6 +69,15 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
     retry_file = _save_retry(runbook_path, runbook.source, result.retry_hosts)
     _print_result(runbook, result, as_json, retry_file)
     return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _confirmed(runbook: Any, selected: Sequence[Any], as_json: bool) -> bool:
+    """Mutating steps without --yes: asked on a terminal, refused (exit 2) otherwise."""
+    changing = ", ".join(sorted({s.kind for s in runbook.steps if s.mutating}))
+    if as_json or not sys.stdin.isatty():
+        raise UsageError(f"this runbook changes hosts ({changing}); not a terminal and no "
+                         "--yes: plan shown, nothing done")
+    return click.confirm(f"Run these steps ({changing}) on {len(selected)} host(s)?", default=False)
 
 
 def _with_overrides(runbook: Any, serial: Optional[str], max_fail: Optional[str]) -> Any:

@@ -299,10 +299,14 @@ def _describe_local(k: str, p: Mapping[str, Any]) -> str:
 
 def describe(step: Step) -> str:
     """What a step would do, in one line (the --dry-run plan)."""
+    if step.kind in LOCAL_KINDS:
+        return _describe_local(step.kind, step.params)
+    return _describe_on_host(step)
+
+
+def _describe_on_host(step: Step) -> str:
     p = step.params
     k = step.kind
-    if k in LOCAL_KINDS:
-        return _describe_local(k, p)
     if k == "stop_units":
         verb = "stop and disable" if p["disable"] else "stop"
         scope = " (--user)" if p["user"] else ""
