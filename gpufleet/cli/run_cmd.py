@@ -52,8 +52,11 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
 
     # Everything is validated before anything is contacted.
     runbook = _with_overrides(load_runbook(runbook_path, parse_extra_vars(extra_vars)), serial, max_fail)
+    carried: list[str] = []  # hosts of the retry file this run leaves out (--retry narrowed)
     if retry:
-        selected = _retry_selection(app, read_retry(retry_path(runbook_path)), hosts, groups, tags, all_)
+        names = read_retry(retry_path(runbook_path))
+        selected = _retry_selection(app, names, hosts, groups, tags, all_)
+        carried = [n for n in names if n not in {h.name for h in selected}]
     else:
         selected = app.select(hosts, groups, tags, all_)
 
@@ -66,7 +69,7 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
             return EXIT_USAGE
 
     result = _execute(app, runbook, selected, audit_log, as_json)
-    retry_file = _save_retry(runbook_path, runbook.source, result.retry_hosts)
+    retry_file = _save_retry(runbook_path, runbook.source, result.retry_hosts + carried)
     _print_result(runbook, result, as_json, retry_file)
     return EXIT_OK if result.ok else EXIT_FAILED
 
