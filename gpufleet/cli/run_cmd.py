@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 
 import click
 
-from gpufleet.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from gpufleet.cli import AppContext, cli, selection_options
 from gpufleet.render.common import terminal_safe, to_json
 
@@ -44,7 +44,7 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
     local_http but GET) need --yes; without it the plan is printed and, on a terminal,
     confirmed. See docs/runbooks.md.
     Exit 0 every step ok; 1 a step failed, a host was unreachable or the roll stopped; 2
-    runbook/usage error or no --yes in a non-interactive run (nothing done).
+    runbook/usage error or no --yes in a non-interactive run (nothing done); 130 interrupted.
     """
     from gpufleet.runbook.load import load_runbook
     from gpufleet.runbook.retry import read_retry, retry_path
@@ -71,6 +71,8 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
     result = _execute(app, runbook, selected, audit_log, as_json)
     retry_file = _save_retry(runbook_path, runbook.source, result.retry_hosts + carried)
     _print_result(runbook, result, as_json, retry_file)
+    if result.interrupted:
+        return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
@@ -152,6 +154,7 @@ def _execute(app: AppContext, runbook: Any, selected: Sequence[Any], audit_log: 
 
     operator = audit.operator_name()
     rolling = runbook.rolling.given
+    ctrl_c: list[bool] = []  # the fan-out's first Ctrl-C: the running hosts finish, nothing more starts
 
     def run_hosts(book: Any, hosts: Sequence[Any], label: str) -> list:
         gate = "gate " if label.endswith("gate") else ""
@@ -165,7 +168,8 @@ def _execute(app: AppContext, runbook: Any, selected: Sequence[Any], audit_log: 
                     f"({result.seconds:.1f}s){': ' + result.detail if result.outcome == FAILED else ''}"))
 
             return run_runbook(book, hosts, forks=app.forks, operator=operator, audit_log=audit_log,
-                               on_step=progress, **line.callbacks())
+                               on_step=progress, on_interrupt=lambda _waiting: ctrl_c.append(True),
+                               **line.callbacks())
 
     def on_batch(batch: Any) -> None:
         if rolling and not as_json:
@@ -175,7 +179,8 @@ def _execute(app: AppContext, runbook: Any, selected: Sequence[Any], audit_log: 
     def on_pause(seconds: float, next_index: int) -> None:
         echo_err(None)(f"pausing {seconds:g}s before batch {next_index}")
 
-    return roll(runbook, selected, run_hosts, on_batch=on_batch, on_pause=on_pause)
+    return roll(runbook, selected, run_hosts, on_batch=on_batch, on_pause=on_pause,
+                interrupted=lambda: bool(ctrl_c))
 
 
 def _save_retry(runbook_path: str, source: str, names: Sequence[str]) -> Optional[str]:

@@ -108,9 +108,12 @@ def _run_batch(runbook: Runbook, batch: Sequence[Host], index: int, total: int,
 def roll(runbook: Runbook, hosts: Sequence[Host], run_hosts: RunHosts,
          on_batch: Optional[Callable[[BatchRun], None]] = None,
          on_pause: Optional[Callable[[float, int], None]] = None,
-         sleep: Callable[[float], None] = time.sleep) -> RollResult:
+         sleep: Callable[[float], None] = time.sleep,
+         interrupted: Callable[[], bool] = lambda: False) -> RollResult:
     """Every batch in turn; ``run_hosts(runbook, hosts, label)`` runs one (the plain run's
-    parallel fan-out), ``on_batch`` is told of each as it finishes (its table is printed then)."""
+    parallel fan-out), ``on_batch`` is told of each as it finishes (its table is printed then).
+    ``interrupted()``: whether a Ctrl-C came during the batch (the fan-out then lets the
+    running hosts finish and returns): no later batch starts."""
     batches = plan_batches(hosts, runbook.rolling)
     result = RollResult()
     for index, batch in enumerate(batches, 1):
@@ -119,7 +122,7 @@ def roll(runbook: Runbook, hosts: Sequence[Host], run_hosts: RunHosts,
         if on_batch is not None:
             on_batch(done)
         later = [h.name for b in batches[index:] for h in b]
-        if any(r.error_kind == INTERRUPTED for r in done.runs):
+        if interrupted() or any(r.error_kind == INTERRUPTED for r in done.runs):
             result.interrupted, done.stop = True, "interrupted"
         if done.stop is not None:
             if later:

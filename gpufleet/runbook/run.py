@@ -192,7 +192,7 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
                 open_session: Optional[Callable[[Host], Any]] = None,
                 **callbacks: Any) -> list[HostRun]:
     """Hosts in parallel (at most ``forks``), results in host order. ``callbacks``:
-    run_hosts's ``on_start`` / ``on_result`` (progress.HostProgress.callbacks)."""
+    run_hosts's ``on_start`` / ``on_result`` (progress.HostProgress.callbacks), ``on_interrupt``."""
     from gpufleet.ops.fanout import run_hosts
 
     def make_error(host: Host, failure: Failure) -> HostRun:
