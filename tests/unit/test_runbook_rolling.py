@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufleet.config.inventory import Host
-from gpufleet.errors import UsageError
+from gpufleet.errors import StepFailed, UsageError
+from gpufleet.runbook.kinds import describe
 from gpufleet.runbook.batches import batch_size, over_budget, split_batches, stop_reason
 from gpufleet.runbook.load import load_runbook, parse_runbook
 from gpufleet.runbook.retry import read_retry, retry_path, write_retry
@@ -373,3 +374,36 @@ def test_ctrl_c_in_a_batch_lets_it_finish_and_starts_no_later_batch(tmp_path: Pa
     assert [r[:5] for r in rows] == [["a", "1", "local_command", "local_command", "ok"]]  # let finish
     retry = tmp_path / ".local/state/gpufleet/retry/rb.hosts"
     assert retry.read_text().splitlines()[1:] == ["b", "c"]
+
+
+yaml_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+              st.text(max_size=12), st.sampled_from(["25%", "0%", "1,2", "{{ HOST }}", "-1", "100%"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.sampled_from(["serial", "max_fail_percentage", "pause_s", "gate"]), value=yaml_values,
+       field=st.sampled_from(["url", "method", "json", "headers", "status", "interval"]), other=yaml_values)
+def test_any_value_of_the_new_keys_is_valid_or_one_line(key: str, value: Any, field: str, other: Any) -> None:
+    """Whatever YAML gives the rolling keys or a local_http field: a runbook, or ONE line (exit 2)."""
+    import yaml
+
+    doc = {key: value, "steps": [{"kind": "local_http", "url": "http://127.0.0.1/{{ HOST }}", field: other}]}
+    try:
+        text = yaml.safe_dump(doc)
+    except yaml.YAMLError:
+        return
+    try:
+        rb = parse_runbook(text, source="rb.yaml")
+    except UsageError as exc:
+        assert "\n" not in str(exc) and exc.exit_code == 2
+        return
+    step = rb.steps[0]
+    describe(step)
+    split_batches(list(range(9)), rb.rolling.serial)
+    try:
+        step.for_host({"HOST": "node-1", "HOST_ADDRESS": "10.0.0.1"})
+    except StepFailed as exc:
+        assert "\n" not in str(exc)
