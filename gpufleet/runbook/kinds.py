@@ -16,21 +16,37 @@ from gpufleet.config import validators
 from gpufleet.config.validators import Fail, describe as describe_value, did_you_mean, sub_fail
 from gpufleet.core.gpus import format_gpu_ranges
 from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
-from gpufleet.runbook.values import v_dtype, v_gib, v_params, v_positive_int
+from gpufleet.runbook.template import PerHostField, render_per_host
+from gpufleet.runbook.values import (v_dtype, v_gib, v_headers, v_http_method, v_http_statuses,
+                                     v_json_body, v_params, v_positive_int)
 
 if TYPE_CHECKING:
     from gpufleet.runbook.model import Step
 
 KINDS = ("stop_units", "clean", "wait_free", "fit", "health", "clear_shm", "start_unit",
-         "wait_http", "shell", "assert", "report")
-# Steps that change the host: they need --yes, like `gpufleet clean`.
-MUTATING = frozenset({"stop_units", "clean", "clear_shm", "start_unit", "shell"})
+         "wait_http", "shell", "assert", "report", "local_http", "local_command")
+# Steps that change the host (or, local_*, something for it): they need --yes, like `gpufleet
+# clean`. A local_http step changes things unless its method is GET or HEAD (changes_hosts).
+MUTATING = frozenset({"stop_units", "clean", "clear_shm", "start_unit", "shell", "local_command"})
+# Steps that run on the controller, for a host (a load balancer's API, its CLI): never on it.
+LOCAL_KINDS = frozenset({"local_http", "local_command"})
+READ_ONLY_METHODS = ("GET", "HEAD")
+# Kinds a rolling run's `gate:` may use: they only look, on each host of a finished batch.
+GATE_KINDS = ("health", "wait_http")
 # Steps that take a GPU snapshot (their result is what a later `assert` may look at).
 DEFAULT_TIMEOUT_S = {
     "stop_units": 120.0, "clean": 60.0, "wait_free": 300.0, "fit": 60.0, "health": 60.0,
     "clear_shm": 60.0,
     "start_unit": 120.0, "wait_http": 900.0, "shell": 60.0, "assert": 60.0, "report": 60.0,
+    "local_http": 30.0, "local_command": 60.0,
 }
+
+
+def changes_hosts(kind: str, params: Mapping[str, Any]) -> bool:
+    """Whether a step of this kind with these fields needs --yes."""
+    if kind == "local_http":
+        return params.get("method") not in READ_ONLY_METHODS
+    return kind in MUTATING
 
 
 # The health step's thresholds: the lowest severity that fails the step / is reported as a
@@ -183,6 +199,20 @@ KIND_FIELDS: dict[str, dict[str, _Field]] = {
     "report": {
         "gpus": _Field(validators.gpu_list, default=None),
     },
+    # On the controller: an HTTP request (a load balancer's API), `{{ HOST }}` filled per host.
+    "local_http": {
+        "url": _Field(validators.url, required=True),
+        "method": _Field(v_http_method, default="GET"),
+        "headers": _Field(v_headers, default={}),
+        "json": _Field(v_json_body, default=None),
+        "status": _Field(v_http_statuses, default=None),  # None: any 2xx
+        "interval": _Field(validators.timeout, default=None),  # given: retry until the status
+    },
+    # On the controller: a program as an argv (never a shell), `{{ HOST }}` filled per host.
+    "local_command": {
+        "argv": _Field(validators.argv, required=True),
+        "expect_exit": _Field(validators.exit_codes, default=(0,)),
+    },
 }
 
 
@@ -201,6 +231,8 @@ def _check_step(kind: str, params: dict[str, Any], timeout: float, fail: Fail) -
         given = [k for k in ("command", "argv") if params.get(k) is not None]
         if len(given) != 1:
             fail("give exactly one of command (a sh -c string) or argv (a list, no shell)")
+    if kind == "local_http" and params.get("json") is not None and params["method"] in READ_ONLY_METHODS:
+        fail(f"a {params['method']} request has no body: drop json, or use POST/PUT/PATCH/DELETE")
     if kind == "fit":
         if params.get("weights_gib") is None and params.get("params") is None:
             fail("give weights_gib, or params (with dtype, default fp16)")
@@ -241,8 +273,38 @@ def params_text(count: float) -> str:
     return f"{count:.4g}"
 
 
+_PLACEHOLDERS = {"HOST": "{{ HOST }}", "HOST_ADDRESS": "{{ HOST_ADDRESS }}"}
+
+
+def _shown(value: Any) -> Any:
+    """A field as the plan shows it: a per-host one with its ``{{ HOST }}`` left in."""
+    return render_per_host(value.raw, _PLACEHOLDERS) if isinstance(value, PerHostField) else value
+
+
+def _describe_local(k: str, p: Mapping[str, Any]) -> str:
+    import json
+
+    if k == "local_command":
+        argv = [str(a) for a in _shown(p["argv"])]
+        codes = ",".join(str(c) for c in p["expect_exit"])
+        return f"on the controller: run {shlex.join(argv)} (expect exit {codes})"
+    want = "2xx" if p["status"] is None else "/".join(str(c) for c in p["status"])
+    body = _shown(p["json"])
+    text = f"on the controller: {p['method']} {_shown(p['url'])}"
+    if body is not None:
+        text += f" with JSON {json.dumps(body, separators=(',', ':'))}"
+    again = f", every {p['interval']:g}s until it does" if p["interval"] else ""
+    return f"{text}; expect HTTP {want}{again}"
+
+
 def describe(step: Step) -> str:
     """What a step would do, in one line (the --dry-run plan)."""
+    if step.kind in LOCAL_KINDS:
+        return _describe_local(step.kind, step.params)
+    return _describe_on_host(step)
+
+
+def _describe_on_host(step: Step) -> str:
     p = step.params
     k = step.kind
     if k == "stop_units":

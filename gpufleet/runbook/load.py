@@ -24,18 +24,26 @@ from gpufleet.config.validators import Fail, did_you_mean, plain_string
 from gpufleet.config.validators import describe as describe_value
 from gpufleet.config.yamlsource import LineMap, LineSeq, load_yaml, read_source
 from gpufleet.errors import UsageError, one_line
-from gpufleet.runbook.kinds import DEFAULT_TIMEOUT_S, KIND_FIELDS, KINDS, _check_step, _v_conditions
-from gpufleet.runbook.model import Runbook, Step
-from gpufleet.runbook.template import REF, VAR_NAME, references, substitute, substitute_shell
+from gpufleet.runbook.kinds import (DEFAULT_TIMEOUT_S, GATE_KINDS, KIND_FIELDS, KINDS, LOCAL_KINDS,
+                                    _check_step, _v_conditions)
+from gpufleet.runbook.model import Rolling, Runbook, Step
+from gpufleet.runbook.template import (PER_HOST, REF, SAMPLE_HOST, VAR_NAME, PerHostField, has_per_host,
+                                       references, render_per_host, substitute, substitute_per_host,
+                                       substitute_shell)
+from gpufleet.runbook.values import v_percentage, v_serial
 
 __all__ = ["COMMON_KEYS", "MAX_FILE_BYTES", "MAX_STEPS", "TOP_LEVEL_KEYS", "load_runbook", "parse_runbook"]
 
 MAX_FILE_BYTES = 1 << 20
 MAX_STEPS = 500
-TOP_LEVEL_KEYS = ("name", "description", "vars", "steps")
+TOP_LEVEL_KEYS = ("name", "description", "vars", "steps", "serial", "max_fail_percentage", "pause_s", "gate")
+ROLLING_KEYS = ("serial", "max_fail_percentage", "pause_s", "gate")
 COMMON_KEYS = ("name", "kind", "timeout", "continue_on_failure")
 
 
+
+_PER_HOST_NAME = ("HOST and HOST_ADDRESS are set by gpufleet for each host (in local_http and "
+                  "local_command steps): choose another name")
 
 # --------------------------------------------------------------------------- helpers
 
@@ -84,10 +92,42 @@ def parse_runbook(text: str, source: str = "<string>",
         fail_at(_line(doc, "steps"), "steps")(f"expected a non-empty list of steps, got {describe_value(steps_raw)}")
     if len(steps_raw) > MAX_STEPS:
         fail_at(_line(doc, "steps"), "steps")(f"more than {MAX_STEPS} steps")
-    variables = _variables(declared, extra, steps_raw, doc, source, fail_at)
+    variables = _variables(declared, extra, [steps_raw] + [doc.get(k) for k in ROLLING_KEYS], doc,
+                           source, fail_at)
     steps = _parse_steps(steps_raw, variables, fail_at)
     return Runbook(source=source, name=name, description=description.strip(),
-                   vars=MappingProxyType(variables), steps=tuple(steps))
+                   vars=MappingProxyType(variables), steps=tuple(steps),
+                   rolling=_parse_rolling(doc, variables, fail_at))
+
+
+def _parse_rolling(doc: Any, variables: Mapping[str, str], fail_at: Callable[..., Fail]) -> Rolling:
+    """serial, max_fail_percentage, pause_s and the gate's steps (Ansible's play keywords)."""
+    def value(key: str, check: Callable[[Any, Fail], Any]) -> Any:
+        kfail = fail_at(_line(doc, key), key)
+        for ref in references(doc[key]):
+            if ref not in variables:
+                kfail(f"undefined variable {ref!r}{did_you_mean(ref, list(variables))}")
+        return check(substitute(doc[key], variables), kfail)
+
+    serial = value("serial", v_serial) if "serial" in doc else ()
+    budget = value("max_fail_percentage", v_percentage) if "max_fail_percentage" in doc else None
+    pause = value("pause_s", validators.seconds) if "pause_s" in doc else 0.0
+    gate: list[Step] = []
+    if "gate" in doc:
+        raw = doc["gate"]
+        if not isinstance(raw, list) or not raw:
+            fail_at(_line(doc, "gate"), "gate")(f"expected a list of {' or '.join(GATE_KINDS)} steps, "
+                                                f"got {describe_value(raw)}")
+
+        def gate_fail_at(line: int, where: str = "") -> Fail:
+            return fail_at(line, f"gate: {where}" if where else "gate")
+
+        gate = _parse_steps(raw, variables, gate_fail_at)
+        for step in gate:
+            if step.kind not in GATE_KINDS:
+                gate_fail_at(step.line, step.label)(
+                    f"a gate only looks: its steps are {' or '.join(GATE_KINDS)}")
+    return Rolling(serial=serial, max_fail_percentage=budget, pause_s=pause, gate=tuple(gate))
 
 
 def _fail_at(source: str) -> Callable[..., Fail]:
@@ -137,6 +177,8 @@ def _declared_vars(doc: Any, fail_at: Callable[..., Fail]) -> dict[str, Optional
             vfail = fail_at(_line(vars_raw, key), f"vars.{key}")
             if not isinstance(key, str) or not VAR_NAME.match(key):
                 vfail("invalid variable name (letters, digits and '_', not starting with a digit)")
+            if key in PER_HOST:
+                vfail(_PER_HOST_NAME)
             if value is None:
                 declared[key] = None
                 continue
@@ -155,6 +197,8 @@ def _variables(declared: Mapping[str, Optional[str]], extra: Mapping[str, str], 
     without a value, is an error."""
     used = set(references(steps_raw))
     for key in extra:
+        if key in PER_HOST:
+            raise UsageError(f"-e {key}: {_PER_HOST_NAME}")
         if key not in declared and key not in used:
             known = sorted(set(declared) | used)
             raise UsageError(f"-e {key}: {source} has no variable {key!r}{did_you_mean(key, known)}"
@@ -241,6 +285,11 @@ def _check_step_keys(raw: Any, kind: str, variables: Mapping[str, str], where: s
     # Variables: every reference must be defined, whatever the field.
     for key, value in raw.items():
         for ref in references(value):
+            if ref in PER_HOST and kind in LOCAL_KINDS:
+                continue
+            if ref in PER_HOST:
+                key_fail(key)(f"{{{{ {ref} }}}} is filled in for each host only in local_http and "
+                              "local_command steps (they run on the controller)")
             if ref not in variables:
                 key_fail(key)(f"undefined variable {ref!r}{did_you_mean(ref, list(variables))} "
                               "(define it under vars: or pass -e " + ref + "=...)")
@@ -268,5 +317,17 @@ def _step_params(raw: Any, kind: str, line: int, variables: Mapping[str, str], w
             params[key] = _v_conditions(substitute(value, variables), key_fail(key), line_of,
                                         lambda ln: fail_at(ln, where))
             continue
+        if kind in LOCAL_KINDS:
+            params[key] = _local_field(value, variables, spec.check, key_fail(key))
+            continue
         params[key] = spec.check(substitute(value, variables), key_fail(key))
     return params
+
+
+def _local_field(value: Any, variables: Mapping[str, str], check: Callable[[Any, Fail], Any],
+                 fail: Fail) -> Any:
+    """A local step's field: checked now (with a sample host when it names the host), and kept
+    as a ``PerHostField`` to be filled in and checked again for each host."""
+    deferred = substitute_per_host(value, variables)
+    checked = check(render_per_host(deferred, SAMPLE_HOST), fail)
+    return PerHostField(deferred, check) if has_per_host(deferred) else checked

@@ -91,9 +91,14 @@ def _exc_text(exc: BaseException) -> str:
 
 def plan_host(runbook: Runbook, host: Host) -> HostRun:
     """--dry-run: what each step would do on this host; nothing is contacted."""
+    from gpufleet.runbook.local import host_values
+
     steps = []
     for step in runbook.steps:
-        text = describe(step)
+        try:
+            text = describe(step.for_host(host_values(host)))
+        except StepFailed as exc:
+            text = f"invalid for this host: {exc}"
         if step.kind in ("stop_units", "start_unit") and host.sudo:
             text += " (sudo -n)"
         if step.kind == "wait_http":
@@ -187,7 +192,7 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
                 open_session: Optional[Callable[[Host], Any]] = None,
                 **callbacks: Any) -> list[HostRun]:
     """Hosts in parallel (at most ``forks``), results in host order. ``callbacks``:
-    run_hosts's ``on_start`` / ``on_result`` (progress.HostProgress.callbacks)."""
+    run_hosts's ``on_start`` / ``on_result`` (progress.HostProgress.callbacks), ``on_interrupt``."""
     from gpufleet.ops.fanout import run_hosts
 
     def make_error(host: Host, failure: Failure) -> HostRun:

@@ -331,6 +331,8 @@ def _step_report(ctx: _HostRun, step: Step, end: float) -> str:
     return head + "; ".join(lines)
 
 
+from gpufleet.runbook.local import step_local_command, step_local_http  # noqa: E402 (on the controller)
+
 EXECUTORS: dict[str, Callable[[_HostRun, Step, float], str]] = {
     "stop_units": _step_stop_units,
     "clean": _step_clean,
@@ -343,4 +345,6 @@ EXECUTORS: dict[str, Callable[[_HostRun, Step, float], str]] = {
     "shell": _step_shell,
     "assert": _step_assert,
     "report": _step_report,
+    "local_http": step_local_http,
+    "local_command": step_local_command,
 }

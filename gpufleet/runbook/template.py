@@ -3,12 +3,18 @@
 Into plain fields a value goes as text (then validated like any typed value); into a
 ``shell`` step's ``command`` (run by ``sh -c``) as ONE shlex-quoted word, and a reference
 inside quotes there is refused (``'{{ X }}'`` would unquote the value).
+
+The steps that run on the controller (``local_http``, ``local_command``) act FOR a host (take
+it out of a load balancer), so they may name it: ``{{ HOST }}`` and ``{{ HOST_ADDRESS }}`` are
+left in at load time as ``PerHost`` text and filled in once per host at run time, as data
+(an argv item stays one argument, no shell is involved).
 """
 from __future__ import annotations
 
 import re
 import shlex
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 from gpufleet.config.validators import Fail, Templated, did_you_mean
 from gpufleet.config.yamlsource import LineMap, LineSeq
@@ -51,6 +57,80 @@ def substitute(value: Any, variables: Mapping[str, str]) -> Any:
         seq.lines = getattr(value, "lines", [])
         return seq
     return value
+
+
+# --------------------------------------------------------------------------- per-host values
+
+PER_HOST = ("HOST", "HOST_ADDRESS")  # filled in for each host, in local_* steps only
+SAMPLE_HOST = {"HOST": "example-host", "HOST_ADDRESS": "192.0.2.1"}  # load-time validation
+
+
+@dataclass(frozen=True)
+class PerHost:
+    """Text with per-host references: ``parts`` alternate literal text and a PER_HOST name."""
+
+    parts: tuple[str, ...]
+
+    def render(self, host_values: Mapping[str, str]) -> str:
+        return "".join(host_values[p] if i % 2 else p for i, p in enumerate(self.parts))
+
+
+def substitute_per_host(value: Any, variables: Mapping[str, str]) -> Any:
+    """``substitute``, but ``{{ HOST }}`` / ``{{ HOST_ADDRESS }}`` stay as ``PerHost`` parts;
+    every other value goes in once here, so nothing in a value is ever expanded later."""
+    if isinstance(value, str):
+        matches = list(REF.finditer(value))
+        if not any(m.group(1) in PER_HOST for m in matches):
+            return substitute(value, variables)
+        parts: list[str] = []
+        text, pos = "", 0
+        for m in matches:
+            text += value[pos:m.start()]
+            if m.group(1) in PER_HOST:
+                parts += [text, m.group(1)]
+                text = ""
+            else:
+                text += variables[m.group(1)]
+            pos = m.end()
+        return PerHost(tuple(parts + [text + value[pos:]]))
+    if isinstance(value, dict):
+        return {k: substitute_per_host(v, variables) for k, v in value.items()}
+    if isinstance(value, list):
+        return [substitute_per_host(v, variables) for v in value]
+    return value
+
+
+def has_per_host(value: Any) -> bool:
+    if isinstance(value, PerHost):
+        return True
+    if isinstance(value, dict):
+        return any(has_per_host(v) for v in value.values())
+    if isinstance(value, list):
+        return any(has_per_host(v) for v in value)
+    return False
+
+
+def render_per_host(value: Any, host_values: Mapping[str, str]) -> Any:
+    """The value with every ``PerHost`` filled in for one host."""
+    if isinstance(value, PerHost):
+        return value.render(host_values)
+    if isinstance(value, dict):
+        return {k: render_per_host(v, host_values) for k, v in value.items()}
+    if isinstance(value, list):
+        return [render_per_host(v, host_values) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class PerHostField:
+    """A step field naming the host: its raw value and its validator, checked again (and
+    converted) for each host at run time; at load time it was checked with ``SAMPLE_HOST``."""
+
+    raw: Any
+    check: Callable[[Any, Fail], Any]
+
+    def value_for(self, host_values: Mapping[str, str], fail: Fail) -> Any:
+        return self.check(render_per_host(self.raw, host_values), fail)
 
 
 def _quote_context(command: str) -> list[tuple[int, str, str]]:
@@ -114,4 +194,6 @@ def parse_extra_vars(pairs: Sequence[str]) -> dict[str, str]:
     return out
 
 
-__all__ = ["REF", "VAR_NAME", "parse_extra_vars", "references", "substitute", "substitute_shell"]
+__all__ = ["PER_HOST", "REF", "SAMPLE_HOST", "VAR_NAME", "PerHost", "PerHostField", "has_per_host",
+           "parse_extra_vars", "references", "render_per_host", "substitute", "substitute_per_host",
+           "substitute_shell"]

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
+
+import pytest
 
 
 from fake_systemctl import install_systemctl, unit_pids  # tests/lab, on sys.path via conftest
@@ -35,11 +39,22 @@ def _free_port() -> int:
     return port
 
 
+# HOME of the CLI runs: the retry files a run writes (~/.local/state/gpufleet/retry/) stay here.
+HOME = Path(tempfile.mkdtemp(prefix="gf-runbooks-home-"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_home() -> Iterator[None]:
+    yield
+    shutil.rmtree(HOME, ignore_errors=True)
+
+
 def gpufleet(inventory: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """The real CLI in a child process: real exit codes, stdin not a terminal."""
     return subprocess.run(
         [sys.executable, "-c", "from gpufleet.cli import main; main()", "-i", str(inventory), *args],
-        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(REPO))
+        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(REPO),
+        env=dict(os.environ, HOME=str(HOME)))
 
 
 def outcomes(doc: dict, host: str) -> list[str]:

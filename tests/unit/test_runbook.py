@@ -106,8 +106,11 @@ def test_wsl2_preflight_is_read_only_and_keeps_going() -> None:
 
 @pytest.mark.parametrize("path", sorted(PLAYBOOKS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_step_describes_itself(path: Path) -> None:
-    rb = load_runbook(path, {"OLD_UNIT": "a", "NEW_UNIT": "b"} if "swap" in path.name else {})
-    for step in rb.steps:
+    extra = {"OLD_UNIT": "a", "NEW_UNIT": "b"} if "swap" in path.name else {}
+    if "rolling" in path.name:
+        extra["LB_URL"] = "http://127.0.0.1:9000"
+    rb = load_runbook(path, extra)
+    for step in rb.steps + rb.rolling.gate:
         text = describe(step)
         assert text and "\n" not in text and "None" not in text
 
@@ -370,7 +373,7 @@ def test_stop_units_takes_a_string_of_names() -> None:
 
 
 def test_mutating_kinds_are_exactly_the_ones_that_change_hosts() -> None:
-    assert MUTATING == {"stop_units", "clean", "clear_shm", "start_unit", "shell"}
+    assert MUTATING == {"stop_units", "clean", "clear_shm", "start_unit", "shell", "local_command"}
     assert set(KIND_FIELDS) == set(KINDS)
     read_only = _parse("steps:\n  - {kind: report}\n  - {kind: wait_free, min_free_mib: 1}\n"
                        "  - {kind: wait_http, url: 'http://127.0.0.1/'}\n"
