@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from portable import write_json  # noqa: E402  (beside this file)
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 MPS_FALLBACKS = ("/usr/local/nvidia/bin/nvidia-cuda-mps-control", "/usr/bin/nvidia-cuda-mps-control")
@@ -100,6 +103,10 @@ class Run:
         self.client: Optional[subprocess.Popen] = None
         self.daemon: Optional[int] = None
 
+    def places(self) -> dict[str, Path]:
+        """This run's own directories, as words in what it records (tests/gpu/portable.py)."""
+        return {"TMPDIR": self.tmp, "OUTDIR": self.out}
+
     def check(self, name: str, ok: bool, detail: Any = None) -> bool:
         self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
         print(("ok   " if ok else "FAIL ") + name + ("" if ok else ": %r" % (detail,)), flush=True)
@@ -117,7 +124,7 @@ class Run:
                            cwd=str(self.tmp))
         res = {"argv": ["gpufleet", "-i", "fleet.yaml", *args], "exit_code": r.returncode,
                "stdout": r.stdout, "stderr": r.stderr, "seconds": round(time.monotonic() - t0, 3)}
-        (self.out / ("cli-mps-%s.json" % name)).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(self.out / ("cli-mps-%s.json" % name), res, self.places())
         return res
 
     def run(self) -> dict[str, Any]:
@@ -133,7 +140,7 @@ class Run:
             self.cleanup()
         doc = {"checks": self.checks, "ok": all(c["ok"] for c in self.checks),
                "seconds": round(time.monotonic() - t0, 1), "pipe_dir": str(self.pipe)}
-        (self.out / "mps-results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(self.out / "mps-results.json", doc, self.places())
         return doc
 
     def start(self) -> None:
