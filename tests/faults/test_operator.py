@@ -80,7 +80,7 @@ def test_ctrl_c_twice_cancels_the_pending_kill_and_reports_what_was_sent(
     settle(host)
     before = census(host)
     inv = lab.inventory_yaml([host])
-    cli = TtyCli(home, inv, "clean", "--yes", "--gpus", "0", "--grace", grace)
+    cli = TtyCli(home, inv, "clean", "--all", "--yes", "--gpus", "0", "--grace", grace)
     wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60, "TERM")
     termed_at = time.monotonic()
     cli.ctrl_c()  # typed at the CLI's terminal: SIGINT to its foreground process group
@@ -200,9 +200,9 @@ def test_a_clean_that_waited_for_the_lock_reports_only_what_it_freed(
     for n in (1, 2):
         homes.append(tmp_path / ("operator%d" % n))
         homes[-1].mkdir()
-    op1 = start_cli(homes[0], inv, "clean", "--yes", "--json", "--grace", "5")
+    op1 = start_cli(homes[0], inv, "clean", "--all", "--yes", "--json", "--grace", "5")
     wait_for(lambda: signals(agent_audit(host)) == [(stubborn, "TERM", "sent")], 60, "op1 TERM")
-    op2 = start_cli(homes[1], inv, "clean", "--yes", "--json", "--grace", "1")
+    op2 = start_cli(homes[1], inv, "clean", "--all", "--yes", "--json", "--grace", "1")
     r1, r2 = (finish_cli(p, timeout=90) for p in (op1, op2))
     for r in (r1, r2):
         assert_no_traceback(r)

@@ -441,7 +441,7 @@ def test_listed_processes_must_hold_the_gpu_they_are_listed_on(lab: Any, make_ho
     rows = " ".join(shlex.quote("%d, 2000, %s" % (p, uuid0)) for p in (monitor, other))
     smi = write_host_file(host, "/run/gflab/smi-lists", LISTS % {"smi": SMI, "rows": rows})
     inv = lab.inventory_yaml([host], nvidia_smi=smi)
-    run = run_cli(home, inv, "clean", "--yes", "--json", "--gpus", "0", "--grace", "1")
+    run = run_cli(home, inv, "clean", "--all", "--yes", "--json", "--gpus", "0", "--grace", "1")
     doc = run.host("smi-lists")
     assert signals(doc["signals"]) == [(job, "TERM", "sent")], doc["signals"]
     assert [(r["pid"], r["kind"], r["reason"]) for r in doc["refused"]] == sorted([

@@ -23,7 +23,7 @@ LINE_MAX = 300  # a reason line per GPU, not one 700-character line
 
 
 def clean(home: Path, inv: Path, *args: str) -> Any:
-    return run_gpufleet(home, inv, "clean", "--audit-log", str(home / "audit.jsonl"), *args)
+    return run_gpufleet(home, inv, "clean", "--all", "--audit-log", str(home / "audit.jsonl"), *args)
 
 
 def reason_lines(text: str, host: str) -> list[str]:

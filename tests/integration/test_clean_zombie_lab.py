@@ -24,7 +24,7 @@ HELD_MIB = 5638  # what NVML listed for the H200 probe's zombie leader
 
 
 def clean(home: Path, inv: Path, *args: str) -> Any:
-    return run_gpufleet(home, inv, "clean", "--audit-log", str(home / "audit.jsonl"), *args)
+    return run_gpufleet(home, inv, "clean", "--all", "--audit-log", str(home / "audit.jsonl"), *args)
 
 
 def test_zombie_leader_that_holds_is_a_target_killed_and_the_gpu_is_clean(
