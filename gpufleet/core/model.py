@@ -22,9 +22,9 @@ Agent snapshot document (version 1), the contract between agent and controller::
      "fd_unreadable": [{"pid", "comm", "reason"}],
      "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
                    "cmdline", "exe", "exe_root", "cgroup", "unit", "user_unit",
-                   "user_unit_uid", "container", "session", "pgid", "kernel_thread", "wchan",
-                   "relation", "fds_readable", "threads", "live_threads",
-                   "stuck_threads": [{"tid", "wchan"}]}},
+                   "user_unit_uid", "container", "container_restart", "session", "pgid",
+                   "kernel_thread", "wchan", "relation", "fds_readable", "threads",
+                   "live_threads", "stuck_threads": [{"tid", "wchan"}]}},
      "warnings": [str]}
 
 ``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
@@ -123,6 +123,7 @@ class ProcessInfo:
     user_unit: Optional[str] = None
     user_unit_uid: Optional[int] = None
     container: Optional[str] = None
+    container_restart: Optional[str] = None  # the runtime's restart policy (docker, podman)
     session: Optional[int] = None
     pgid: Optional[int] = None
     kernel_thread: bool = False
@@ -465,6 +466,8 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
         user_unit=raw.get("user_unit"),
         user_unit_uid=_opt_int(raw.get("user_unit_uid")),
         container=raw.get("container"),
+        container_restart=raw.get("container_restart") if isinstance(
+            raw.get("container_restart"), str) else None,
         session=_opt_int(raw.get("session")),
         pgid=_opt_int(raw.get("pgid")),
         kernel_thread=bool(raw.get("kernel_thread", False)),

@@ -916,8 +916,11 @@ def owner_of(proc: ProcessInfo, processes: Mapping[int, ProcessInfo],
                      evidence="Kubernetes restarts a pod's containers",
                      action="delete or scale down the pod (kubectl)")
     if proc.container:
-        return Owner(OWNER_CONTAINER, proc.container, restarts=None,
-                     evidence="the container runtime may restart it (its restart policy)",
+        policy = proc.container_restart
+        restarts = None if policy is None else policy != "no"
+        why = (f"its restart policy is {policy} (the runtime's inspect)" if policy else
+               "the container runtime may restart it (its restart policy was not read)")
+        return Owner(OWNER_CONTAINER, proc.container, restarts=restarts, evidence=why,
                      action=f"stop the container ({proc.container})")
     job = _slurm_job(proc.cgroup)
     if job is not None:

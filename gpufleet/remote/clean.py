@@ -32,7 +32,8 @@ from .parse import (  # joined
     parse_stat,
     signal,
 )
-from .procfs import PROC, SYSTEMCTL_FALLBACKS, read_stat, scan_fds, self_context  # joined
+from .procfs import PROC, read_stat, scan_fds, self_context  # joined
+from .owners import SYSTEMCTL_FALLBACKS  # joined
 from .nvml import memory_used, read_bounded  # joined
 from .snapshot import gpu_source, nvml_timeout, snapshot  # joined
 from .lock import lock_for_clean  # joined

@@ -6,7 +6,7 @@ is refused is reported with its true reason, never guessed.
 import os
 import pwd
 
-from .jobs import read_bytes, read_bytes_bounded, read_text, run_cmd, which  # joined
+from .jobs import read_bytes, read_bytes_bounded, read_text  # joined
 from .parse import (  # joined
     CMDLINE_MAX,
     ParseError,
@@ -21,7 +21,6 @@ from .parse import (  # joined
     parse_stat,
     parse_status_uid,
     cgroup_units,
-    parse_systemctl_show,
 )
 
 PROC = "/proc"
@@ -320,47 +319,6 @@ def relation_of(pid, st, ctx):
     if ctx.get("session") is not None and st["session"] == ctx.get("session"):
         return "session"
     return None
-
-
-SYSTEMCTL_FALLBACKS = ("/usr/bin/systemctl", "/bin/systemctl")
-SYSTEMCTL_TIMEOUT_S = 3.0
-
-
-def confirm_units(processes, req, deadline, warnings):
-    """Each process's unit as systemd itself says: the innermost unit its cgroup path claims
-    (cgroup_units) whose ControlGroup, asked of systemd, is exactly that part of the path.
-    A user can create a cgroup named ``cron.service`` under its own ``user@UID.service``; the
-    system's cron.service has another ControlGroup, so the claim is not confirmed. Under a
-    confirmed ``user@UID.service`` the first unit below is that user's own (user_unit)."""
-    names = sorted(set(n for e in processes.values() for n, _ in e.get("unit_claims") or ()))
-    if not names:
-        return
-    systemctl = req.get("systemctl") or which("systemctl", SYSTEMCTL_FALLBACKS)
-    groups, why = {}, None
-    if systemctl is None:
-        why = "systemctl not found"
-    else:
-        res = run_cmd([systemctl, "show", "--property=Id", "--property=ControlGroup", "--"]
-                      + names, min(SYSTEMCTL_TIMEOUT_S, deadline.remaining()), deadline,
-                      "systemctl show")
-        if res.error or res.rc != 0:
-            why = res.error or (res.err or "").strip()[:200] or "exit %s" % res.rc
-        else:
-            groups = parse_systemctl_show(res.out)
-    unconfirmed = []
-    for entry in processes.values():
-        claims = entry.pop("unit_claims", None) or []
-        ok = [(n, cg) for n, cg in claims if groups.get(n) == cg]
-        if ok:
-            entry["unit"] = ok[-1][0]
-            user = cgroup_units(entry.get("cgroup"))[1]
-            if user is not None and entry["unit"] == "user@%d.service" % user[1]:
-                entry["user_unit"], entry["user_unit_uid"] = user
-        elif claims:
-            unconfirmed.append(entry["pid"])
-    if why is not None and unconfirmed:
-        warnings.append("systemd could not confirm the units of PID(s) %s (%s): they are "
-                        "treated as no unit's" % (", ".join(str(p) for p in unconfirmed[:10]), why))
 
 
 def self_context(proc=PROC):

@@ -10,6 +10,7 @@ import time
 from .jobs import Background, Job, find_nvidia_smi, run_cmd, smi_failure  # joined
 from .kmsg import kernel_log  # joined
 from .mps import mps_report  # joined
+from .owners import confirm_units, container_restarts  # joined
 from .nvml import (  # joined
     nvml_decided,
     nvml_error_code,
@@ -40,7 +41,6 @@ from .procfs import (  # joined
     DEV,
     PROC,
     ancestors_of,
-    confirm_units,
     container_facts,
     denied_reasons,
     denied_warning,
@@ -158,9 +158,10 @@ def snapshot(req, deadline, proc=PROC):
 
 
 def _what_runs_them(processes, denied, req, deadline, warnings, proc):
-    """What the processes' own details cannot say: their units as systemd confirms them,
-    whose open files were refused, and the CUDA MPS daemon's servers and clients (returned)."""
+    """What the processes' own details cannot say: their units as systemd confirms them, their
+    containers' restart policies as the runtime says, whose open files were refused, and the CUDA MPS daemon's servers and clients (returned)."""
     confirm_units(processes, req, deadline, warnings)
+    container_restarts(processes, req, deadline, warnings)
     for pid in set(denied) & set(int(p) for p in processes):
         processes[str(pid)]["fds_readable"] = False
     return mps_report(processes, deadline, proc) if req.get("mps", True) else []

@@ -646,3 +646,31 @@ def test_confirm_units_trusts_systemd_not_the_path(tmp_path):
                                        "unit_claims": [("x.service", "/system.slice/x.service")]}},
                         {"systemctl": str(tmp_path / "missing")}, agent.Deadline(10), warnings)
     assert len(warnings) == 1 and "could not confirm" in warnings[0]
+
+
+DOCKER = """#!/bin/sh
+# the runtime's own answer: inspect --format {{.HostConfig.RestartPolicy.Name}} -- ID
+case "$5" in
+  0123456789ab) echo always;;
+  0000000000aa) echo no;;
+  *) echo "Error: No such object: $5" >&2; exit 1;;
+esac
+"""
+
+
+def test_a_containers_restart_policy_is_the_runtimes_answer(tmp_path):
+    docker = tmp_path / "docker"
+    docker.write_text(DOCKER)
+    docker.chmod(0o755)
+    procs = {"1": {"pid": 1, "container": "docker:0123456789ab"},
+             "2": {"pid": 2, "container": "docker:0123456789ab"},
+             "3": {"pid": 3, "container": "docker:0000000000aa"},
+             "4": {"pid": 4, "container": "docker:ffffffffffff"},
+             "5": {"pid": 5, "container": "lxc:web"},
+             "6": {"pid": 6, "container": None}}
+    warnings = []
+    agent.container_restarts(procs, {"container_cli": {"docker": str(docker)}},
+                             agent.Deadline(10), warnings)
+    got = {int(k): e.get("container_restart", "-") for k, e in procs.items()}
+    assert got == {1: "always", 2: "always", 3: "no", 4: None, 5: "-", 6: "-"}
+    assert len(warnings) == 1 and "No such object" in warnings[0]

@@ -191,7 +191,7 @@ def test_remote_programs_are_python36_stdlib(name: str) -> None:
                 or (isinstance(n, ast.ImportFrom) and not n.level)]
     top = {a.name.split(".")[0] for n in absolute if isinstance(n, ast.Import) for a in n.names}
     top |= {n.module.split(".")[0] for n in absolute if isinstance(n, ast.ImportFrom) and n.module}
-    assert top and top <= set(sys.stdlib_module_names), sorted(top - set(sys.stdlib_module_names))
+    assert top <= set(sys.stdlib_module_names), sorted(top - set(sys.stdlib_module_names))
     # Another piece only as `from .piece import name  # joined` (the mark on its first line),
     # at the top level, of a piece joined BEFORE this one, naming what that piece defines: the
     # joiner drops exactly these lines, and the joined source (one namespace) then has every

@@ -759,3 +759,13 @@ def test_a_gpu_reset_is_advised_only_where_the_agent_would_do_it() -> None:
     d["facts"].update(is_root=False, in_container=True, container="docker-1", wsl2=True)
     assert policy.gpu_reset_blockers(parse_snapshot(d), 3) == [
         "not root", "in container docker-1", "WSL2 has no GPU reset"]
+
+
+def test_a_containers_owner_restarts_by_the_runtimes_policy() -> None:
+    for restart, restarts in [("always", True), ("unless-stopped", True), ("on-failure", True),
+                              ("no", False), (None, None)]:
+        proc = _family_proc(60, 1, "python3", "python3 serve.py",
+                            container="docker:0123456789ab", container_restart=restart)
+        owner = policy.owner_of(proc, {60: proc})
+        assert owner is not None and owner.kind == policy.OWNER_CONTAINER
+        assert owner.restarts is restarts and (restart or "not read") in owner.evidence
