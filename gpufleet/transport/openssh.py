@@ -24,6 +24,7 @@ nowhere else (``ssh_failure``).
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import re
 import shlex
@@ -242,9 +243,17 @@ class OpensshSession(Session):
     def _kept_run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
         target = self.target
         assert target is not None
+        started = time.monotonic()
         got, command = self._joined(argv, lambda path, text: mux.run(
             path, text, target.env, stdin, timeout, target.connect_timeout))
-        return got if got is not None else run_local(command, stdin, timeout)
+        raw = got if got is not None else run_local(command, stdin, timeout)
+        if sshconfig.log.isEnabledFor(logging.DEBUG):
+            how = f"through the kept master {target.kept} (no ssh process)" if got is not None \
+                else "with an ssh process"
+            sshconfig.log.debug("%s: run %s: exit %s after %.3fs%s", self.host.name, how,
+                                raw.exit_code, time.monotonic() - started,
+                                " (timed out)" if raw.timed_out else "")
+        return raw
 
     def _attempt(self, run: Callable[[], RawRun], master: bool = False) -> RawRun:
         """``run`` once (twice when gpufleet's accept-new recorded a first-seen key); ssh's
@@ -271,7 +280,11 @@ class OpensshSession(Session):
     def _open_master(self) -> RawRun:
         assert self.target is not None and self._master is not None
         bound = self.target.connect_timeout * 2 + 5  # connect, then key exchange and auth
-        return self._master.start(self.target.base, self.target.dest, bound)
+        started = time.monotonic()
+        raw = self._master.start(self.target.base, self.target.dest, bound)
+        sshconfig.log.debug("%s: master for this command's runs: exit %s after %.3fs",
+                            self.host.name, raw.exit_code, time.monotonic() - started)
+        return raw
 
     def connect(self) -> None:
         """Open the master now (``keep``); a failure becomes ``error``, never raised."""
@@ -298,6 +311,9 @@ class OpensshSession(Session):
         target = self.target
         got, command = self._joined(argv, lambda path, text: mux.MuxStream(
             path, text, target.env, head, min(target.connect_timeout, timeout), as_run=as_run))
+        sshconfig.log.debug("%s: resident run %s", self.host.name,
+                            f"through the kept master {target.kept} (no ssh process)"
+                            if got is not None else "with an ssh process")
         return got if got is not None else OpensshStream(command, head, target, as_run=as_run)
 
     def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
