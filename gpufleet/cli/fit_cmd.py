@@ -6,6 +6,7 @@ from typing import Optional
 import click
 
 from gpufleet.cli import AppContext, cli, selection_options
+from gpufleet.cli.output import snapshot_warnings, warn
 from gpufleet.core.fit import DEFAULT_UTIL, fit_report, need_from_options, parse_gpus
 from gpufleet.render.common import to_json
 from gpufleet.render.fit import render_text
@@ -42,4 +43,5 @@ def fit(app: AppContext, hosts, groups, tags, all_, gpus_spec: str, weights_gib:
         results = snapshot_hosts(selected, forks=app.forks, **progress.callbacks())
     report = fit_report(results, need, util=util, context_mib=context_mib, gpus=gpus)
     click.echo(to_json(report.document) if as_json else render_text(report))
+    warn(snapshot_warnings(results, selected))  # stderr: the rows above stay the rows
     return report.exit_code

@@ -73,4 +73,7 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
         click.echo(to_json(document(runbook, runs, dry_run=False)))
     else:
         click.echo(terminal_safe(table(runs)))
+    from gpufleet.cli.output import warn
+
+    warn(line for r in runs for line in getattr(r, "warnings", ()))  # stderr, as every command's
     return EXIT_OK if all(r.ok for r in runs) else EXIT_FAILED

@@ -79,8 +79,11 @@ def families_for(hosts: Sequence[Host], results: Sequence[HostResult], taken_at:
 
 
 def export_once(hosts: Sequence[Host], opts: ExportOptions, audit_log: Optional[str],
-                forks: int = 32) -> list[Family]:
-    """One snapshot of every host (one exec each, as `status`) as metric families."""
+                forks: int = 32, seen: Optional[list[HostResult]] = None) -> list[Family]:
+    """One snapshot of every host (one exec each, as `status`) as metric families; ``seen``
+    gets the results (the CLI's warnings)."""
     taken = time.time()
     results = snapshot_hosts(hosts, forks=forks)
+    if seen is not None:
+        seen.extend(results)
     return families_for(hosts, results, {h.name: taken for h in hosts}, opts, audit_log)

@@ -24,6 +24,7 @@ from gpufleet.core.fit import fit_report, need_from_options, parse_gpus
 from gpufleet.core.model import HostResult, ledger, parse_snapshot
 from gpufleet.core.plan import make_plan, to_request
 from gpufleet.remote import agent
+from gpufleet.core.hostwarnings import host_warnings
 from gpufleet.render.status import status_document, status_table
 from gpufleet.render.clean import clean_document
 from gpufleet.core.verdict import make_verdict
@@ -143,8 +144,9 @@ def test_status_table_is_the_core_rendering_of_its_agent_document():
     assert table.count("VLLM::Worker") == cli["stdout"].count("VLLM::Worker") == 2
     summary = [line for line in table.splitlines() if line.startswith("hosts: ")]
     assert summary == [cli["stdout"].splitlines()[-1]]  # hosts/GPUs summary
-    # the host warning the agent sent is printed under the table now
-    assert all(f"{HOST}: warning: {w}" in table for w in snap.warnings)
+    # the host warning the agent sent is a line of its own (stderr), never in the table
+    assert "warning" not in table
+    assert host_warnings(HOST, snap) == [f"{HOST}: warning: {w}" for w in snap.warnings]
 
 
 def test_status_numbers_are_nvidia_smis_own(status_snap):
