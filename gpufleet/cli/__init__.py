@@ -80,6 +80,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "the GPU count against the inventory's `gpus:`, throttling, PCIe link, "
                              "persistence (one SSH exec per host)."),
     "hosts": ("hosts_cmd", "List inventory hosts: name, address, port, user, tags, groups."),
+    "init": ("init_cmd", "Write a commented fleet.yaml (PATH, else -i, else ./fleet.yaml); never "
+                         "overwrites."),
     "run": ("run_cmd", "Run a runbook's steps on the selected hosts (hosts in parallel, steps in order)."),
     "serve": ("export_cmd", "Serve /metrics and /healthz for Prometheus; refreshed in the background "
                             "over one persistent SSH session per host, so a scrape never waits for a host."),

@@ -26,18 +26,20 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
         yes: bool, as_json: bool, audit_log: Optional[str]) -> int:
     """Run a runbook's steps on the selected hosts (hosts in parallel, steps in order).
 
+    RUNBOOK is a file, or the name of a shipped one: model-swap, pre-train, wsl2-preflight.
+
     Steps that change hosts (stop_units, clean, clear_shm, start_unit, shell) need --yes;
     without it the plan is printed and, on a terminal, confirmed. See docs/runbooks.md.
     Exit 0 every step ok; 1 a step failed or a host was unreachable; 2 runbook/usage error or
     no --yes in a non-interactive run (nothing done).
     """
     from gpufleet.ops import audit
-    from gpufleet.runbook.load import load_runbook
+    from gpufleet.runbook.load import find_runbook, load_runbook
     from gpufleet.runbook.template import parse_extra_vars
     from gpufleet.runbook.run import FAILED, document, plan_host, run_runbook, table
 
     # Everything is validated before anything is contacted.
-    runbook = load_runbook(runbook_path, parse_extra_vars(extra_vars))
+    runbook = load_runbook(find_runbook(runbook_path), parse_extra_vars(extra_vars))
     selected = app.select(hosts, groups, tags, all_)
 
     if dry_run or (runbook.mutating and not yes):

@@ -28,7 +28,8 @@ from gpufleet.runbook.kinds import DEFAULT_TIMEOUT_S, KIND_FIELDS, KINDS, _check
 from gpufleet.runbook.model import Runbook, Step
 from gpufleet.runbook.template import REF, VAR_NAME, references, substitute, substitute_shell
 
-__all__ = ["COMMON_KEYS", "MAX_FILE_BYTES", "MAX_STEPS", "TOP_LEVEL_KEYS", "load_runbook", "parse_runbook"]
+__all__ = ["COMMON_KEYS", "MAX_FILE_BYTES", "MAX_STEPS", "SHIPPED_DIR", "TOP_LEVEL_KEYS", "find_runbook",
+           "load_runbook", "parse_runbook", "shipped_runbooks"]
 
 MAX_FILE_BYTES = 1 << 20
 MAX_STEPS = 500
@@ -55,6 +56,29 @@ def _scalar_text(value: Any) -> Optional[str]:
     if isinstance(value, (int, float, str)):
         return str(value)
     return None
+
+
+#: The runbooks installed with the package (package data; the checkout's playbooks/ links here).
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "playbooks"
+
+
+def shipped_runbooks() -> list[str]:
+    """The shipped runbooks' names (``model-swap``, ...)."""
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.yaml"))
+
+
+def find_runbook(name: str) -> Path:
+    """The runbook ``gpufleet run NAME`` means: the file when it exists (or NAME has a ``/``),
+    else the shipped one of that name (``model-swap`` or ``model-swap.yaml``): an installed
+    gpufleet has no playbooks/ folder beside it to give a path to."""
+    path = Path(name)
+    if path.exists() or "/" in name:
+        return path
+    stem = name[:-5] if name.endswith(".yaml") else name
+    if stem in shipped_runbooks():
+        return SHIPPED_DIR / f"{stem}.yaml"
+    raise UsageError(f"{name}: runbook not found: not a file, nor a shipped runbook "
+                     f"({', '.join(shipped_runbooks()) or 'none installed'})")
 
 
 def load_runbook(path: str | Path, extra_vars: Optional[Mapping[str, str]] = None,

@@ -17,7 +17,7 @@ import pytest
 from click.utils import make_default_short_help
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-COMMAND_MODULES = ("clean_cmd", "disconnect_cmd", "export_cmd", "fit_cmd", "health_cmd", "hosts_cmd", "run_cmd",
+COMMAND_MODULES = ("clean_cmd", "disconnect_cmd", "export_cmd", "fit_cmd", "health_cmd", "hosts_cmd", "init_cmd", "run_cmd",
                    "slurm_cmd", "status_cmd", "top", "trust_cmd")
 
 
