@@ -177,6 +177,7 @@ def test_key_of_another_kind_says_which() -> None:
     ("{kind: shell, argv: 'true'}", "list of arguments"),
     ("{kind: fit}", "weights_gib, or params"),
     ("{kind: fit, params: 14}", "did you mean 14B"),
+    ("{kind: fit, params: 7B, weights_gib: 13}", "weights_gib or params, not both"),
     ("{kind: fit, params: 7B, dtype: fp61}", "did you mean 'fp16'"),
     ("{kind: fit, params: 7B, util: 1.2}", "fraction"),
     ("{kind: fit, params: 7B, tp: 3, gpus: 0-3}", "tp 3"),
