@@ -314,7 +314,8 @@ class OpensshSession(Session):
         sshconfig.log.debug("%s: resident run %s", self.host.name,
                             f"through the kept master {target.kept} (no ssh process)"
                             if got is not None else "with an ssh process")
-        return got if got is not None else OpensshStream(command, head, target, as_run=as_run)
+        return got if got is not None else OpensshStream(command, head, target, as_run=as_run,
+                                                         host=self.host)
 
     def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
         """A conversation's start is this host's run: ssh's own failures raised with their
@@ -338,17 +339,30 @@ def _remote_command(argv: Sequence[str]) -> str:
 
 
 class OpensshStream(ProcessStream):
-    """A resident run through one ``ssh`` process; ssh's own failure is its end's kind."""
+    """A resident run through one ``ssh`` process; ssh's own failure is its end's kind. A
+    refused host key is said as a run says it (``hostkey_refusal``: HOST KEY CHANGED with both
+    fingerprints, or the key recorded under accept-new), not as ssh's bare "Host key
+    verification failed." (`top`, `status --watch`)."""
 
-    def __init__(self, argv: Sequence[str], head: bytes, target: Target, as_run: bool = False):
+    def __init__(self, argv: Sequence[str], head: bytes, target: Target, as_run: bool = False,
+                 host: Optional[Host] = None):
         self.target = target
+        self.host = host
+        self._refused: Optional[TransportError] = None  # the host key's verdict, fetched once
         super().__init__(argv, head, as_run=as_run)
 
     def _ended_error(self) -> TransportError:
+        if self._refused is not None:
+            return self._refused
         code = self._exit_code()
         self._drain_err()  # ssh's line may still be unread when its stdout's end was seen
         raw = RawRun(code, b"", bytes(self._err))
         failure = ssh_failure(raw, self.target)
+        if failure is not None and failure.kind == errors.HOSTKEY and self.host is not None:
+            refusal, recorded = hostkey_refusal(self.host, self.target)
+            self._refused = refusal or failure if not recorded else TransportError(
+                "first-seen host key recorded (accept-new); reconnecting", kind=errors.CLOSED)
+            return self._refused
         if failure is not None:
             return failure
         if code == 255:

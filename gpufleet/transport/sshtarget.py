@@ -216,6 +216,8 @@ def target_for(host: Host, ssh: str) -> Optional[Target]:
     login = str(values.get("user") or user or "")
     persist = _persist_s(host)
     socket_path = _kept_socket(argv, dest, where, key_name, login) if persist else None
+    if socket_path is not None:
+        kept.write_label(socket_path, f"{host.name} ({login + '@' if login else ''}{where})")
     _log_target(host, argv + list(dest), where, key_name, policy, socket_path)
     return Target(tuple(argv), dest, where, key_name, login, ct, policy, tuple(keys),
                   kept=socket_path, persist_s=persist if socket_path else 0,
