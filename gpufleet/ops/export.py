@@ -70,7 +70,7 @@ def families_for(hosts: Sequence[Host], results: Sequence[HostResult], taken_at:
                  refresh: Optional[RefreshStats] = None,
                  hostnames: Optional[dict[str, str]] = None) -> list[Family]:
     """The families of these results, with each host's last clean from the audit log and its
-    health findings (issue 16: the same judgement as `gpufleet health`)."""
+    health findings (the same judgement as `gpufleet health`: one rule, core/health)."""
     expected_gpus = {h.name: h.gpus for h in hosts}
     findings = [f for r in results if r.ok and r.snapshot is not None
                 for f in health.metric_findings(health.assess_result(r, expected_gpus.get(r.host)))]

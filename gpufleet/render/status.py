@@ -19,7 +19,7 @@ from gpufleet.render.table import render_table
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
 BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB
-HEALTH_READINGS = HEALTH_INT_KEYS + HEALTH_BOOL_KEYS  # per GPU in status JSON (issue 16)  # clean's --tolerance-mib default
+HEALTH_READINGS = HEALTH_INT_KEYS + HEALTH_BOOL_KEYS  # per GPU in status JSON: what `gpufleet health` reads  # clean's --tolerance-mib default
 
 
 def cell_text(text: str) -> str:

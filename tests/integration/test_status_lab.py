@@ -337,7 +337,7 @@ def test_non_root_user_sees_own_holder_and_is_warned_about_hidden_ones(
 
 def test_non_root_warning_is_shown_in_the_table_when_it_could_matter(nonroot_host: Any,
                                                                       home: Path) -> None:
-    """Issue 10 part 4: with every GPU's memory listed by nvidia-smi, the processes whose
+    """A warning that cries wolf is not read: with every GPU's memory listed by nvidia-smi, the processes whose
     files cannot be read hide no memory: the warning stays in JSON, off the screen. Memory
     that nobody explains brings it back."""
     run = run_gpufleet(home, nonroot_host.inv, "status")

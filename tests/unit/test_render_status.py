@@ -125,7 +125,7 @@ def test_host_warnings_are_lines_of_their_own_never_in_the_table() -> None:
 
 
 def test_unreadable_fds_warning_is_printed_only_when_memory_is_unexplained() -> None:
-    """Issue 10 part 4: in a container the runtime's PID 1 is always unreadable; with every
+    """A warning that cries wolf is not read: in a container the runtime's PID 1 is always unreadable; with every
     GPU's memory accounted for, the warning stays in JSON and off the screen."""
     doc = json.loads((FIX / "basic.json").read_text())
     doc["facts"].update(in_container=True, container="docker", can_read_all_fds=False)

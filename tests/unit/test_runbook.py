@@ -504,7 +504,7 @@ def test_no_holders_counts_listed_memory_and_unlisted_device_holders() -> None:
 
 
 def test_no_holders_does_not_count_gpu_clients() -> None:
-    """Issue 10: a monitor (NVML client: every device file open, nothing mapped), an
+    """GPU clients: a monitor (NVML client: every device file open, nothing mapped), an
     nvidia-smi run (nvidiactl mapped) and a cuInit-only process (nvidia0 + nvidiactl mapped,
     recorded probe3) hold no GPU memory: a runbook's no_holders_on must not fail on them."""
     clients = {8: [], 10: ["/dev/nvidiactl"], 11: ["/dev/nvidia0", "/dev/nvidiactl"]}
