@@ -71,3 +71,21 @@ def test_status_watch_text_writes_the_warning_on_stderr(warned_host: Any, home: 
         out, err = proc.communicate(timeout=30)
     assert out.count("warned-box") >= 2 and "warning" not in out, out + err
     assert any(ln.startswith(WARNING) for ln in err.splitlines()), out + err
+
+
+@pytest.mark.parametrize("reader", ["nvml", "nvidia-smi"])
+def test_the_lab_tells_every_gpus_minor_number(make_host: Any, lab: Any, home: Path,
+                                               reader: str) -> None:
+    """Index != minor, as on real hosts: each GPU's minor comes from NVML or the driver's
+    /proc/driver/nvidia/gpus/BUS/information (else `nvidia-smi -q`'s "Minor Number"), so no
+    lab host warns "minor numbers unknown" and a holder of index 0 (/dev/nvidia1) is verified."""
+    host = make_host("minors-" + reader, gpus=2, minors=[1, 0], nvml=(reader == "nvml"))
+    pid = host.spawn_holder(gpus=[0], mib=700, title="on-index-0")
+    inv = lab.inventory_yaml([host])
+    run = run_gpufleet(home, inv, "status", "--json")
+    doc = run.host(host.name)
+    assert doc["facts"]["gpu_source"] == reader, doc["facts"]
+    assert not any("minor" in w for w in doc["warnings"]), doc["warnings"]
+    listed = {p["pid"]: p["listing"] for p in doc["gpus"][0]["processes"]}
+    assert listed == {pid: "verified"}, doc["gpus"][0]["processes"]
+    assert "minor" not in run_gpufleet(home, inv, "status").stderr
