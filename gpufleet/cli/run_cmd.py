@@ -29,7 +29,9 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
     RUNBOOK is a file, or the name of a shipped one: model-swap, pre-train, wsl2-preflight.
 
     Steps that change hosts (stop_units, clean, clear_shm, start_unit, shell) need --yes;
-    without it the plan is printed and, on a terminal, confirmed. See docs/runbooks.md.
+    without it the plan is printed and, on a terminal, confirmed. The shipped runbooks (the
+    package's gpufleet/playbooks/) are examples of every common step; docs/runbooks.md in the
+    source has the format.
     Exit 0 every step ok; 1 a step failed or a host was unreachable; 2 runbook/usage error or
     no --yes in a non-interactive run (nothing done).
     """

@@ -133,7 +133,7 @@ def _top_level(text: str, source: str, fail_at: Callable[..., Fail]) -> tuple[An
         fail_at(text[: text.index("\0")].count("\n") + 1)("NUL character in file")
     doc = load_yaml(text, source)
     if doc is None:
-        fail_at(0)("empty runbook: it needs a 'steps:' list (see docs/runbooks.md)")
+        fail_at(0)(f"empty runbook: it needs a 'steps:' list (examples: {SHIPPED_DIR})")
     if isinstance(doc, list):
         steps_raw, doc = doc, LineMap()
         doc.line, doc.lines = 1, {}
@@ -143,7 +143,7 @@ def _top_level(text: str, source: str, fail_at: Callable[..., Fail]) -> tuple[An
                 fail_at(_line(doc, key))(f"unknown top-level key {key!r}"
                                          f"{did_you_mean(str(key), TOP_LEVEL_KEYS)}")
         if "steps" not in doc:
-            fail_at(_line(doc))("no 'steps:' list (see docs/runbooks.md)")
+            fail_at(_line(doc))(f"no 'steps:' list (examples: {SHIPPED_DIR})")
         steps_raw = doc["steps"]
     else:
         fail_at(_line(doc) or 1)(f"a runbook is a mapping with 'steps:', got {describe_value(doc)}")

@@ -156,3 +156,15 @@ def test_the_checkouts_playbooks_folder_is_the_shipped_one() -> None:
 
     assert shipped_runbooks() == ["model-swap", "pre-train", "wsl2-preflight"]
     assert (REPO_ROOT / "playbooks").resolve() == SHIPPED_DIR
+
+
+@pytest.mark.parametrize("text", ["", "name: x\n"], ids=["empty", "no-steps"])
+def test_a_runbook_without_steps_points_at_examples_the_install_has(text: str) -> None:
+    """docs/ is not installed; the shipped runbooks are: the message names their folder."""
+    from gpufleet.errors import UsageError
+    from gpufleet.runbook.load import SHIPPED_DIR, parse_runbook
+
+    with pytest.raises(UsageError) as raised:
+        parse_runbook(text)
+    assert f"(examples: {SHIPPED_DIR})" in str(raised.value) and "docs/" not in str(raised.value)
+    assert (SHIPPED_DIR / "model-swap.yaml").is_file()
