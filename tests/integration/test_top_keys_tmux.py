@@ -75,3 +75,27 @@ def test_a_changed_host_key_shows_both_fingerprints(lab: Any, make_host: Any, ho
     assert "Host key verification failed" not in screen
     t.keys("q")
     t.wait("TOP-EXIT=0")
+
+
+def test_verbose_top_needs_stderr_off_the_screen(lab: Any, make_host: Any, home: Path,
+                                                 tmux_sessions: list) -> None:
+    """-v's lines on the terminal would be drawn over the screen: refused there (one line,
+    exit 2); with stderr sent to a file, top runs and the file says how each host is reached."""
+    import shlex
+
+    host = make_host("verbose-top", gpus=1)
+    inv = lab.inventory_yaml([host])
+    t = Tmux(home, GPUFLEET + ["-i", str(inv), "top", "-v"], width=200)
+    tmux_sessions.append(t)
+    screen = t.wait("TOP-EXIT=2")
+    assert "gpufleet: error: -v writes on stderr, the terminal top draws on" in screen
+    log = home / "top.log"
+    line = " ".join(shlex.quote(a) for a in GPUFLEET + ["-i", str(inv), "top", "-v"])
+    t2 = Tmux(home, ["sh", "-c", f"{line} 2>{shlex.quote(str(log))}"], width=200)
+    tmux_sessions.append(t2)
+    t2.wait("hosts 1: 1 up")
+    t2.keys("q")
+    t2.wait("TOP-EXIT=0")
+    text = log.read_text()
+    assert f"gpufleet: {host.name}: ssh to 127.0.0.1:{host.port} " in text, text
+    assert f"gpufleet: {host.name}: resident run with an ssh process" in text, text
