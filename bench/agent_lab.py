@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One agent snapshot as a lab host runs it: its fake NVML, 8 GPUs, one holder (issue 12).
+"""One agent snapshot as a lab host runs it: its fake NVML, 8 GPUs, one holder (where the agent's start goes).
 
     sudo python3 bench/agent_lab.py                          # this checkout, 40 execs x 5
     git archive BASE | tar -x -C /var/tmp/base && sudo python3 bench/agent_lab.py --against /var/tmp/base

@@ -1,4 +1,4 @@
-"""What one agent exec costs on this machine, and where it goes (issue 12: the agent's start).
+"""What one agent exec costs on this machine, and where it goes (the agent's start, paid by every command).
 
     python3 bench/agent_start.py                         # 21 runs each, a markdown table
     python3 bench/agent_start.py --runs 41 --json

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a clean's time goes beyond the release delay, phase by phase (issues 12, 17).
+"""Where a clean's time goes beyond the release delay, phase by phase (the lab target: <= 1 s beyond the delay).
 
     sudo python3 bench/clean_phases.py                     # 32 lab hosts, delay 2 s, 3 runs
     sudo python3 bench/clean_phases.py --hosts 32 --runs 5 --delay 2

@@ -18,7 +18,7 @@ So ``agent tail`` = returned - dead (exit wait, memory wait, the after-snapshot,
 Variants change the agent request the controller sends (the wrapper patches
 ops.clean.clean_request): ``pidfd`` false (the exit wait polls every 0.1 s, as before issue
 12) and ``cuda_version`` true (the after-snapshot also runs a bare nvidia-smi for the CUDA
-version, as before issue 12), and the interpreter's teardown at exit (the CLI now ends with
+version, as before the start-up work), and the interpreter's teardown at exit (the CLI now ends with
 os._exit once its output is flushed). Needs root and the lab's prerequisites (tests/lab/README.md).
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def report():
         PROFILE.disable()
         pstats.Stats(PROFILE, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
     sys.stderr.write("GF-MARKS " + json.dumps(marks) + "\n")
-atexit.register(report)  # the interpreter's exit (GF_SLOW_EXIT, and before issue 12)
+atexit.register(report)  # the interpreter's exit (GF_SLOW_EXIT, and before the start-up work)
 import gpufleet.cli as gcli
 _orig_exit = gcli._exit_now
 def exit_now(code):  # the CLI's own fast exit: the marks first
@@ -95,7 +95,7 @@ VARIANTS = {
     "pidfd, no CUDA version": {"pidfd": True, "cuda_version": False},
     "pidfd, CUDA version": {"pidfd": True, "cuda_version": True},
     "polled, no CUDA version": {"pidfd": False, "cuda_version": False},
-    "polled, CUDA version, teardown (before issue 12)": {"pidfd": False, "cuda_version": True,
+    "polled, CUDA version, teardown (before the start-up work)": {"pidfd": False, "cuda_version": True,
                                                           "exit": "slow"},
 }
 
@@ -182,7 +182,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--against", type=Path, default=None, metavar="DIR",
-                    help="another checkout (e.g. the commit before issue 12), run as sent, "
+                    help="another checkout (e.g. the commit before the start-up work), run as sent, "
                          "alternating with the variants")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true",

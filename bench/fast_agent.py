@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 12's lab targets: status over 16 hosts against one bare `ssh host nvidia-smi`, and clean
+"""The lab's start-up targets: status over 16 hosts against one bare `ssh host nvidia-smi`, and clean
 over 32 hosts beyond the simulated release delay; on this machine, lab hosts on loopback.
 
     sudo python3 bench/fast_agent.py                    # this checkout

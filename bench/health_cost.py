@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the health gate costs (issue 16's target: `health --all` at most 10 ms more per host
+"""What the health gate costs (the target: `health --all` at most 10 ms more per host
 than `status`, because it runs in the same single exec).
 
 Prints numbers, asserts nothing (speed goals live here, never in timed tests). As root, on the

@@ -1,4 +1,4 @@
-"""The live fleet's targets (issue 13), measured on test-lab hosts on loopback; prints numbers.
+"""The live fleet's targets (`top`, `status --watch`), measured on test-lab hosts on loopback; prints numbers.
 
     sudo python3 bench/live_bench.py                  # 64 hosts, 1 s refresh, 30 s
     sudo python3 bench/live_bench.py --hosts 16 --seconds 20

@@ -1,6 +1,6 @@
 """`gpufleet serve` over N lab hosts: scrape latency, refresh cost, RSS over a soak (prints numbers).
 
-Targets (issue 14): a scrape answers in <= 50 ms from the cached snapshot; a refresh costs what
+Targets (a scrape never waits for a host): a scrape answers in <= 50 ms from the cached snapshot; a refresh costs what
 one `status --all` costs; RSS stays flat over a 30-minute soak of one scrape a second.
 
     python3 bench/serve_bench.py                      # as root: N=128, 30 min soak

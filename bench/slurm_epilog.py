@@ -1,4 +1,4 @@
-"""How long `gpufleet slurm epilog` holds a node at job end (issue 15's targets), in the lab.
+"""How long `gpufleet slurm epilog` holds a node at job end (its targets: a job's end must stay short), in the lab.
 
 Targets: with nothing left to clean, <= 0.3 s wall (agent + verdict, local, no SSH); with
 leftovers, <= grace + the driver's release + 0.2 s. The epilog runs on the lab host exactly as

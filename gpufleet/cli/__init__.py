@@ -5,12 +5,13 @@ error (nothing was done); 130 interrupted.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import click
 
@@ -56,7 +57,20 @@ class AppContext:
 
 
 def selection_options(func: Callable) -> Callable:
-    """--host/-g/--tag/--all, shared by every command that acts on hosts."""
+    """--host/-g/--tag/--all, shared by every command that acts on hosts; hosts named as
+    arguments (`gpufleet status train-node`) are --host values, merged before the command
+    runs, so they count wherever --host does."""
+
+    command = func
+
+    @functools.wraps(command)
+    def merged(*args: Any, **kwargs: Any) -> Any:
+        named: tuple[str, ...] = tuple(kwargs.pop("host_args", None) or ())
+        if named:
+            kwargs["hosts"] = tuple(kwargs.get("hosts") or ()) + named
+        return command(*args, **kwargs)
+
+    func = click.argument("host_args", nargs=-1, metavar="[HOST]...")(merged)
     func = click.option("--all", "all_", is_flag=True, help="Every host in the inventory.")(func)
     func = click.option("--tag", "tags", multiple=True, metavar="TAG", help="Hosts with this tag (repeatable).")(func)
     func = click.option("-g", "--group", "groups", multiple=True, metavar="GROUP", help="Hosts of this group (repeatable).")(func)
@@ -80,6 +94,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "the GPU count against the inventory's `gpus:`, throttling, PCIe link, "
                              "persistence (one SSH exec per host)."),
     "hosts": ("hosts_cmd", "List inventory hosts: name, address, port, user, tags, groups."),
+    "init": ("init_cmd", "Write a commented fleet.yaml (PATH, else -i, else ./fleet.yaml); never "
+                         "overwrites."),
     "run": ("run_cmd", "Run a runbook's steps on the selected hosts (hosts in parallel, steps in order)."),
     "serve": ("export_cmd", "Serve /metrics and /healthz for Prometheus; refreshed in the background "
                             "over one persistent SSH session per host, so a scrape never waits for a host."),
@@ -88,6 +104,75 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "top": ("top", "Live screen of the selected hosts: GPUs, memory, holders; mark GPUs and clean them."),
     "trust": ("trust_cmd", "Fetch the key HOST presents, show its SHA256 fingerprint and record it."),
 }
+
+
+def _inventory_after_command(ctx: click.Context, _param: click.Parameter,
+                             value: Optional[str]) -> Optional[str]:
+    """`gpufleet status -i fleet.yaml`: the inventory named after the command counts as
+    before it; two different ones are refused (acting on the wrong fleet is worse than
+    asking)."""
+    app = ctx.find_object(AppContext)
+    if value is not None and app is not None:
+        if app.inventory_path is not None and app.inventory_path != value:
+            raise click.UsageError(f"two inventories: -i {app.inventory_path} before the command "
+                                   f"and -i {value} after it")
+        app.inventory_path = value
+    return value
+
+
+def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    if value:
+        enable_verbose()
+    return value
+
+
+def enable_verbose() -> None:
+    """-v: the transport's log (each host's ssh argv, what `ssh -G` answered, the timings) on
+    stderr, one terminal-safe line each; the progress line stays off, these lines are it."""
+    import logging
+
+    from gpufleet.cli import progress
+
+    progress.VERBOSE = True
+    log = logging.getLogger("gpufleet")
+    if any(getattr(h, "gpufleet_verbose", False) for h in log.handlers):
+        return
+
+    class SafeFormatter(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return terminal_safe(super().format(record))  # a host name is anyone's text
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.gpufleet_verbose = True  # type: ignore[attr-defined]
+    handler.setFormatter(SafeFormatter("gpufleet: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+
+
+def _inventory_option() -> click.Option:
+    return click.Option(["-i", "--inventory", "sub_inventory"], type=click.Path(dir_okay=False),
+                        default=None, expose_value=False, callback=_inventory_after_command,
+                        help="Inventory file (as before the command).")
+
+
+def _verbose_option() -> click.Option:
+    return click.Option(["-v", "--verbose"], is_flag=True, expose_value=False, callback=_verbose,
+                        help="On stderr: each host's connection (ssh argv, what `ssh -G` "
+                             "answered, timings).")
+
+
+def with_common_options(command: Optional[click.Command]) -> Optional[click.Command]:
+    """-i and -v after any command too (`gpufleet status -i fleet.yaml -v`): operators type
+    them there; added once to every command, a group's subcommands included."""
+    if command is None or getattr(command, "_gpufleet_common", False):
+        return command
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            with_common_options(sub)
+    else:
+        command.params += [_inventory_option(), _verbose_option()]
+    command._gpufleet_common = True  # type: ignore[attr-defined]
+    return command
 
 
 class LazyGroup(click.Group):
@@ -102,7 +187,7 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> Optional[click.Command]:
         if cmd_name in self.commands or cmd_name not in COMMANDS:
-            return self.commands.get(cmd_name)
+            return with_common_options(self.commands.get(cmd_name))
         module, short_help = COMMANDS[cmd_name]
         if self.listing:
             return click.Command(cmd_name, help=short_help)
@@ -111,7 +196,7 @@ class LazyGroup(click.Group):
         except ImportError as exc:
             if exc.name != f"{__name__}.{module}":
                 raise
-        return self.commands.get(cmd_name)
+        return with_common_options(self.commands.get(cmd_name))
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         self.listing = True
@@ -131,6 +216,8 @@ class LazyGroup(click.Group):
               help="Inventory file (default: $GPUFLEET_INVENTORY, ./fleet.yaml, ~/.config/gpufleet/fleet.yaml).")
 @click.option("--forks", type=click.IntRange(1, 1024), default=32, show_default=True,
               help="Hosts worked on in parallel.")
+@click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=_verbose,
+              help="On stderr: each host's connection (ssh argv, what `ssh -G` answered, timings).")
 @click.version_option(package_name="gpufleet")
 @click.pass_context
 def cli(ctx: click.Context, inventory_path: Optional[str], forks: int) -> None:
@@ -189,8 +276,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except click.exceptions.Abort:
         click.echo("gpufleet: aborted", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    except click.ClickException as exc:
+    except click.exceptions.NoArgsIsHelpError as exc:  # `gpufleet` alone: the help, as before
         exc.show()
+        sys.exit(EXIT_USAGE)
+    except click.ClickException as exc:
+        click.echo(usage_line(exc), err=True)
         sys.exit(EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code)
     except GpufleetError as exc:
         for line in error_lines(exc):
@@ -216,6 +306,18 @@ def _exit_unwritten(code: int, argv: Optional[Sequence[str]]) -> None:
     if argv is None:
         _exit_now(code)
     sys.exit(code)
+
+
+def usage_line(exc: click.ClickException) -> str:
+    """click's error as gpufleet's one line (click prints three: Usage, Try, Error), with
+    where the command's help is."""
+    from gpufleet.errors import one_line
+
+    text = one_line(exc.format_message())
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, click.UsageError) and ctx is not None:
+        text += f" (see {ctx.command_path} --help)"
+    return terminal_safe(f"gpufleet: error: {text}")
 
 
 def _say_output_failed(exc: OSError) -> None:

@@ -8,6 +8,7 @@ import click
 
 from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
 from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
+from gpufleet.cli.output import snapshot_warnings, warn
 from gpufleet.errors import UsageError
 from gpufleet.render.clean import clean_document, outcome_table, plan_text
 from gpufleet.render.common import to_json
@@ -79,9 +80,17 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
         phase[:] = [HostProgress(items, label)]
         return phase[0]
 
+    warned: list[bool] = []
+
+    def warn_once(results: Sequence[HostClean]) -> None:  # stderr, before any prompt
+        if not warned:
+            warned.append(True)
+            warn(snapshot_warnings([r.before for r in results if r.before is not None], selected))
+
     def on_planned(results: list[HostClean]) -> None:
         if not yes:
             _show_plans(results, as_json)
+            warn_once(results)
 
     run = run_clean(selected, opts, forks=app.forks, dry_run=dry_run, on_planned=on_planned,
                     confirm=_confirm(yes, interactive=sys.stdin.isatty() and not as_json),
@@ -100,6 +109,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
         click.echo(to_json(clean_document(run.results, dry_run)))
     else:
         click.echo(terminal_safe(outcome_table(run.results)))
+    warn_once(run.results)
     if run.interrupted:
         click.echo(_interrupted_line(run.results), err=True)
     return run.exit_code

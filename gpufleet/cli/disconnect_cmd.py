@@ -5,7 +5,7 @@ import os
 
 import click
 
-from gpufleet.cli import AppContext, cli, selection_options
+from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
 
 
 @cli.command()
@@ -24,7 +24,7 @@ def disconnect(app: AppContext, hosts, groups, tags, all_, list_only: bool) -> i
     selected = app.select(hosts, groups, tags, all_) if (hosts or groups or tags or all_) else None
     found = kept_connections(selected)
     for kept in found:
-        who = kept.host or kept.path
+        who = kept.name  # the host (and where it goes), not the socket's hashed name
         if kept.pid is None:  # a stale socket (removed when closing) or a master that hangs
             state = "no master answers"
             if not list_only:
@@ -35,7 +35,11 @@ def disconnect(app: AppContext, hosts, groups, tags, all_, list_only: bool) -> i
         else:
             pid = close_kept(kept.path)
             state = f"closed (master pid {pid})" if pid is not None else "already gone"
-        click.echo(f"{who}: {state}")
+        click.echo(terminal_safe(f"{who}: {state}", one_line=True))
+    if not list_only:
+        from gpufleet.transport.kept import prune_labels
+
+        prune_labels()
     live = sum(1 for k in found if k.pid is not None)
     summary = f"{live} kept connection{'s' if live != 1 else ''}" + ("" if list_only else " closed")
     click.echo(summary if found else "no kept connections")

@@ -73,13 +73,15 @@ def export(app: AppContext, hosts, groups, tags, all_, textfile: Optional[str], 
     opts = export_options(model_label, per_process, process_labels, max_processes)
     directory = check_textfile_dir(textfile) if textfile is not None else None
     selected = app.select(hosts, groups, tags, all_)
-    data = exposition(export_once(selected, opts, audit_log, forks=app.forks))
-    if directory is None:
-        from gpufleet.cli.output import write_whole
+    results: list[Any] = []
+    data = exposition(export_once(selected, opts, audit_log, forks=app.forks, seen=results))
+    from gpufleet.cli.output import snapshot_warnings, warn, write_whole
 
+    if directory is None:
         write_whole(data)  # a scrape's worth of text: every byte, even after a short write
     else:
         write_textfile(directory, data)
+    warn(snapshot_warnings(results, selected))  # stderr: the text format stays the text format
     return EXIT_OK
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
+from gpufleet.cli.output import snapshot_warnings, warn
 from gpufleet.errors import EXIT_FAILED, EXIT_OK
 
 
@@ -37,6 +38,7 @@ def health(app: AppContext, hosts, groups, tags, all_, as_json: bool, strict: bo
         click.echo(to_json(health_document(report)))
     else:
         click.echo(terminal_safe(health_table(report)))
+    warn(snapshot_warnings(results, selected))  # stderr: the rows above stay the rows
     failing = (CRITICAL, WARN) if strict else (CRITICAL,)
     bad = any(not h.ok or h.severity in failing for h in report)
     return EXIT_FAILED if bad else EXIT_OK

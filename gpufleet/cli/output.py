@@ -14,7 +14,7 @@ import io
 import os
 import select
 import sys
-from typing import IO, Any, Optional, Union
+from typing import IO, Any, Iterable, Optional, Union
 
 
 def write_whole(text: Union[str, bytes], stream: Optional[IO[Any]] = None) -> None:
@@ -57,3 +57,24 @@ def write_fd(fd: int, data: bytes) -> None:
             select.select([], [fd], [])
             continue
         view = view[done:]
+
+
+def warn(lines: Iterable[str]) -> None:
+    """Host warnings (``HOST: warning: ...``), one terminal-safe line each, on stderr: stdout
+    holds only the rows scripts cut with grep and awk (core.hostwarnings says which)."""
+    import click
+
+    from gpufleet.render.common import terminal_safe
+
+    for line in lines:
+        click.echo(terminal_safe(line, one_line=True), err=True)
+
+
+def snapshot_warnings(results: Iterable[Any], hosts: Iterable[Any]) -> list[str]:
+    """The warning lines of snapshot results (HostResult), with each host's expected
+    unattributed memory from the inventory ``hosts``."""
+    from gpufleet.core.hostwarnings import host_warnings
+
+    expected = {h.name: int(getattr(h, "unattributed_mib", 0) or 0) for h in hosts}
+    return [line for r in results if getattr(r, "snapshot", None) is not None
+            for line in host_warnings(r.host, r.snapshot, expected.get(r.host, 0))]

@@ -24,6 +24,7 @@ CLEAR_LINE = "\r\x1b[K"
 INTERVAL_S = 0.25  # at most 4 redraws a second
 DELAY_S = 0.5  # nothing for work that ends sooner (a quick status would only flicker)
 DEFAULT_WIDTH = 80
+VERBOSE = False  # -v: its log lines are the progress; a line redrawn among them would garble both
 
 
 def safe_name(text: str) -> str:
@@ -142,7 +143,7 @@ class HostProgress:
         self._shown = ""  # what the terminal shows now ("" = nothing)
         self._closed = False
         self._wake = threading.Event()
-        self.enabled = _is_tty(self.stream) and bool(self.names)
+        self.enabled = _is_tty(self.stream) and bool(self.names) and not VERBOSE
         self._thread: Optional[threading.Thread] = None
         if self.enabled:
             self._thread = threading.Thread(target=self._tick, name="gpufleet-progress", daemon=True)

@@ -38,26 +38,31 @@ def run(app: AppContext, runbook_path: str, hosts, groups, tags, all_, extra_var
         max_fail: Optional[str], retry: bool) -> int:
     """Run a runbook's steps on the selected hosts (hosts in parallel, steps in order).
 
+    RUNBOOK is a file, or the name of a shipped one: model-swap, model-swap-rolling, pre-train,
+    wsl2-preflight (the package's gpufleet/playbooks/; docs/runbooks.md in the source has the
+    format).
+
     With serial (runbook key or --serial) the hosts go in batches, one finished before the next
     starts; more than max_fail_percentage of a batch failing stops every later batch.
     Steps that change hosts (stop_units, clean, clear_shm, start_unit, shell, local_command,
     local_http but GET) need the hosts named (--host, -g, --tag, --all or --retry; also for
     --dry-run) and --yes; without --yes the plan is printed and, on a terminal, confirmed. A
-    read-only runbook runs on every host by default. See docs/runbooks.md.
+    read-only runbook runs on every host by default.
 
     Exit 0 every step ok; 1 a step failed, a host was unreachable or the roll stopped; 2
     runbook/usage error, no hosts named, or no --yes in a non-interactive run (nothing done);
     130 interrupted.
     """
-    from gpufleet.runbook.load import load_runbook
+    from gpufleet.runbook.load import find_runbook, load_runbook
     from gpufleet.runbook.retry import read_retry, retry_path
     from gpufleet.runbook.template import parse_extra_vars
 
     # Everything is validated before anything is contacted.
-    runbook = _with_overrides(load_runbook(runbook_path, parse_extra_vars(extra_vars)), serial, max_fail)
+    found = find_runbook(runbook_path)
+    runbook = _with_overrides(load_runbook(found, parse_extra_vars(extra_vars)), serial, max_fail)
     carried: list[str] = []  # hosts of the retry file this run leaves out (--retry narrowed)
     if retry:
-        names = read_retry(retry_path(runbook_path))
+        names = read_retry(retry_path(str(found)))
         selected = _retry_selection(app, names, hosts, groups, tags, all_)
         carried = [n for n in names if n not in {h.name for h in selected}]
     else:

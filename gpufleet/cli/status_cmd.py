@@ -9,7 +9,7 @@ import click
 from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
 from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
-from gpufleet.cli.output import write_whole
+from gpufleet.cli.output import snapshot_warnings, warn, write_whole
 
 
 def parse_interval(text: Optional[str], option: str) -> Optional[float]:
@@ -71,6 +71,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
         write_whole(text + "\n")  # JSON escapes control characters: nothing to strip
     else:
         write_whole(terminal_safe(status_table(results, expected, expected_gpus)) + "\n")
+        warn(snapshot_warnings(results, selected))  # --json: in the document's warnings
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
         click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
         return EXIT_INTERRUPTED

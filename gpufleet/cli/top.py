@@ -39,6 +39,11 @@ def top(app: AppContext, hosts, groups, tags, all_, interval: str, readonly: boo
         f"clean changes hosts: start top with {selection_flags(app.implicit_inventory())}")
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError(NO_TERMINAL)
+    from gpufleet.cli import progress
+
+    if progress.VERBOSE and sys.stderr.isatty():  # -v's lines would be drawn over the screen
+        raise UsageError("-v writes on stderr, the terminal top draws on: send it to a file "
+                         "(gpufleet top -v 2>top.log)")
     from gpufleet.cli.watch import first_round_limit, sigterm_as_interrupt
     from gpufleet.ops.live import LiveFleet
 

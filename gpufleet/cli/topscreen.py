@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 from gpufleet.config.inventory import Host
 from gpufleet.core.gpus import format_gpu_indices
+from gpufleet.core.plan.types import FAMILY, SPANNING
 from gpufleet.errors import EXIT_OK, GpufleetError
 from gpufleet.errors import lines as error_lines
 from gpufleet.render.top import HostInfo, Overlay, Screen, TopState, clean_scope, layout, on_key
@@ -44,6 +45,9 @@ class CleanJob:
         self.lines: list[str] = []
         self.has_targets = False
         self.acted = False  # something was sent to the host (then the marks are spent)
+        self.spanning = False  # planned with include_spanning (the `s` key, as --include-spanning)
+        self.can_span = False  # the plan refused processes that span GPUs outside the marks
+        self._replan = False
         self._answer: Optional[bool] = None
         self._answered = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="gpufleet-top-clean").start()
@@ -56,6 +60,13 @@ class CleanJob:
         self._answer = yes
         self._answered.set()
 
+    def include_spanning(self) -> None:
+        """`s` on the plan: nothing is signalled; the plan is made again with the processes
+        (and vLLM families) that also use GPUs outside the marks, as `clean
+        --include-spanning` makes it, and shown for y/n."""
+        self._replan = True
+        self.reply(False)
+
     def _confirm(self, results: list[Any]) -> bool:
         from gpufleet.render.clean import plan_text
 
@@ -66,6 +77,8 @@ class CleanJob:
             elif r.error:
                 lines.append(f"{r.host}: {r.error}")
         self.has_targets = any(r.plan is not None and r.plan.targets for r in results)
+        self.can_span = not self.spanning and any(
+            f.kind in (SPANNING, FAMILY) for r in results if r.plan is not None for f in r.plan.refused)
         self.lines, self.phase = lines, "confirm"
         self._answered.wait()
         go = bool(self._answer) and self.has_targets
@@ -77,9 +90,16 @@ class CleanJob:
         from gpufleet.ops.clean import CleanOptions, run_clean
         from gpufleet.render.clean import outcome_table
 
-        opts = CleanOptions(gpus=",".join(str(g) for g in self.gpus), audit_log=self.audit_log)
         try:
-            run = run_clean([self.host], opts, forks=1, confirm=self._confirm)
+            while True:
+                opts = CleanOptions(gpus=",".join(str(g) for g in self.gpus),
+                                    audit_log=self.audit_log, include_spanning=self.spanning)
+                run = run_clean([self.host], opts, forks=1, confirm=self._confirm)
+                if not (run.declined and self._replan):
+                    break
+                self.spanning, self._replan, self._answer = True, False, None
+                self._answered.clear()
+                self.phase = "planning"
             lines = ["nothing signalled"] if run.declined else outcome_table(run.results).splitlines()
         except GpufleetError as exc:
             lines = list(error_lines(exc))
@@ -89,16 +109,21 @@ class CleanJob:
 
     def overlay(self) -> Overlay:
         if self.phase == "planning":
-            return Overlay(f"clean {self.what}: planning from a fresh snapshot ...", (),
+            spanning = " with the processes spanning other GPUs" if self.spanning else ""
+            return Overlay(f"clean {self.what}: planning{spanning} from a fresh snapshot ...", (),
                            "planning ...", "busy")
         if self.phase == "confirm":
             prompt = ("Signal the processes above? y = yes, n = no" if self.has_targets
                       else "nothing to signal: any key closes")
+            if self.can_span:
+                prompt += (", s = plan again with the processes that also use GPUs outside "
+                           "the marks (clean --include-spanning)")
             return Overlay(f"clean {self.what}: the plan", tuple(self.lines), prompt, "confirm")
         if self.phase == "cleaning":
             return Overlay(f"clean {self.what}: signalling, then waiting for the memory ...",
                            tuple(self.lines), "cleaning ... (the outcome follows)", "busy")
-        return Overlay(f"clean {self.what}: outcome", tuple(self.lines), "any key closes")
+        title = f"clean {self.what}{' (include spanning)' if self.spanning else ''}: outcome"
+        return Overlay(title, tuple(self.lines), "any key closes")
 
 
 class Top:
@@ -144,7 +169,9 @@ class Top:
         if job is None:
             self.state = replace(self.state, overlay=None)
         elif job.phase == "confirm":
-            if job.has_targets and key in ("y", "Y"):
+            if job.can_span and key in ("s", "S"):
+                job.include_spanning()
+            elif job.has_targets and key in ("y", "Y"):
                 job.reply(True)
             elif not job.has_targets or key in ("n", "N", "ESC", "q"):
                 job.reply(False)

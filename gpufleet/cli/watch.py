@@ -18,7 +18,7 @@ from gpufleet.config.inventory import Host
 from gpufleet.core.live import STALE
 from gpufleet.errors import EXIT_OK
 from gpufleet.cli import prefetch, terminal_safe
-from gpufleet.cli.output import write_whole
+from gpufleet.cli.output import snapshot_warnings, warn, write_whole
 
 
 @contextmanager
@@ -87,6 +87,7 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
                     write_whole(json.dumps(doc, separators=(",", ":")) + "\n")
                 else:
                     write_whole(_text(views, expected, now, interval) + "\n")
+                    warn(snapshot_warnings([v.as_result() for v in views], hosts))
                 seq += 1
                 next_at = max(next_at + interval, now)
                 time.sleep(max(0.0, next_at - time.monotonic()))

@@ -32,9 +32,9 @@ IMPLICIT_SOURCE = "<implicit>"
 MAX_FILE_BYTES = 1 << 20  # a fleet file this big is the wrong file
 
 IMPLICIT_HINT = (
-    "gpufleet: no inventory found, showing this machine only; to add hosts, write "
-    "./fleet.yaml or ~/.config/gpufleet/fleet.yaml (or pass -i PATH, or set "
-    "GPUFLEET_INVENTORY): see fleet.yaml.example and docs/inventory.md"
+    "gpufleet: no inventory found, showing this machine only; to add hosts, run "
+    "`gpufleet init` (a commented ./fleet.yaml; --from-ssh-config: your ~/.ssh/config's "
+    "hosts), or pass -i PATH, or set GPUFLEET_INVENTORY"
 )
 
 HOST_KEY_POLICIES = ("strict", "accept-new")
@@ -446,7 +446,7 @@ def parse_inventory(
     defaults = _settings(defaults_raw, DEFAULT_KEYS, ctx.at("defaults"))
 
     if "hosts" not in doc:
-        raise InventoryError(f"{source}: no 'hosts:' section (see fleet.yaml.example)")
+        raise InventoryError(f"{source}: no 'hosts:' section (`gpufleet init` writes a commented one)")
     hosts_raw = _section(doc, "hosts", ctx, "a mapping of host name to settings")
     if not hosts_raw:
         raise InventoryError(f"{source}:{_line_of(doc, 'hosts')}: hosts: no hosts defined")
@@ -473,7 +473,7 @@ def _top_level(text: str, source: str, ctx: _Ctx) -> Any:
         raise InventoryError(str(exc)) from None
     if doc is None:
         raise InventoryError(f"{source}: empty inventory: it needs a 'hosts:' mapping "
-                             "(see fleet.yaml.example)")
+                             "(`gpufleet init` writes a commented one)")
     if not isinstance(doc, dict):
         line = getattr(doc, "line", 1)
         raise InventoryError(f"{source}:{line}: the inventory must be a mapping with 'hosts:', "

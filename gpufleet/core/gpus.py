@@ -57,7 +57,7 @@ def parse_gpu_list(
         found.update(_parse_item(text, part.strip()))
     result = tuple(sorted(found))
     if available is not None:
-        _check_available(result, set(available), host)
+        check_available(result, set(available), host)
     return result
 
 
@@ -75,7 +75,10 @@ def _parse_item(text: str, item: str) -> range:
     return range(lo, hi + 1)
 
 
-def _check_available(result: tuple[int, ...], have: set[int], host: Optional[str]) -> None:
+def check_available(result: Iterable[int], have: set[int], host: Optional[str]) -> None:
+    """A GPU the host lacks is the command line's mistake (UsageError, exit 2), the same for
+    every command: clean must not act anywhere on a list that names GPUs a host does not
+    have, and fit says it the same way."""
     where = f" on {host}" if host else ""
     has = f"has {format_gpu_ranges(have)}" if have else "has no GPUs"
     for index in result:
@@ -83,4 +86,5 @@ def _check_available(result: tuple[int, ...], have: set[int], host: Optional[str
             raise UsageError(f"GPU {index} does not exist{where} ({has})")
 
 
-__all__ = ["MAX_GPU_INDEX", "format_gpu_indices", "format_gpu_ranges", "parse_gpu_list"]
+__all__ = ["MAX_GPU_INDEX", "check_available", "format_gpu_indices", "format_gpu_ranges",
+           "parse_gpu_list"]

@@ -1,4 +1,4 @@
-"""The health gate (issue 16): a snapshot's readings -> findings, each with the action it calls for.
+"""The health gate (is every GPU sound?): a snapshot's readings -> findings, each with the action it calls for.
 
 Pure: values in, values out. A finding has a code (what JSON readers key on), a severity (OK,
 WARN, CRITICAL), a message and an action. Xid events follow the recovery buckets of NVIDIA's Xid

@@ -72,7 +72,8 @@ FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
                                     "log)", "h", ("verdict",)),
     "gpufleet_cleans_total": (COUNTER, "Cleans of the host in the audit log, by verdict", "h",
                               ("verdict",)),
-    "gpufleet_health_finding": (GAUGE, "1 per health finding (issue 16's health check)", "h",
+    "gpufleet_health_finding": (GAUGE, "1 per finding of `gpufleet health`, by GPU (gpu empty: the host's): ECC, "
+                                "remapped rows, Xid, lost GPUs, GPU count, throttling, PCIe, persistence", "h",
                                 ("gpu", "code", "severity")),
     # `serve` only: its own refreshes
     "gpufleet_refresh_seconds": (GAUGE, "Seconds the last fleet refresh took", "", ()),
@@ -261,7 +262,7 @@ def _cleans(fam: _Families, host: str, last: LastClean) -> None:
 
 
 def health_samples(fam: _Families, findings: Iterable[HealthFinding]) -> None:
-    """Where health findings become metrics (issue 16): one sample per finding, value 1.
+    """Where health findings (`gpufleet health`) become metrics: one sample per finding, value 1.
     Several findings of one code on one GPU are one series."""
     seen = set()
     for f in findings:
@@ -291,7 +292,7 @@ def fleet_families(results: Sequence[HostResult], expected: Mapping[str, int],
     """Every family for these hosts. ``expected``: each host's ``unattributed_mib``;
     ``last_cleans``: the audit log's last clean per host (only hosts in ``results``);
     ``taken_at``: when each host's snapshot was taken (Unix time); ``findings``: health
-    findings (issue 16); ``refresh``: serve's own refresh numbers; ``hostnames``: the
+    findings (core/health, as `gpufleet health` judges); ``refresh``: serve's own refresh numbers; ``hostnames``: the
     ``Hostname`` of hosts that failed this time (serve's last known, so a host's series keep
     their labels while it is down)."""
     fam = _Families(opts or ExportOptions())

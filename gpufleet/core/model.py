@@ -73,7 +73,7 @@ counted as attributed, like nvidia-smi's --query-compute-apps); ``gpu_errors``: 
 "error", "code"}] GPUs NVML counts but cannot read (lost: code 15); the document then has
 ``nvidia_smi.ok`` false. ``temperature_c``, ``power_w`` are None from the nvidia-smi path.
 
-Health (issue 16, docs/health.md): per GPU the ECC, remapped rows, retired pages, clocks event
+Health (the readings `gpufleet health` judges, docs/health.md): per GPU the ECC, remapped rows, retired pages, clocks event
 and PCIe readings (``HEALTH_INT_KEYS``, ``HEALTH_BOOL_KEYS``, ``clocks_event_names``,
 ``nvml_error_codes``), ``gpu_errors[].pci_bus_id``, ``nvml.code``, ``nvidia_smi.exit_code`` and
 ``kernel_log`` (Xid events, ``KernelLog``); absent keys (older agents) read as None.
@@ -167,7 +167,7 @@ class GpuInfo:
     persistence_mode: Optional[bool] = None
     temperature_c: Optional[int] = None
     power_w: Optional[float] = None
-    # health readings (issue 16): None = not available (the GPU or the reader has none)
+    # health readings (`gpufleet health`): None = not available (the GPU or the reader has none)
     ecc_uncorrected_volatile: Optional[int] = None
     ecc_uncorrected_aggregate: Optional[int] = None
     remapped_rows_correctable: Optional[int] = None
@@ -318,7 +318,7 @@ class Snapshot:
     holders_vanished: tuple[int, ...] = ()
     fd_unreadable: tuple[FdUnreadable, ...] = ()
     gpu_errors: tuple[GpuError, ...] = ()
-    kernel_log: Optional[KernelLog] = None  # None: an agent before issue 16, or not read
+    kernel_log: Optional[KernelLog] = None  # None: an agent older than the health readings, or not read
     nvidia_smi_exit_code: Optional[int] = None  # 9 driver not loaded, 14 InfoROM, 15 lost
     nvml_error_code: Optional[int] = None  # NVML's code when it could not be opened
     mps: tuple[MpsDaemon, ...] = ()  # CUDA MPS control daemons the agent asked (remote/mps.py)

@@ -70,7 +70,7 @@ def families_for(hosts: Sequence[Host], results: Sequence[HostResult], taken_at:
                  refresh: Optional[RefreshStats] = None,
                  hostnames: Optional[dict[str, str]] = None) -> list[Family]:
     """The families of these results, with each host's last clean from the audit log and its
-    health findings (issue 16: the same judgement as `gpufleet health`)."""
+    health findings (the same judgement as `gpufleet health`: one rule, core/health)."""
     expected_gpus = {h.name: h.gpus for h in hosts}
     findings = [f for r in results if r.ok and r.snapshot is not None
                 for f in health.metric_findings(health.assess_result(r, expected_gpus.get(r.host)))]
@@ -79,8 +79,11 @@ def families_for(hosts: Sequence[Host], results: Sequence[HostResult], taken_at:
 
 
 def export_once(hosts: Sequence[Host], opts: ExportOptions, audit_log: Optional[str],
-                forks: int = 32) -> list[Family]:
-    """One snapshot of every host (one exec each, as `status`) as metric families."""
+                forks: int = 32, seen: Optional[list[HostResult]] = None) -> list[Family]:
+    """One snapshot of every host (one exec each, as `status`) as metric families; ``seen``
+    gets the results (the CLI's warnings)."""
     taken = time.time()
     results = snapshot_hosts(hosts, forks=forks)
+    if seen is not None:
+        seen.extend(results)
     return families_for(hosts, results, {h.name: taken for h in hosts}, opts, audit_log)

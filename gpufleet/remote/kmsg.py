@@ -1,6 +1,6 @@
 """Xid events from the kernel log: /dev/kmsg, else ``journalctl -k``, else ``dmesg --kernel``.
 
-A piece of the remote agent (issue 16). Why: the NVIDIA driver reports GPU faults as Xid lines
+A piece of the remote agent, for the health gate (`gpufleet health`). Why: the NVIDIA driver reports GPU faults as Xid lines
 in the kernel log (``NVRM: Xid (PCI:0000:18:00): 79, pid=..., GPU has fallen off the bus.``);
 NVML has no call that lists them. Read once per snapshot, bounded in time and size, and folded
 into one entry per (GPU bus id, Xid code) with a count and the last time, so the document

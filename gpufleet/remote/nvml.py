@@ -1,7 +1,7 @@
 """The GPUs as NVML reports them: libnvidia-ml.so.1 through ctypes, every failure a value.
 
 A piece of the remote agent. Why: one NVML init and a dozen calls cost about 12 ms on an H200,
-where the nvidia-smi runs they replace cost 33 + 25 + 110 + 127 ms (issue 12's measurements).
+where the nvidia-smi runs they replace cost 33 + 25 + 110 + 127 ms (measured on the H200: docs/real-gpu.md, "NVML, isolated start").
 The rows it returns have the keys of the nvidia-smi path (parse.GPU_KEYS), in the same units
 (MiB, rounded up like nvidia-smi), so nothing downstream can tell the sources apart except by
 ``facts.gpu_source``.
@@ -355,7 +355,7 @@ def device_row(nv, index, handle, errors):
 
 
 def health_readings(nv, handle, row, keep):
-    """The readings of the health gate (issue 16), each None where the GPU has none: ECC
+    """The readings of the health gate (`gpufleet health`), each None where the GPU has none: ECC
     uncorrected counts, remapped rows, retired pages pending, clocks event reasons, PCIe link.
     Entry points and out parameters as recorded on the H200 (probe/h200-clients-probe3.log)."""
     for key, counter in (("ecc_uncorrected_volatile", NVML_VOLATILE_ECC),

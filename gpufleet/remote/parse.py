@@ -40,7 +40,7 @@ GPU_FIELDS = (
     "utilization.gpu", "driver_version",
 )
 #: Dropped one by one when a driver rejects them (query_gpus' INVALID_FIELD retry). The health
-#: readings (issue 16) are --help-query-gpu's names; remapped rows are not among them (only
+#: readings (`gpufleet health`) are --help-query-gpu's names; remapped rows are not among them (only
 #: --query-remapped-rows has them): None on this path.
 OPTIONAL_GPU_FIELDS = (
     "memory.reserved", "persistence_mode", "pcie.link.gen.current", "pcie.link.gen.max",

@@ -12,7 +12,7 @@ from gpufleet.core import health, mps, policy
 from gpufleet.core.health import OK, RANK, GpuHealth, HostHealth
 from gpufleet.core.live import STALE, LiveHost
 from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS
-from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
+from gpufleet.core.model import GpuInfo, GpuLedger, HostResult, Snapshot, ledger
 from gpufleet.core.model import driver_allowance_mib
 from gpufleet.core.results import Failure
 from gpufleet.errors import COMMAND, TIMEOUT
@@ -20,7 +20,7 @@ from gpufleet.render.table import render_table
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
 
 BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB
-HEALTH_READINGS = HEALTH_INT_KEYS + HEALTH_BOOL_KEYS  # per GPU in status JSON (issue 16)  # clean's --tolerance-mib default
+HEALTH_READINGS = HEALTH_INT_KEYS + HEALTH_BOOL_KEYS  # per GPU in status JSON: what `gpufleet health` reads  # clean's --tolerance-mib default
 
 
 def cell_text(text: str) -> str:
@@ -170,25 +170,11 @@ def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str
 
 def status_table(results: Sequence[HostResult], expected: dict[str, int],
                  expected_gpus: Optional[dict[str, Optional[int]]] = None) -> str:
+    """The table, its summary and the errors cut short in it; the hosts' warnings are not
+    here (core.hostwarnings: the CLI prints them on stderr, away from the rows scripts cut)."""
     table = render_table(status_rows(results, expected, expected_gpus), STATUS_HEADERS)
     notes = [f"{name}: {error}" for name, error in _long_errors(results)]
-    notes += [f"{r.host}: warning: {w}" for r in results if r.snapshot is not None
-              for w in screen_warnings(r.snapshot, expected.get(r.host, 0))
-              + listing_warnings(r.snapshot)]
     return table + "\n" + summary_line(results, expected) + "".join("\n" + n for n in notes)
-
-
-def screen_warnings(snapshot: Snapshot, expected_mib: int = 0) -> list[str]:
-    """The warnings worth a line on screen (JSON keeps them all): "cannot read the open files
-    of ..." only when the unreadable processes could hide memory that nothing explains."""
-    quiet = not policy.unreadable_could_matter(snapshot, expected_mib + BUSY_TOLERANCE_MIB)
-    return [w for w in snapshot.warnings if not (quiet and w.startswith(FD_DENIED_WARNING))]
-
-
-def listing_warnings(snapshot: Snapshot) -> list[str]:
-    """One line per listed process that holds nothing of its GPU (policy.listing_check)."""
-    return [f"PID {c.pid} is an untrusted row: {c.reason}; its memory counts as unattributed"
-            for c in policy.refused_listings(snapshot).values()]
 
 
 def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[str, str]]:

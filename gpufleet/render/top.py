@@ -32,6 +32,7 @@ HELP = (
     "  /                         filter by host, tag or holder name (Enter keeps, Esc clears)",
     "  space                     mark a GPU or a holder (its GPUs)",
     "  c                         clean the marked GPUs: the plan of `gpufleet clean`, then y/n",
+    "                            (s there: plan again with processes spanning other GPUs)",
     "  ?                         this help     q   quit",
     "",
     "A host is stale when its last snapshot is older than two intervals or its session",

@@ -236,6 +236,8 @@ def _check_step(kind: str, params: dict[str, Any], timeout: float, fail: Fail) -
     if kind == "fit":
         if params.get("weights_gib") is None and params.get("params") is None:
             fail("give weights_gib, or params (with dtype, default fp16)")
+        if params.get("weights_gib") is not None and params.get("params") is not None:
+            fail("give weights_gib or params, not both: each says how big the weights are")
         if params.get("weights_gib") is not None and params["weights_gib"] <= 0:
             fail("weights_gib must be > 0")
         tp, gpus = params["tp"], params.get("gpus")

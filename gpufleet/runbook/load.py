@@ -32,7 +32,8 @@ from gpufleet.runbook.template import (PER_HOST, REF, SAMPLE_HOST, VAR_NAME, Per
                                        substitute_shell)
 from gpufleet.runbook.values import v_percentage, v_serial
 
-__all__ = ["COMMON_KEYS", "MAX_FILE_BYTES", "MAX_STEPS", "TOP_LEVEL_KEYS", "load_runbook", "parse_runbook"]
+__all__ = ["COMMON_KEYS", "MAX_FILE_BYTES", "MAX_STEPS", "SHIPPED_DIR", "TOP_LEVEL_KEYS", "find_runbook",
+           "load_runbook", "parse_runbook", "shipped_runbooks"]
 
 MAX_FILE_BYTES = 1 << 20
 MAX_STEPS = 500
@@ -63,6 +64,29 @@ def _scalar_text(value: Any) -> Optional[str]:
     if isinstance(value, (int, float, str)):
         return str(value)
     return None
+
+
+#: The runbooks installed with the package (package data; the checkout's playbooks/ links here).
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "playbooks"
+
+
+def shipped_runbooks() -> list[str]:
+    """The shipped runbooks' names (``model-swap``, ...)."""
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.yaml"))
+
+
+def find_runbook(name: str) -> Path:
+    """The runbook ``gpufleet run NAME`` means: the file when it exists (or NAME has a ``/``),
+    else the shipped one of that name (``model-swap`` or ``model-swap.yaml``): an installed
+    gpufleet has no playbooks/ folder beside it to give a path to."""
+    path = Path(name)
+    if path.exists() or "/" in name:
+        return path
+    stem = name[:-5] if name.endswith(".yaml") else name
+    if stem in shipped_runbooks():
+        return SHIPPED_DIR / f"{stem}.yaml"
+    raise UsageError(f"{name}: runbook not found: not a file, nor a shipped runbook "
+                     f"({', '.join(shipped_runbooks()) or 'none installed'})")
 
 
 def load_runbook(path: str | Path, extra_vars: Optional[Mapping[str, str]] = None,
@@ -149,7 +173,7 @@ def _top_level(text: str, source: str, fail_at: Callable[..., Fail]) -> tuple[An
         fail_at(text[: text.index("\0")].count("\n") + 1)("NUL character in file")
     doc = load_yaml(text, source)
     if doc is None:
-        fail_at(0)("empty runbook: it needs a 'steps:' list (see docs/runbooks.md)")
+        fail_at(0)(f"empty runbook: it needs a 'steps:' list (examples: {SHIPPED_DIR})")
     if isinstance(doc, list):
         steps_raw, doc = doc, LineMap()
         doc.line, doc.lines = 1, {}
@@ -159,7 +183,7 @@ def _top_level(text: str, source: str, fail_at: Callable[..., Fail]) -> tuple[An
                 fail_at(_line(doc, key))(f"unknown top-level key {key!r}"
                                          f"{did_you_mean(str(key), TOP_LEVEL_KEYS)}")
         if "steps" not in doc:
-            fail_at(_line(doc))("no 'steps:' list (see docs/runbooks.md)")
+            fail_at(_line(doc))(f"no 'steps:' list (examples: {SHIPPED_DIR})")
         steps_raw = doc["steps"]
     else:
         fail_at(_line(doc) or 1)(f"a runbook is a mapping with 'steps:', got {describe_value(doc)}")

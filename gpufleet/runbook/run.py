@@ -71,6 +71,7 @@ class HostRun(HostOutcome):
     steps: list[StepResult]
     seconds: float = 0.0
     error_kind: Optional[str] = None
+    warnings: list[str] = field(default_factory=list)  # HOST: warning: ... (the CLI: stderr)
 
     def as_dict(self) -> dict[str, Any]:
         return {"host": self.host, "ok": self.ok, "error": self.error, **self.error_kind_field(),
@@ -159,7 +160,8 @@ def run_steps(runbook: Runbook, host: Host, session: Any, operator: str = "gpufl
         error = f"{len(failed)} step(s) failed: " + ", ".join(repr(r.name) for r in failed)
     ok = not failed and error is None
     return HostRun(host=host.name, ok=ok, error=error, steps=results,
-                   seconds=time.monotonic() - started, error_kind=None if ok else kind)
+                   seconds=time.monotonic() - started, error_kind=None if ok else kind,
+                   warnings=ctx.warnings)
 
 
 def run_host(runbook: Runbook, host: Host, operator: str = "gpufleet", audit_log: Optional[str] = None,

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from gpufleet.config.inventory import Host
 from gpufleet.core.hostlock import lock_failure
+from gpufleet.core.hostwarnings import host_warnings
 from gpufleet.core.model import HostResult, Snapshot, SnapshotError, parse_snapshot
 from gpufleet.runbook.model import Step
 from gpufleet.runbook.checks import (StepFailed, _chosen, check_conditions, gpu_metrics,
@@ -57,6 +58,7 @@ class _HostRun:
         self.baseline: Optional[Snapshot] = None
         self.latest: Optional[Snapshot] = None  # None when a step since may have changed things
         self.end = 0.0  # the running step's deadline (monotonic)
+        self.warnings: list[str] = []  # the snapshots' warning lines, each once (CLI: stderr)
 
     # -- transport helpers
 
@@ -74,6 +76,9 @@ class _HostRun:
             snap = parse_snapshot(reply.doc)
         except SnapshotError as exc:
             raise StepFailed(f"snapshot unreadable: {exc}") from None
+        for line in host_warnings(self.host.name, snap, int(self.host.unattributed_mib or 0)):
+            if line not in self.warnings:
+                self.warnings.append(line)
         if require_gpus and not snap.nvidia_smi_ok:
             raise StepFailed(f"{snap.gpu_reader} failed: {snap.nvidia_smi_error or '?'}")
         self.latest = snap

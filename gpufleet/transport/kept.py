@@ -109,14 +109,68 @@ def sockets() -> list[str]:
     return found
 
 
+LABEL = ".host"  # beside each socket: who it reaches, as "NAME (user@host:port)"
+
+
+def write_label(path: str, text: str) -> None:
+    """Say beside the socket ``path`` which host it reaches: a socket's name is a hash, and
+    `gpufleet disconnect` without a selection (no inventory needed) must still name hosts.
+    Best effort, rewritten only when it changed (the directory is private: ours, 0700)."""
+    label = path + LABEL
+    try:
+        with open(label, encoding="utf-8") as fh:
+            if fh.read() == text:
+                return
+    except OSError:
+        pass
+    try:
+        with open(label + ".new", "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(label + ".new", label)
+    except OSError:
+        pass
+
+
+def label_of(path: str) -> Optional[str]:
+    """What ``write_label`` said of the socket ``path`` (None: nothing, e.g. an older
+    gpufleet's socket)."""
+    try:
+        with open(path + LABEL, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(300).strip()
+    except OSError:
+        return None
+    return text.splitlines()[0] if text else None
+
+
+def prune_labels() -> None:
+    """Remove the labels whose socket is gone (its master ended, or it was closed)."""
+    path = directory()
+    if private_problem(path) is not None:
+        return
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if name.endswith(LABEL) and not os.path.exists(full[: -len(LABEL)]):
+            try:
+                os.unlink(full)
+            except OSError:
+                pass
+
+
 @dataclass(frozen=True)
 class Kept:
     """One kept connection: the inventory host it is for (None: found in the directory),
-    its socket, and its master's PID (None: no master answers there)."""
+    its socket, its master's PID (None: no master answers there), and the label written
+    beside it when it was made (the host's name and destination)."""
 
     host: Optional[str]
     path: str
     pid: Optional[int]
+    label: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        """How an operator knows it: the inventory host, else its label, else the socket."""
+        return self.host or self.label or self.path
 
 
 def socket_of(host: Any) -> Optional[str]:
@@ -134,7 +188,7 @@ def socket_of(host: Any) -> Optional[str]:
 def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
     """The kept connections of ``hosts`` (None: every socket in the directory)."""
     if hosts is None:
-        return [Kept(None, path, mux.alive(path)) for path in sockets()]
+        return [Kept(None, path, mux.alive(path), label_of(path)) for path in sockets()]
     found = []
     for host in hosts:
         try:

@@ -24,6 +24,7 @@ nowhere else (``ssh_failure``).
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import re
 import shlex
@@ -242,9 +243,17 @@ class OpensshSession(Session):
     def _kept_run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
         target = self.target
         assert target is not None
+        started = time.monotonic()
         got, command = self._joined(argv, lambda path, text: mux.run(
             path, text, target.env, stdin, timeout, target.connect_timeout))
-        return got if got is not None else run_local(command, stdin, timeout)
+        raw = got if got is not None else run_local(command, stdin, timeout)
+        if sshconfig.log.isEnabledFor(logging.DEBUG):
+            how = f"through the kept master {target.kept} (no ssh process)" if got is not None \
+                else "with an ssh process"
+            sshconfig.log.debug("%s: run %s: exit %s after %.3fs%s", self.host.name, how,
+                                raw.exit_code, time.monotonic() - started,
+                                " (timed out)" if raw.timed_out else "")
+        return raw
 
     def _attempt(self, run: Callable[[], RawRun], master: bool = False) -> RawRun:
         """``run`` once (twice when gpufleet's accept-new recorded a first-seen key); ssh's
@@ -271,7 +280,11 @@ class OpensshSession(Session):
     def _open_master(self) -> RawRun:
         assert self.target is not None and self._master is not None
         bound = self.target.connect_timeout * 2 + 5  # connect, then key exchange and auth
-        return self._master.start(self.target.base, self.target.dest, bound)
+        started = time.monotonic()
+        raw = self._master.start(self.target.base, self.target.dest, bound)
+        sshconfig.log.debug("%s: master for this command's runs: exit %s after %.3fs",
+                            self.host.name, raw.exit_code, time.monotonic() - started)
+        return raw
 
     def connect(self) -> None:
         """Open the master now (``keep``); a failure becomes ``error``, never raised."""
@@ -298,7 +311,11 @@ class OpensshSession(Session):
         target = self.target
         got, command = self._joined(argv, lambda path, text: mux.MuxStream(
             path, text, target.env, head, min(target.connect_timeout, timeout), as_run=as_run))
-        return got if got is not None else OpensshStream(command, head, target, as_run=as_run)
+        sshconfig.log.debug("%s: resident run %s", self.host.name,
+                            f"through the kept master {target.kept} (no ssh process)"
+                            if got is not None else "with an ssh process")
+        return got if got is not None else OpensshStream(command, head, target, as_run=as_run,
+                                                         host=self.host)
 
     def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
         """A conversation's start is this host's run: ssh's own failures raised with their
@@ -322,17 +339,30 @@ def _remote_command(argv: Sequence[str]) -> str:
 
 
 class OpensshStream(ProcessStream):
-    """A resident run through one ``ssh`` process; ssh's own failure is its end's kind."""
+    """A resident run through one ``ssh`` process; ssh's own failure is its end's kind. A
+    refused host key is said as a run says it (``hostkey_refusal``: HOST KEY CHANGED with both
+    fingerprints, or the key recorded under accept-new), not as ssh's bare "Host key
+    verification failed." (`top`, `status --watch`)."""
 
-    def __init__(self, argv: Sequence[str], head: bytes, target: Target, as_run: bool = False):
+    def __init__(self, argv: Sequence[str], head: bytes, target: Target, as_run: bool = False,
+                 host: Optional[Host] = None):
         self.target = target
+        self.host = host
+        self._refused: Optional[TransportError] = None  # the host key's verdict, fetched once
         super().__init__(argv, head, as_run=as_run)
 
     def _ended_error(self) -> TransportError:
+        if self._refused is not None:
+            return self._refused
         code = self._exit_code()
         self._drain_err()  # ssh's line may still be unread when its stdout's end was seen
         raw = RawRun(code, b"", bytes(self._err))
         failure = ssh_failure(raw, self.target)
+        if failure is not None and failure.kind == errors.HOSTKEY and self.host is not None:
+            refusal, recorded = hostkey_refusal(self.host, self.target)
+            self._refused = refusal or failure if not recorded else TransportError(
+                "first-seen host key recorded (accept-new); reconnecting", kind=errors.CLOSED)
+            return self._refused
         if failure is not None:
             return failure
         if code == 255:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import logging
 import math
 import os
 import re
@@ -38,6 +39,8 @@ from gpufleet.errors import TransportError
 from gpufleet.transport.dial import Dialled
 from gpufleet.transport.run import KILL_AFTER_S, RawRun, run_local
 from gpufleet.transport.stream import ChannelStream, ProcessStream, Stream, transport_error
+
+log = logging.getLogger("gpufleet.transport")  # -v (gpufleet.cli.enable_verbose)
 
 if TYPE_CHECKING:
     from gpufleet.transport.connection import HostConnection
@@ -422,6 +425,9 @@ class SshSession(Session):
             self._failed(exc)
         finally:
             self.connect_seconds = time.monotonic() - started
+            log.debug("%s: paramiko connect to %s:%s: %s after %.3fs", self.host.name,
+                      getattr(conn, "host", "?"), getattr(conn, "port", "?"),
+                      self.error or "connected", self.connect_seconds)
 
     @property
     def connected(self) -> bool:
@@ -479,6 +485,7 @@ def open_session(host: Host, dial: Optional[Dialled] = None, keep: bool = False)
     session always keeps its connection).
     """
     if getattr(host, "connection", "ssh") == "local":
+        log.debug("%s: connection: local (this machine, no ssh)", host.name)
         return LocalSession(host)
     if dial is None:
         from gpufleet.transport import openssh
@@ -486,5 +493,9 @@ def open_session(host: Host, dial: Optional[Dialled] = None, keep: bool = False)
         if openssh.wanted(host):
             session = openssh.open_session(host, keep=keep)
             if session is not None:
+                if session.error is not None:
+                    log.debug("%s: not connected: %s", host.name, session.error)
                 return session
+    log.debug("%s: paramiko (ssh_client: paramiko, no ssh on PATH, or a ProxyJump/ProxyCommand)",
+              host.name)
     return SshSession(host, dial)

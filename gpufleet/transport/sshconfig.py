@@ -20,6 +20,7 @@ ssh as ``-F`` (``-F none`` when it does not exist): then, as with ``ssh -F``,
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import pwd
 import re
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -42,6 +44,8 @@ _SINGLE = ("hostname", "user", "port", "proxyjump", "proxycommand", "connecttime
            "stricthostkeychecking", "identitiesonly", "hostkeyalias")
 _LISTS = ("userknownhostsfile", "globalknownhostsfile")
 _NOISE = ("Pseudo-terminal will not be allocated",)
+#: -v (gpufleet.cli.enable_verbose): where each host connects and what it cost, on stderr
+log = logging.getLogger("gpufleet.transport")
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,9 @@ def _from_ssh(ssh: str, alias: str, port: Optional[int], user: Optional[str]) ->
     if user:
         args += ["-l", check_alias(user)]
     pending = _start_defaults(ssh)
+    started = time.monotonic()
     found = _run_ssh_g(ssh, args + ["--", alias], alias)
+    _log_answer(ssh, args + ["--", alias], found, time.monotonic() - started)
     defaults = pending.result()
     values: dict[str, Any] = {}
     for key in _SINGLE:
@@ -228,6 +234,16 @@ def _from_ssh(ssh: str, alias: str, port: Optional[int], user: Optional[str]) ->
     elif kex:
         values["kexalgorithms_default"] = kex[0]
     return values
+
+
+def _log_answer(ssh: str, args: list[str], found: dict[str, list[str]], seconds: float) -> None:
+    """-v: what ``ssh -G`` answered that decides the destination (the rest is its defaults)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    keys = ("hostname", "port", "user", "proxyjump", "proxycommand", "hostkeyalias",
+            "identityfile", "userknownhostsfile", "connecttimeout")
+    said = ", ".join(f"{k} {' '.join(found[k])}" for k in keys if found.get(k))
+    log.debug("%s -G %s answered in %.3fs: %s", ssh, " ".join(args), seconds, said or "nothing")
 
 
 # --------------------------------------------------------------------------- fallback

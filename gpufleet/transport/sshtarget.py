@@ -9,9 +9,11 @@ gpufleet reads, curve25519 first when ssh_config chooses no key exchange, and, w
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -158,6 +160,15 @@ def _kept_socket(argv: Sequence[str], dest: Sequence[str], where: str, key_name:
     return path
 
 
+def _log_target(host: Host, argv: list[str], where: str, key_name: str, policy: str,
+                socket_path: Optional[str]) -> None:
+    """-v: the ssh command line this host's runs start from (gpufleet.cli.enable_verbose)."""
+    log = sshconfig.log
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s: ssh to %s (host key %s, %s): %s%s", host.name, where, key_name, policy,
+                  shlex.join(argv), f"; kept master {socket_path}" if socket_path else "")
+
+
 def target_for(host: Host, ssh: str) -> Optional[Target]:
     """How ssh reaches ``host``; None: it needs the paramiko path (ProxyJump/ProxyCommand
     under ``ssh_client: auto``). Raises SshConfigError as ``ssh -G`` does."""
@@ -205,6 +216,9 @@ def target_for(host: Host, ssh: str) -> Optional[Target]:
     login = str(values.get("user") or user or "")
     persist = _persist_s(host)
     socket_path = _kept_socket(argv, dest, where, key_name, login) if persist else None
+    if socket_path is not None:
+        kept.write_label(socket_path, f"{host.name} ({login + '@' if login else ''}{where})")
+    _log_target(host, argv + list(dest), where, key_name, policy, socket_path)
     return Target(tuple(argv), dest, where, key_name, login, ct, policy, tuple(keys),
                   kept=socket_path, persist_s=persist if socket_path else 0,
                   env=session_env(values) if socket_path else ())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Real-GPU proof of the health gate (issue 16), on one real host (not collected by pytest).
+"""Real-GPU proof of the health gate (`gpufleet health`), on one real host (not collected by pytest).
 
 1. The agent as a host runs it (the constant bootstrap on stdin), once through NVML and once
    through nvidia-smi: every health reading of every GPU (ECC, remapped rows, retired pages,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Real-GPU proof and timings of the NVML reader (issue 12), on one real host.
+"""Real-GPU proof and timings of the NVML reader (the agent's start: NVML instead of four nvidia-smi runs), on one real host.
 
 1. Numbers do not move: beside two torch holders (4 GiB and 1 GiB on GPU 0), the agent's own
    snapshot code reads the GPUs through NVML and through nvidia-smi back to back; memory

@@ -1,4 +1,4 @@
-"""Issue 10 in the lab: GPU clients (NVML monitors, nvidia-smi runs) are never signalled and
+"""In the lab: GPU clients (NVML monitors, nvidia-smi runs) are never signalled and
 never shown as holders; concurrent GPU queries leave no ghost holders.
 
 The lab's monitor (LabHost.spawn_monitor) is an NVML client as recorded on the H200: every
@@ -31,7 +31,7 @@ def _roles(doc: dict) -> dict[int, str]:
 def test_workstation_monitor_is_a_client_and_survives_a_full_clean(lab: Any, make_host: Any,
                                                                     home: Path) -> None:
     """1 GPU, an untitled NVML monitor (its name says nothing: maps are the evidence) next to
-    a CUDA holder. Before issue 10 a full clean signalled both."""
+    a CUDA holder. A full clean once signalled both (open device files were taken as holding memory)."""
     host = make_host("workstation", gpus=1)
     job = host.spawn_holder(gpus=[0], mib=3000, title="train.py")
     mon = host.spawn_monitor()
@@ -105,7 +105,7 @@ def test_container_like_host_cleans_holders_and_spares_the_monitor(lab: Any, mak
 
 def test_two_agents_and_a_monitor_loop_leave_no_ghost_holders(lab: Any, make_host: Any,
                                                               home: Path) -> None:
-    """Issue 10 part 2: two status runs of the same host at once plus a `watch nvidia-smi`
+    """Concurrent scans: two status runs of the same host at once plus a `watch nvidia-smi`
     loop: each catches the others' nvidia-smi runs mid-scan. None of them is a holder, a `?`
     line or an unreadable refusal; at least one was really caught (the race is exercised)."""
     host = make_host("shared-box", gpus=2, nvml=False)  # agents that run nvidia-smi: the race

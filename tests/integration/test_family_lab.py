@@ -1,4 +1,4 @@
-"""Issue 10 part 6 in the lab: a vLLM family is cleaned as a whole or not at all.
+"""In the lab: a vLLM family is cleaned as a whole or not at all.
 
 Killing one VLLM::Worker ends its EngineCore (the family root, device files only), and with it
 every worker, including those on GPUs outside the scope. A scope that cuts the family signals

@@ -138,9 +138,15 @@ def test_disconnect_lists_and_closes_them(kept_dir: Path, host: Any, lab: Any,
     assert listed.stdout.splitlines() == [f"{host.name}: kept (master pid {pid})",
                                           "1 kept connection"]
     assert master_pid(host)[1] == pid  # --list closes nothing
-    closed = run_gpufleet(home, None, "disconnect")  # no selection: every socket of the user
+    # no selection, no inventory: every socket of the user, named by the host it reaches
+    # (its label), never by its hashed socket name alone
+    named = f"{host.name} (root@127.0.0.1:{host.port})"
+    listed = run_gpufleet(home, None, "disconnect", "--list")
+    assert listed.stdout.splitlines() == [f"{named}: kept (master pid {pid})",
+                                          "1 kept connection"], str(listed)
+    closed = run_gpufleet(home, None, "disconnect")
     assert closed.rc == 0, str(closed)
-    assert closed.stdout.splitlines() == [f"{path}: closed (master pid {pid})",
+    assert closed.stdout.splitlines() == [f"{named}: closed (master pid {pid})",
                                           "1 kept connection closed"]
     end = time.monotonic() + 10
     while os.path.exists("/proc/%d" % pid) and time.monotonic() < end:

@@ -133,7 +133,7 @@ def test_prolog_refuses_held_gpus_and_passes_free_ones(node: Any) -> None:
 
 
 def test_prolog_refuses_a_job_on_a_critical_gpu(make_host: Any) -> None:
-    """Issue 16's gate: uncorrected ECC errors on GPU 1 refuse a job there, not on GPU 0."""
+    """The health gate (`gpufleet health`'s CRITICAL): uncorrected ECC errors on GPU 1 refuse a job there, not on GPU 0."""
     sick = make_host(gpus=2, ecc_volatile={"1": 2}, ecc_aggregate={"1": 2})
     res = run_node(sick, "prolog", job_env(6, 0, "1"), "--no-syslog")
     assert res.returncode == 1, res

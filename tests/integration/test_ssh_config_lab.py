@@ -1,4 +1,4 @@
-"""ssh_config exactly as OpenSSH reads it: gpufleet goes where `ssh ALIAS` goes (issue 10 part 3).
+"""ssh_config exactly as OpenSSH reads it: gpufleet goes where `ssh ALIAS` goes (a guess could reach another machine).
 
 Two lab hosts on different ports with different GPU counts (`near`: 1 GPU, `far`: 3 GPUs):
 each tricky config names one of them; the test checks that gpufleet's resolution equals the

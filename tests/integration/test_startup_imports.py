@@ -166,7 +166,7 @@ def test_main_called_in_process_still_raises_systemexit() -> None:
     assert done.value.code == 0
 
 
-# Issue 12, the controller's start: what one command needs, and nothing another one does.
+# The controller's start (every ms of it is paid by every command): what one command needs, and nothing another one does.
 ALL_MODULES_WRAPPER = (
     "import atexit, json, os, sys\n"
     "def _seen():\n"

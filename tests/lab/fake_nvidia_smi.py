@@ -61,7 +61,7 @@ DEFAULTS = {
     "temp_c": 37,
     "power_w": 126,
     "power_cap_w": 700,
-    # Health readings (issue 16), shared with the fake NVML (fakenvml.c); per GPU: {index: v}
+    # Health readings (`gpufleet health`), shared with the fake NVML (fakenvml.c); per GPU: {index: v}
     # or [index, ...]. Defaults: the H200's recorded answers (probe/h200-clients-probe3.log).
     "lost": [],  # GPUs fallen off the bus: NVML GPU_IS_LOST; nvidia-smi exits 15
     "persistence": True,  # or {index: bool}

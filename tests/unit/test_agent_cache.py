@@ -293,7 +293,7 @@ def test_a_user_agent_caches_in_its_own_home(nobody_home):
 
 
 def test_the_agents_start_loads_no_module_a_snapshot_does_not_need():
-    """Module-level work before the snapshot (issue 12): the joined agent's top level, run as
+    """Module-level work before the snapshot (paid by every agent start): the joined agent's top level, run as
     a host runs it (``-S -E -s``), imports neither the process, socket and traceback modules
     nor the clean's fcntl/select (each loaded where it is used), nor re, json or enum (its hot
     parsers are string tests, JSON goes through _json: tests/unit/test_agent_nvml.py runs a

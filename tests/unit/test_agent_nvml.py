@@ -2,7 +2,7 @@
 
 The same fake GPU state is read twice by the agent's own snapshot code: once through NVML, once
 through the fake nvidia-smi (the fallback path); the GPU rows and compute apps must be the same
-values (issue 12: "numbers must not move"). Failures (no library, init failing, a lost GPU, a
+values (switching the reader must not move a number an operator sees). Failures (no library, init failing, a lost GPU, a
 hung driver) are values in the document. No lab, no root needed: the state is a temporary
 FAKEGPU_ROOT and holders are `sleep` processes of this machine.
 """
@@ -273,7 +273,7 @@ def test_the_fakes_release_delay_holds_on_a_filesystem_without_hard_links(
 
 def test_a_snapshot_through_nvml_as_a_host_runs_it_imports_no_re_json_enum_or_threading(
         fake_nvml_library: Path, state: Any) -> None:
-    """Issue 12 (start): on a 2-core lab host json, re, signal's enum wrappers and threading's
+    """The agent's start: on a 2-core lab host json, re, signal's enum wrappers and threading's
     functools and collections were ~17 ms of the agent's ~48 (bench/agent_lab.py). The whole
     one-shot snapshot through NVML, run as a host runs it (bootstrap, loader, joined agent, ``-S
     -E -s``), imports none of them, nor a process module, and still finds the holder (its

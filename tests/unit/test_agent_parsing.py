@@ -216,7 +216,7 @@ def test_invalid_field_message_recorded():
 
 def test_query_gpu_agent_fields_recorded():
     # recorded with the agent's fields of then: the required ones and memory.reserved (the
-    # health fields came later: issue 16)
+    # health fields came later, with `gpufleet health`)
     fields = list(agent.GPU_FIELDS) + ["memory.reserved"]
     gpus = agent.parse_gpu_csv(fixture("query_gpu_agent_fields.csv"), fields)
     assert [(g["index"], g["pci_bus_id"], g["memory_reserved_mib"], g["driver_version"])

@@ -933,7 +933,7 @@ def test_minor_numbers_from_q_when_proc_lacks_them(tmp_path, monkeypatch):
     assert gpus[0]["minor"] == 5 and len(stub.calls()) == 1  # /proc/driver first, no -q
 
 
-# ----------------------------------------------------- issue 10: maps, vanished holders, reasons
+# ----------------------------- clients and holders: maps, vanished holders, unreadable-fd reasons
 
 MAPPER = r'''
 import ctypes, mmap, sys, time
@@ -1056,7 +1056,7 @@ def test_a_zombie_leaders_thread_in_d_state_is_reported_with_its_wchan(tmp_path,
 
 def test_holder_gone_before_its_details_are_read_is_not_a_holder(tmp_path, children,
                                                                   monkeypatch):
-    """Issue 10 part 2: a concurrent nvidia-smi run is caught by the fd scan and is gone (or
+    """Concurrent scans: a concurrent nvidia-smi run is caught by the fd scan and is gone (or
     its PID reused) when its details are read: it used to show as `? 695 (fd: GPUs 0)`."""
     from gpufleet.remote import agent
     gone = children.holder("goner", "/dev/null")
@@ -1098,7 +1098,7 @@ def test_unreadable_fds_say_the_true_reason(tmp_path):
 def test_the_controllers_clean_requests_skip_the_cuda_version(tmp_path, children, monkeypatch):
     """ops.clean's two requests (the plan's snapshot; the clean and its after-snapshot) ask for
     no CUDA version, and the real agent then runs no bare `nvidia-smi` (110 ms on an H200,
-    issue 12) between "the memory is back" and the verdict. Only the test's own holder is
+    time a clean's caller waits) between "the memory is back" and the verdict. Only the test's own holder is
     ever a target: this machine's /proc is shared (the plan's other candidates are dropped)."""
     from gpufleet.config.inventory import Host
     from gpufleet.core.model import parse_snapshot

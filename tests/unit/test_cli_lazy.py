@@ -17,7 +17,7 @@ import pytest
 from click.utils import make_default_short_help
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-COMMAND_MODULES = ("clean_cmd", "disconnect_cmd", "export_cmd", "fit_cmd", "health_cmd", "hosts_cmd", "run_cmd",
+COMMAND_MODULES = ("clean_cmd", "disconnect_cmd", "export_cmd", "fit_cmd", "health_cmd", "hosts_cmd", "init_cmd", "run_cmd",
                    "slurm_cmd", "status_cmd", "top", "trust_cmd")
 
 
@@ -92,9 +92,11 @@ def test_an_unknown_command_is_exit_2_with_the_suggestion() -> None:
     res = _python("from gpufleet.cli import main; main()", "stat")
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1] == "Error: No such command 'stat'. Did you mean 'status'?"
+    assert res.stderr.splitlines() == [
+        "gpufleet: error: No such command 'stat'. Did you mean 'status'? (see gpufleet --help)"]
     res = _python("from gpufleet.cli import main; main()", "nosuch")
-    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == "Error: No such command 'nosuch'."
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        "gpufleet: error: No such command 'nosuch'. (see gpufleet --help)"]
 
 
 def test_shell_completion_lists_the_commands() -> None:

@@ -1,4 +1,4 @@
-"""Issue 11: the pure core reads as steps: no function under gpufleet/core/ is longer than 60
+"""The pure core reads as steps (a reviewer can check each against the rule it implements): no function under gpufleet/core/ is longer than 60
 lines (decorators and docstrings included)."""
 from __future__ import annotations
 

@@ -402,11 +402,28 @@ def test_report_host_problems():
     na = host("wsl", snapshot_doc([(0, 32607, None, None)]))
     report = fit_report([na], ModelNeed(1), gpus=[0])
     assert report.exit_code == 1 and "n/a" in table_rows(report)[0][-1]
-    missing = fit_report([host("one", snapshot_doc([(0, 100, 100, 0)]))], ModelNeed(1), gpus=[3])
-    assert "no GPU 3 on this host" in table_rows(missing)[0][-1]
-    with pytest.raises(UsageError, match="^four: --tp 8 needs 8 GPUs, only 4 selected$"):
-        fit_report([host("four", snapshot_doc([(i, 143771, 143156, 616) for i in range(4)]))],
-                   ModelNeed(547, tp=8))
+    # --gpus naming GPUs a host lacks: the command line's mistake, exit 2, as in clean; every
+    # such host in the one line
+    with pytest.raises(UsageError, match=r"^GPU 3 does not exist on one \(has 0\); "
+                                         r"GPU 3 does not exist on two \(has 0-1\)$"):
+        fit_report([host("one", snapshot_doc([(0, 100, 100, 0)])),
+                    host("two", snapshot_doc([(0, 100, 100, 0), (1, 100, 100, 0)]))],
+                   ModelNeed(1), gpus=[3])
+
+
+def test_a_host_with_too_few_gpus_for_tp_is_its_own_row_and_exit_1():
+    """`fit --all --tp 8` over 8-GPU hosts and a 1-GPU one: the 8-GPU hosts are checked, the
+    small one says why not (it used to stop the whole command with exit 2)."""
+    eight = host("eight", snapshot_doc([(i, 143771, 143156, 616) for i in range(8)]))
+    one = host("one", snapshot_doc([(0, 143771, 143156, 616)]))
+    report = fit_report([eight, one], ModelNeed(547, tp=8))
+    assert report.exit_code == 1
+    rows = table_rows(report)
+    assert [r[0] for r in rows] == ["eight"] * 8 + ["one"]
+    assert all(r[-1].startswith("fits") for r in rows[:8])
+    assert rows[8][-1] == "error: --tp 8 needs 8 GPUs, only 1 selected"
+    doc = report.document["hosts"][1]
+    assert (doc["ok"], doc["error_kind"], doc["gpus"]) == (False, "usage", [])
 
 
 @pytest.mark.parametrize("spec,expected", [("all", None), (None, None), ("0", (0,)),
@@ -420,6 +437,28 @@ def test_parse_gpus(spec, expected):
 def test_parse_gpus_refuses(spec):
     with pytest.raises(UsageError, match="--gpus"):
         parse_gpus(spec)
+
+
+def test_weights_and_params_together_are_refused():
+    """Both say how big the weights are; the arithmetic used to take --weights-gib silently."""
+    with pytest.raises(UsageError, match="^give --weights-gib or --params \\(with --dtype\\), not both"):
+        need_from_options(weights_gib=27.57, params="14B")
+    with pytest.raises(UsageError, match="not both"):
+        need_from_options(weights_gib=27.57, params="14B", dtype="fp16")
+    assert need_from_options(weights_gib=27.57, dtype="fp8").bytes_per_param == 1.0  # still fine
+
+
+def test_params_without_dtype_says_fp16_was_assumed():
+    need = need_from_options(params="70B")
+    assert (need.dtype, need.dtype_assumed) == ("fp16", True)
+    report = fit_report([host("h", snapshot_doc([(0, 143771, 143156, 616)]))], need)
+    assert report.details[0] == ("note: --dtype not given: fp16 assumed (2 bytes per parameter): "
+                                 "70B parameters are 130.39 GiB of weights")
+    assert (report.document["need"]["dtype"], report.document["need"]["dtype_assumed"]) == ("fp16", True)
+    given = need_from_options(params="70B", dtype="bf16")
+    assert (given.dtype, given.dtype_assumed) == ("bf16", False)
+    report = fit_report([host("h", snapshot_doc([(0, 143771, 143156, 616)]))], given)
+    assert not any("assumed (2 bytes" in d for d in report.details)
 
 
 def test_need_from_options():

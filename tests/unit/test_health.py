@@ -1,4 +1,4 @@
-"""The health gate (issue 16): the agent's readers (kernel log, nvidia-smi fields), the pure
+"""The health gate (`gpufleet health`): the agent's readers (kernel log, nvidia-smi fields), the pure
 core (readings -> findings and actions), its renderers and the runbook step's judgement."""
 from __future__ import annotations
 

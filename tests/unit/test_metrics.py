@@ -259,7 +259,7 @@ def test_a_failed_host_keeps_its_last_known_hostname_when_given() -> None:
 
 
 def test_export_carries_the_health_findings_of_gpufleet_health() -> None:
-    """Issue 16 in the exporter: the same judgement as `gpufleet health` (core/health.assess),
+    """Health in the exporter: the same judgement as `gpufleet health` (core/health.assess),
     one gpufleet_health_finding series per finding; a healthy host has none."""
     from gpufleet.config.inventory import Host
     from gpufleet.ops.export import families_for

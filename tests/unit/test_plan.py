@@ -95,7 +95,7 @@ def test_scope_as_unordered_list_is_normalised() -> None:
 def test_scope_cutting_a_family_refuses_the_parent_of_the_outside_child() -> None:
     plan = make_plan(load("train-node"), (0, 1, 2))
     # EngineCore_DP1 (GPU 2) would take its worker on GPU 3 down with it, and so would its
-    # worker on GPU 2 (issue 10 part 6: before, 4362 was a target, half a family)
+    # worker on GPU 2 (4362 was once a target: half a family, which ends the other half too)
     assert pids(plan) == {4340, 4360, 4361}
     family = ("its family (root PID 4341 VLLM::EngineCore_DP1) also uses GPU 3, outside the "
               "scope: pass --include-spanning to clean the whole family")
@@ -173,14 +173,14 @@ def test_other_users_and_zombies_and_driver_only_holders() -> None:
     # ...and it does not stop its parent from being signalled
     assert plan.target(5300).wave == 0
     # 5500 holds only nvidiactl + nvidia-uvm, is not listed, and no memory is unexplained: a
-    # GPU client (issue 10), neither a target nor a refusal
+    # GPU client (open device files, no memory), neither a target nor a refusal
     assert 5500 not in r and [c.pid for c in plan.clients] == [5500]
     sudo = make_plan(load("shared-node"), (0, 1, 2, 3), is_sudo=True)
     assert 6100 in pids(sudo)
 
 
 def test_driver_only_holder_without_memory_evidence_is_a_client_of_a_full_clean() -> None:
-    """Before issue 10 a full clean signalled it (evidence "device-file")."""
+    """A full clean once signalled it (evidence "device-file"): an open file is not memory."""
     plan = make_plan(load("shared-node"))
     assert plan.target(5500) is None and plan.refusal_of(5500) is None
     assert [(c.pid, c.gpus) for c in plan.clients] == [(5500, ())]
@@ -733,7 +733,7 @@ def test_a_zombie_leader_holds_its_gpu_through_its_threads() -> None:
     assert check is not None and check.trust == policy.LISTING_VERIFIED
 
 
-# ------------------------------------------------------- issue 10: GPU clients are never targets
+# -------------------------------- GPU clients (monitors, exporters) are never targets
 
 EVERY_DEV = ["/dev/nvidia%d" % i for i in range(8)] + ["/dev/nvidia-uvm", "/dev/nvidiactl"]
 
@@ -752,7 +752,7 @@ def _add_monitor(d: dict, pid: int = 7100, comm: str = "python3", mapped=()) -> 
 
 
 def test_full_scope_clean_never_targets_an_nvml_client() -> None:
-    """Issue 10: the real H200's pynvml poller died under `clean --yes` (evidence device-file)."""
+    """The real H200's pynvml poller died under `clean --yes` (evidence device-file)."""
     for mapped in ((), None):  # maps show no CUDA context / maps not available (older agent)
         plan = make_plan(parse_snapshot(_add_monitor(doc("train-node"), mapped=mapped)))
         assert plan.full_scope and plan.target(7100) is None and plan.refusal_of(7100) is None
@@ -805,7 +805,7 @@ def test_old_snapshots_without_maps_keep_their_family_roots() -> None:
 
 
 def test_fd_note_says_the_true_reason() -> None:
-    """Issue 10 part 4: as root in a container the note said "(not root)"."""
+    """As root in a container the note said "(not root)": a wrong reason sends the operator the wrong way."""
     d = doc("hidden-pids")
     d["facts"]["can_read_all_fds"] = False
     d["fd_unreadable"] = [{"pid": 1, "comm": "process_api", "reason": "permission denied "
@@ -829,7 +829,7 @@ def test_vanished_holders_are_counted_in_a_note() -> None:
     assert not {9001, 9002} & (pids(plan) | set(refused(plan)))
 
 
-# ------------------------------------------- issue 10 part 6: a family is planned as a whole
+# --------------- a family is planned as a whole (half a vLLM family ends the other half)
 
 TP4 = (4340, 4360, 4361, 4362, 4363)  # EngineCore_DP0 (device files only) -> Worker_TP0..TP3
 TP4_REASON = ("its family (root PID 4340 VLLM::EngineCore_DP0) also uses GPU 2,3, outside the "

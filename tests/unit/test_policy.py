@@ -385,7 +385,7 @@ def test_policy_is_the_only_place_with_the_never_signal_list() -> None:
             assert name not in code, f"{mod} mentions {name!r}"
 
 
-# ------------------------------------------------ issue 10: GPU clients (holder_role, one rule)
+# ------------------------- GPU clients: no memory, never signalled (holder_role, one rule)
 
 STATUS = SCENARIOS.parent / "status"
 ALL_DEVS = ["/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidiactl"]
@@ -557,7 +557,7 @@ def test_display_server_with_unexplained_memory_stays_a_holder_in_status() -> No
 
 
 def test_the_tolerance_and_comm_length_have_one_definition() -> None:
-    """Issue 11: the 64 MiB tolerance is core/policy.DEFAULT_TOLERANCE_MIB everywhere (plan,
+    """One definition each: the 64 MiB tolerance is core/policy.DEFAULT_TOLERANCE_MIB everywhere (plan,
     clean options and --tolerance-mib, runbook clean steps, status's "busy"), and the comm
     length is core/model.COMM_MAX; no other module spells either number."""
     import inspect

@@ -24,6 +24,7 @@ from gpufleet.core.fit import fit_report, need_from_options, parse_gpus
 from gpufleet.core.model import HostResult, ledger, parse_snapshot
 from gpufleet.core.plan import make_plan, to_request
 from gpufleet.remote import agent
+from gpufleet.core.hostwarnings import host_warnings
 from gpufleet.render.status import status_document, status_table
 from gpufleet.render.clean import clean_document
 from gpufleet.core.verdict import make_verdict
@@ -143,8 +144,9 @@ def test_status_table_is_the_core_rendering_of_its_agent_document():
     assert table.count("VLLM::Worker") == cli["stdout"].count("VLLM::Worker") == 2
     summary = [line for line in table.splitlines() if line.startswith("hosts: ")]
     assert summary == [cli["stdout"].splitlines()[-1]]  # hosts/GPUs summary
-    # the host warning the agent sent is printed under the table now
-    assert all(f"{HOST}: warning: {w}" in table for w in snap.warnings)
+    # the host warning the agent sent is a line of its own (stderr), never in the table
+    assert "warning" not in table
+    assert host_warnings(HOST, snap) == [f"{HOST}: warning: {w}" for w in snap.warnings]
 
 
 def test_status_numbers_are_nvidia_smis_own(status_snap):
@@ -206,7 +208,7 @@ def test_plan_from_the_real_snapshot(clean_cli, manifest):
     assert waves == {engine: (0, engine), stubborn: (0, stubborn),
                      **{w: (1, engine) for w in manifest["workers"]}}
     assert manifest["trainer"] not in waves and plan.refusal_of(manifest["trainer"]) is None
-    # the NVML poller (no CUDA, no memory; real H200) is a GPU client, not a refusal (issue 10)
+    # the NVML poller (no CUDA, no memory; real H200) is a GPU client, not a refusal (it holds no memory)
     assert plan.refusal_of(manifest["poller"]) is None
     assert [c.pid for c in plan.clients] == [manifest["poller"]]
 
@@ -223,7 +225,7 @@ def test_plan_from_the_real_snapshot(clean_cli, manifest):
 
 
 def test_full_clean_of_the_real_snapshot_leaves_the_nvml_poller_alone(clean_cli, manifest):
-    """Issue 10: on the real H200 a full-scope clean signalled the pynvml poller (it died,
+    """On the real H200 a full-scope clean signalled the pynvml poller (it died,
     exit -15). Its snapshot has no maps (older agent): the memory evidence alone decides."""
     before, _ = plan_of(clean_cli)
     full = make_plan(before)
@@ -269,7 +271,7 @@ def test_clean_json_is_the_core_rendering_of_its_agent_documents(clean_cli, mani
 
 
 def _since_issue_10(recorded: dict, poller: int) -> dict:
-    """The recorded run predates issue 10: the NVML poller it refused as "ambiguous" is a GPU
+    """The recorded run predates the GPU-client rule: the NVML poller it refused as "ambiguous" is a GPU
     client now (plan "clients", not "refused"), and the fd note says the true reason."""
     host = recorded["hosts"][0]
     host["refused"] = [r for r in host["refused"] if r["pid"] != poller]

@@ -40,7 +40,7 @@ def test_argv_is_exactly_the_design():
 
 
 # Every public function and class of gpufleet/remote/agent.py before it was split into pieces
-# (issue 11), and its public constants: the joined payload still defines them all (but the
+# (the pieces each hold one concern), and its public constants: the joined payload still defines them all (but the
 # patterns of the snapshot's hot paths, DEVICE_RE, GPU_DEVICE_RE, BUS_RE and INT_RE, which are
 # string tests now: tests/unit/test_agent_string_parsers.py; and DEFAULT_LOCK, the lock in /tmp
 # that any user could hold: remote/lock.py's names below replace it).

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.core.model import HostResult, parse_snapshot
+from gpufleet.core.hostwarnings import host_warnings
 from gpufleet.render.status import status_document, status_table
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "status"
@@ -113,28 +114,30 @@ DENIED = ("cannot read the open files of 1 process(es): 1 (process_api); GPU hol
           "them would be hidden")
 
 
-def test_host_warnings_are_printed_under_the_table() -> None:
+def test_host_warnings_are_lines_of_their_own_never_in_the_table() -> None:
+    """A script's grep or awk over the rows never meets a warning: the CLI prints them on
+    stderr (core.hostwarnings), the table has none."""
     doc = json.loads((FIX / "basic.json").read_text())
     doc["warnings"] = ["cmdline of PID 7 unreadable (D state, memory lock held)"]
     res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
-    lines = status_table([res], {}).splitlines()
-    assert lines[-1] == "box: warning: " + doc["warnings"][0]
+    assert "warning" not in status_table([res], {})
+    assert host_warnings("box", res.snapshot) == ["box: warning: " + doc["warnings"][0]]
 
 
 def test_unreadable_fds_warning_is_printed_only_when_memory_is_unexplained() -> None:
-    """Issue 10 part 4: in a container the runtime's PID 1 is always unreadable; with every
+    """A warning that cries wolf is not read: in a container the runtime's PID 1 is always unreadable; with every
     GPU's memory accounted for, the warning stays in JSON and off the screen."""
     doc = json.loads((FIX / "basic.json").read_text())
     doc["facts"].update(in_container=True, container="docker", can_read_all_fds=False)
     doc["warnings"] = [DENIED]
     res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
-    assert "warning" not in status_table([res], {})
+    assert host_warnings("box", res.snapshot) == []
     assert status_document([res], {})["hosts"][0]["warnings"] == [DENIED]
     doc["gpus"][0]["memory_used_mib"] += 4000  # memory no listed process accounts for
     res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
-    assert status_table([res], {}).splitlines()[-1] == "box: warning: " + DENIED
+    assert host_warnings("box", res.snapshot) == ["box: warning: " + DENIED]
     # ...unless the host's expected unattributed memory covers it
-    assert "warning" not in status_table([res], {"box": 4000})
+    assert host_warnings("box", res.snapshot, 4000) == []
 
 
 def test_a_newline_in_a_process_title_cannot_fake_a_holder_line() -> None:
@@ -160,8 +163,9 @@ def test_a_listed_process_without_its_gpus_device_file_is_an_untrusted_row() -> 
     assert (gpu["attributed_mib"], gpu["unattributed_mib"]) == (20998, 26651 - 20998)
     text = status_table([res], {})
     assert "trainer 426 5638MiB (untrusted row)" in text
-    assert text.splitlines()[-1] == ("box: warning: PID 426 is an untrusted row: %s; its memory "
-                                     "counts as unattributed" % reason)
+    assert "warning" not in text  # on stderr: core.hostwarnings
+    assert host_warnings("box", res.snapshot) == [
+        "box: warning: PID 426 is an untrusted row: %s; its memory counts as unattributed" % reason]
 
 
 def test_status_json_from_host_entries_is_the_same_text_as_the_whole_document() -> None:

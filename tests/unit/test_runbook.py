@@ -180,6 +180,7 @@ def test_key_of_another_kind_says_which() -> None:
     ("{kind: shell, argv: 'true'}", "list of arguments"),
     ("{kind: fit}", "weights_gib, or params"),
     ("{kind: fit, params: 14}", "did you mean 14B"),
+    ("{kind: fit, params: 7B, weights_gib: 13}", "weights_gib or params, not both"),
     ("{kind: fit, params: 7B, dtype: fp61}", "did you mean 'fp16'"),
     ("{kind: fit, params: 7B, util: 1.2}", "fraction"),
     ("{kind: fit, params: 7B, tp: 3, gpus: 0-3}", "tp 3"),
@@ -506,7 +507,7 @@ def test_no_holders_counts_listed_memory_and_unlisted_device_holders() -> None:
 
 
 def test_no_holders_does_not_count_gpu_clients() -> None:
-    """Issue 10: a monitor (NVML client: every device file open, nothing mapped), an
+    """GPU clients: a monitor (NVML client: every device file open, nothing mapped), an
     nvidia-smi run (nvidiactl mapped) and a cuInit-only process (nvidia0 + nvidiactl mapped,
     recorded probe3) hold no GPU memory: a runbook's no_holders_on must not fail on them."""
     clients = {8: [], 10: ["/dev/nvidiactl"], 11: ["/dev/nvidia0", "/dev/nvidiactl"]}

@@ -109,6 +109,8 @@ class ModelNeed:
     tp: int = 1
     params: Optional[float] = None
     bytes_per_param: float = 2.0
+    dtype: Optional[str] = None  # as named, or assumed (``dtype_assumed``): the report says so
+    dtype_assumed: bool = False
 
     @property
     def weights_per_gpu_gib(self) -> float:

@@ -19,6 +19,7 @@ from gpufleet.core.fit.arithmetic import (
     check_tp,
     dtype_bytes,
     exit_code,
+    format_params,
     parse_params,
     replay,
     validate_need,
@@ -26,10 +27,13 @@ from gpufleet.core.fit.arithmetic import (
     weights_gib_from_params,
 )
 from gpufleet.core.fit.suggestions import suggest_alternatives
-from gpufleet.core.gpus import parse_gpu_list
+from gpufleet.core.gpus import check_available, parse_gpu_list
 from gpufleet.core.model import HostResult, Snapshot
 from gpufleet.core.results import HostOutcome
-from gpufleet.errors import AGENT, COMMAND, EXIT_FAILED, EXIT_OK, UsageError
+from gpufleet.errors import AGENT, COMMAND, EXIT_FAILED, EXIT_OK, USAGE, UsageError
+
+
+DEFAULT_DTYPE = "fp16"  # --params without --dtype (vLLM's "auto" on a 16-bit checkpoint)
 
 
 def check_fit(
@@ -79,17 +83,24 @@ def need_from_options(
     non_torch_gib: float = 0.0,
     tp: int = 1,
 ) -> ModelNeed:
-    """--weights-gib, or --params with --dtype (default fp16); both -> --weights-gib wins for the
-    arithmetic and --params names the smaller-model suggestion."""
+    """--weights-gib, or --params with --dtype (fp16 when not given, and the report says it was
+    assumed). Both --weights-gib and --params is an error: two answers to one question, and
+    which one the arithmetic used would be a guess. --dtype with --weights-gib says what the
+    weights are in (the 8-bit and 4-bit suggestions)."""
+    if weights_gib is not None and params is not None:
+        raise UsageError("give --weights-gib or --params (with --dtype), not both: each says "
+                         "how big the weights are")
     count = parse_params(params) if params is not None else None
     bpp = dtype_bytes(dtype) if dtype is not None else 2.0
+    assumed = count is not None and dtype is None
     if weights_gib is None:
         if count is None:
             raise UsageError("give --weights-gib, or --params (with --dtype)")
-        weights_gib = weights_gib_from_params(count, dtype or "fp16")
+        weights_gib = weights_gib_from_params(count, dtype or DEFAULT_DTYPE)
     return validate_need(ModelNeed(weights_gib=weights_gib, activations_gib=activations_gib,
                                    non_torch_gib=non_torch_gib, tp=tp, params=count,
-                                   bytes_per_param=bpp))
+                                   bytes_per_param=bpp,
+                                   dtype=DEFAULT_DTYPE if assumed else dtype, dtype_assumed=assumed))
 
 
 def holder_uses(snapshot: Snapshot, index: int) -> list[HolderUse]:
@@ -189,8 +200,9 @@ def fit_host(
     context_mib: Optional[float] = None,
     gpus: Optional[Sequence[int]] = None,
 ) -> HostFit:
-    """One host: an unreachable host or unusable numbers are an error value (exit 1); a --tp
-    that the selected GPUs cannot hold is a UsageError naming the host (exit 2)."""
+    """One host: an unreachable host, unusable numbers, or too few selected GPUs for --tp (a
+    1-GPU host in a fleet of 8-GPU ones) are that host's error row (exit 1); --gpus naming a
+    GPU the host lacks is a UsageError naming the host (exit 2), as in `clean`."""
     if not result.ok or result.snapshot is None:
         return HostFit(result.host, error=result.error or "no snapshot",
                        error_kind=result.error_kind or AGENT, seconds=result.seconds)
@@ -198,15 +210,18 @@ def fit_host(
     if not snapshot.nvidia_smi_ok:
         return HostFit(result.host, error=f"{snapshot.gpu_reader} failed: {snapshot.nvidia_smi_error or 'unknown error'}",
                        error_kind=COMMAND, seconds=result.seconds)
+    if gpus is not None:
+        check_available(gpus, {g.index for g in snapshot.gpus}, result.host)
     try:
         memories = gpus_from_snapshot(snapshot, gpus)
     except ValueError as exc:
         return HostFit(result.host, error=str(exc), error_kind=AGENT, seconds=result.seconds)
     holders = {m.index: holder_uses(snapshot, m.index) for m in memories}
     try:
-        results = check_fleet(memories, need, util, context_mib, holders)
-    except UsageError as exc:
-        raise UsageError(f"{result.host}: {exc}") from None
+        check_tp(len(memories), need.tp)
+    except UsageError as exc:  # this host's GPUs, not the command line: its own row
+        return HostFit(result.host, error=str(exc), error_kind=USAGE, seconds=result.seconds)
+    results = check_fleet(memories, need, util, context_mib, holders)
     return HostFit(result.host, results=results, seconds=result.seconds)
 
 
@@ -221,7 +236,15 @@ def fit_report(
     1 not); gpufleet.render.status.fit makes the table from it."""
     util = validate_util(util)
     validate_need(need)
-    fits = tuple(fit_host(r, need, util, context_mib, gpus) for r in host_results)
+    fits: list[HostFit] = []
+    wrong: list[str] = []
+    for res in host_results:  # --gpus naming a GPU a host lacks: every such host in one line
+        try:
+            fits.append(fit_host(res, need, util, context_mib, gpus))
+        except UsageError as exc:
+            wrong.append(str(exc))
+    if wrong:
+        raise UsageError("; ".join(wrong))
     details: list[str] = []
     notes: list[str] = []
     for hf in fits:
@@ -232,9 +255,14 @@ def fit_report(
             for s in r.suggestions:
                 details.append(f"{prefix}: instead: {s}")
             notes.extend(n for n in r.notes if n not in notes)
+    if need.dtype_assumed and need.params is not None:
+        notes.insert(0, f"--dtype not given: {need.dtype} assumed ({need.bytes_per_param:g} bytes "
+                        f"per parameter): {format_params(need.params)} parameters are "
+                        f"{need.weights_gib:.2f} GiB of weights")
     details.extend(f"note: {n}" for n in notes)
     code = EXIT_OK if fits and all(hf.ok for hf in fits) else EXIT_FAILED
-    return FitReport(hosts=fits, details=details, document=_document(fits, need, util, context_mib, code),
+    return FitReport(hosts=tuple(fits), details=details,
+                     document=_document(fits, need, util, context_mib, code),
                      exit_code=code)
 
 
@@ -253,6 +281,8 @@ def _document(fits: Sequence[HostFit], need: ModelNeed, util: float, context_mib
             "tp": need.tp,
             "params": need.params,
             "bytes_per_param": need.bytes_per_param,
+            "dtype": need.dtype,
+            "dtype_assumed": need.dtype_assumed,
         },
         "hosts": [
             {"host": hf.host, "ok": hf.ok, "error": hf.error, **hf.error_kind_field(),

@@ -394,7 +394,7 @@ typedef struct {
     long long total, reserved, ghost;
     unsigned util;
     int lost;
-    /* health readings (issue 16): fake_nvidia_smi.DEFAULTS' keys, the same numbers */
+    /* health readings (gpufleet health): fake_nvidia_smi.DEFAULTS' keys, the same numbers */
     int persistence, rr_pending, rr_failure, retired; /* retired: -1 = NOT_SUPPORTED */
     unsigned long long ecc_volatile, ecc_aggregate, clocks;
     unsigned rr_correctable, rr_uncorrectable, pcie_gen, pcie_width;
