@@ -141,7 +141,7 @@ def test_a_shipped_runbook_is_found_by_name_from_any_folder(tmp_path: Path) -> N
     assert res.returncode == 2
     assert res.stderr.splitlines() == [
         "gpufleet: error: model-swp: runbook not found: not a file, nor a shipped runbook "
-        "(model-swap, pre-train, wsl2-preflight)"]
+        "(model-swap, model-swap-rolling, pre-train, wsl2-preflight)"]
 
 
 def test_a_file_wins_over_a_shipped_name(tmp_path: Path) -> None:
@@ -154,7 +154,7 @@ def test_a_file_wins_over_a_shipped_name(tmp_path: Path) -> None:
 def test_the_checkouts_playbooks_folder_is_the_shipped_one() -> None:
     from gpufleet.runbook.load import SHIPPED_DIR, shipped_runbooks
 
-    assert shipped_runbooks() == ["model-swap", "pre-train", "wsl2-preflight"]
+    assert shipped_runbooks() == ["model-swap", "model-swap-rolling", "pre-train", "wsl2-preflight"]
     assert (REPO_ROOT / "playbooks").resolve() == SHIPPED_DIR
 
 
