@@ -9,7 +9,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 
 from gpufleet.core import health, policy
-from gpufleet.core.health import OK, RANK, GpuHealth, HostHealth
+from gpufleet.core.health import OK, RANK, UNKNOWN, GpuHealth, HostHealth
 from gpufleet.core.live import STALE, LiveHost
 from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
@@ -74,11 +74,15 @@ def gpu_is_busy(snapshot: Snapshot, gpu: GpuInfo, expected_mib: int) -> bool:
 
 
 def health_cell(gpu: Optional[GpuHealth]) -> str:
-    """The HEALTH column: OK, or the worst finding's severity and code (``CRITICAL xid_79``)."""
+    """The HEALTH column: the worst finding's severity and code (``CRITICAL xid_79``);
+    UNKNOWN when no reading could be taken; ``OK (partial)`` when some could not (`health`
+    names them): a GPU nothing was learnt about must not read as OK."""
     if gpu is None:
         return NA
     top = gpu.worst_finding
-    return OK if top is None else f"{top.severity} {top.code}"
+    if top is None:
+        return OK + (" (partial)" if gpu.unknown else "")
+    return UNKNOWN if top.severity == UNKNOWN else f"{top.severity} {top.code}"
 
 
 def host_health_cell(h: HostHealth) -> str:
