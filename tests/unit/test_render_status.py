@@ -186,7 +186,7 @@ def test_watch_documents_reuse_a_host_part_until_its_next_snapshot(monkeypatch) 
     """status --watch --json writes a document every interval; a host's part is made once per
     snapshot (render.status.HostDocs) and the document is the same as without it."""
     from gpufleet.core.live import LiveHost
-    from gpufleet.render import status as rs
+    from gpufleet.render import status_json as rs
 
     views = [LiveHost(n, result=result(n), received_at=10.0) for n in ("basic", "hidden_pids")]
     views.append(LiveHost("down"))  # no snapshot yet: made every time, never cached
