@@ -36,7 +36,9 @@ def parse_interval(text: Optional[str], option: str) -> Optional[float]:
 def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Optional[str]) -> int:
     """GPUs, memory and holders of the selected hosts (one SSH exec per host).
 
-    Exit 0 when every host answered, 1 when some host failed, 2 on usage errors.
+    Exit 0 when every host answered, 1 when some host failed or has a CRITICAL finding of its
+    own (the driver not loaded, fewer GPUs than the inventory's `gpus:`: a `host` row), 2 on
+    usage errors.
     """
     prefetch(AGENT_PAYLOAD)  # compressed (GIL released) while the modules and the inventory load
     from gpufleet.ops.collect import snapshot_hosts
@@ -63,7 +65,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     with HostProgress(selected, "status") as progress:  # stderr, on a terminal only
         results = snapshot_hosts(selected, forks=app.forks, then=encode if as_json else None,
                                  **progress.callbacks())
-    from gpufleet.render.status import host_json, status_json, status_table
+    from gpufleet.render.status import failing_hosts, host_json, status_json, status_table
 
     if as_json:  # hosts that never ran (Ctrl-C) are encoded here
         text = status_json([entries.get(r.host) or host_json(r, expected[r.host], expected_gpus[r.host])
@@ -74,5 +76,4 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
         click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
         return EXIT_INTERRUPTED
-    failed = any(not r.ok or r.snapshot is None or not r.snapshot.nvidia_smi_ok for r in results)
-    return EXIT_FAILED if failed else EXIT_OK
+    return EXIT_FAILED if failing_hosts(results, expected_gpus) else EXIT_OK

@@ -61,6 +61,15 @@ def summary_line(report: Sequence[HostHealth]) -> str:
             + f"; host findings: {hosts[WARN]} WARN, {hosts[CRITICAL]} CRITICAL")
 
 
+def health_summary(report: Sequence[HostHealth]) -> str:
+    """``health: 15 OK, 1 UNKNOWN; host findings: 1 CRITICAL`` for `status` and `top`'s
+    summary lines: the severities present, the hosts' own findings whenever there is one."""
+    gpus, hosts = tally(report)
+    text = "health: " + (", ".join(f"{n} {sev}" for sev, n in gpus.items() if n) or "no GPUs")
+    found = ", ".join(f"{n} {sev}" for sev, n in hosts.items() if n)
+    return text + (f"; host findings: {found}" if found else "")
+
+
 def health_table(report: Sequence[HostHealth]) -> str:
     table = render_table(health_rows(report), HEALTH_HEADERS)
     return table + "\n" + summary_line(report)

@@ -10,6 +10,7 @@ from gpufleet.core.health import OK, RANK, UNKNOWN, GpuHealth, HostHealth
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
 from gpufleet.render.table import render_table
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
+from gpufleet.render.health import health_summary
 from gpufleet.render.status_json import (BUSY_TOLERANCE_MIB, HEALTH_READINGS, HostDocs,  # noqa: F401
                                          host_doc, host_json, status_document, status_json,
                                          watch_document)
@@ -135,13 +136,23 @@ def status_rows(results: Sequence[HostResult], expected: dict[str, int],
         if clients:
             rows.append([res.host, "clients", "GPU clients (monitors, exporters): no memory", "",
                          "", "", clients, ""])
+        rows += host_finding_rows(hh)
     return rows
+
+
+def host_finding_rows(hh: HostHealth) -> list[list[str]]:
+    """One `host` row per finding of the host itself (fewer GPUs than the inventory expects,
+    ...): no GPU row can show it, and each GPU row reads OK."""
+    return [[hh.host, "host", "", "", "", "", cell_text(f.message), f"{f.severity} {f.code}"]
+            for f in hh.host_findings if f.severity != OK]
 
 
 STATUS_HEADERS = ["HOST", "GPU", "NAME", "MEMORY", "UTIL", "UNATTRIBUTED", "HOLDERS", "HEALTH"]
 
 
-def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str:
+def summary_line(results: Sequence[HostResult], expected: dict[str, int],
+                 expected_gpus: Optional[dict[str, Optional[int]]] = None) -> str:
+    """Hosts, busy and free GPUs, and the health of what answered (host findings too)."""
     ok = sum(1 for r in results if r.ok and r.snapshot is not None and r.snapshot.nvidia_smi_ok)
     failed = len(results) - ok
     busy = free = 0
@@ -152,7 +163,21 @@ def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str
                     busy += 1
                 else:
                     free += 1
-    return f"hosts: {ok} ok, {failed} failed; GPUs: {busy} busy, {free} free"
+    report = [health.assess_result(r, (expected_gpus or {}).get(r.host)) for r in results]
+    return f"hosts: {ok} ok, {failed} failed; GPUs: {busy} busy, {free} free; " + \
+        health_summary(report)
+
+
+def failing_hosts(results: Sequence[HostResult],
+                  expected_gpus: Optional[dict[str, Optional[int]]] = None) -> list[str]:
+    """Hosts `status` must not pass (exit 1): not reached, GPUs not read, or a CRITICAL
+    finding of the host itself (driver not loaded, GPUs missing: it could not be read whole)."""
+    out = []
+    for r in results:
+        if not r.ok or r.snapshot is None or not r.snapshot.nvidia_smi_ok or \
+                health.critical_host_findings(health.assess_result(r, (expected_gpus or {}).get(r.host))):
+            out.append(r.host)
+    return out
 
 
 def status_table(results: Sequence[HostResult], expected: dict[str, int],
@@ -162,7 +187,8 @@ def status_table(results: Sequence[HostResult], expected: dict[str, int],
     notes += [f"{r.host}: warning: {w}" for r in results if r.snapshot is not None
               for w in screen_warnings(r.snapshot, expected.get(r.host, 0))
               + listing_warnings(r.snapshot)]
-    return table + "\n" + summary_line(results, expected) + "".join("\n" + n for n in notes)
+    return table + "\n" + summary_line(results, expected, expected_gpus) + \
+        "".join("\n" + n for n in notes)
 
 
 def screen_warnings(snapshot: Snapshot, expected_mib: int = 0) -> list[str]:

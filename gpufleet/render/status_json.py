@@ -115,7 +115,7 @@ def _health_doc(g: Optional[GpuHealth]) -> Optional[dict[str, Any]]:
         return None
     top = g.worst_finding
     return {"severity": g.severity, "code": top.code if top else None, "action": g.action,
-            "findings": [f.as_dict() for f in g.findings]}
+            "unknown": list(g.unknown), "findings": [f.as_dict() for f in g.findings]}
 
 
 def _holder_docs(snap: Snapshot, expected_mib: int) -> list[dict[str, Any]]:

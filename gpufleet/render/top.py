@@ -13,11 +13,12 @@ import textwrap
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
-from gpufleet.core import policy
+from gpufleet.core import health, policy
 from gpufleet.core.gpus import format_gpu_ranges
 from gpufleet.core.live import DOWN, STALE, UP, LiveHost
 from gpufleet.core.model import Snapshot, ledger
 from gpufleet.render.common import fmt_mib, terminal_safe
+from gpufleet.render.health import health_summary
 from gpufleet.render.status import BUSY_TOLERANCE_MIB, gpu_is_busy
 
 SORTS = ("name", "memory", "unattributed")
@@ -46,6 +47,7 @@ class HostInfo:
 
     tags: tuple[str, ...] = ()
     expected_mib: int = 0
+    expected_gpus: Optional[int] = None  # the inventory's `gpus:` (a host finding when short)
 
 
 @dataclass(frozen=True)
@@ -140,13 +142,21 @@ def bar(used: int, total: int, width: int) -> str:
     return "[" + "#" * filled + "." * (inner - filled) + "]"
 
 
+def host_health(view: LiveHost, info: HostInfo) -> Optional[health.HostHealth]:
+    snap = _snap(view)
+    return None if snap is None else health.assess(view.host, snap, info.expected_gpus)
+
+
 def summary(views: Sequence[LiveHost], info: Mapping[str, HostInfo], now: float) -> str:
     states = [v.state(now) for v in views]
     nums = [host_numbers(_snap(v), info.get(v.host, HostInfo()).expected_mib) for v in views]
     busy = sum(n.busy for n in nums)
     gpus = sum(n.gpus for n in nums)
+    report = [h for h in (host_health(v, info.get(v.host, HostInfo())) for v in views)
+              if h is not None]
     return (f"hosts {len(views)}: {states.count(UP)} up, {states.count(DOWN)} down, "
-            f"{states.count(STALE)} stale | GPUs {busy} busy, {gpus - busy} free | memory "
+            f"{states.count(STALE)} stale | GPUs {busy} busy, {gpus - busy} free | "
+            f"{health_summary(report)} | memory "
             f"{fmt_mib(sum(n.used_mib for n in nums))} / {fmt_mib(sum(n.total_mib for n in nums))}"
             f" | unattributed {fmt_mib(sum(n.unattributed_mib for n in nums))}")
 
@@ -299,6 +309,10 @@ def device_file_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: Top
         out.append(Line("    clients (no memory): " + ", ".join(clients), "dim"))
     for warning in snap.warnings:
         out.append(Line("    warning: " + cell(warning), "warn"))
+    hh = health.assess(view.host, snap, info.expected_gpus)
+    for f in hh.host_findings:
+        if f.severity != health.OK:
+            out.append(Line(f"    host: {f.severity} {f.code}: " + cell(f.message), "warn"))
     if not snap.nvidia_smi_ok:
         out.append(Line("    nvidia-smi: " + cell(snap.nvidia_smi_error or "failed"), "warn"))
     return out

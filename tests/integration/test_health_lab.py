@@ -169,6 +169,26 @@ def test_driver_not_loaded_is_critical_on_both_paths(lab: Any, make_host: Any,
             ("driver_not_loaded", "CRITICAL", "drain_reboot")], doc
     status = run_gpufleet(home, lab.inventory_yaml(hosts), "status")
     assert "CRITICAL driver_not_loaded" in status.stdout, str(status)
+    assert status.rc == 1 and "host findings: 2 CRITICAL" in status.stdout, str(status)
+
+
+def test_status_shows_the_hosts_own_findings_and_fails_on_a_critical_one(
+        lab: Any, make_host: Any, home: Path) -> None:
+    """The inventory expects 2 GPUs, the host has 1: its GPU row is OK, so a `host` row says
+    so, every summary line counts it and `status` exits 1 (`--json` always had it)."""
+    short = make_host("short", gpus=1)
+    inv = lab.inventory_yaml([short], **{"short": {"gpus": 2}})
+    run = run_gpufleet(home, inv, "status")
+    assert run.rc == 1, str(run)
+    rows = parse_table(run.stdout, "HOST")
+    assert [(r["GPU"], r["HEALTH"]) for r in rows] == [("0", "OK"), ("host", "CRITICAL gpu_count")]
+    assert "1 GPU(s) found, the inventory expects 2" in rows[1]["HOLDERS"]
+    assert run.stdout.splitlines()[-1].endswith("; health: 1 OK; host findings: 1 CRITICAL")
+    health = run_gpufleet(home, inv, "health")
+    assert health.rc == 1 and health.stdout.splitlines()[-1].endswith(
+        "GPUs: 1 OK, 0 UNKNOWN, 0 WARN, 0 CRITICAL; host findings: 0 WARN, 1 CRITICAL"), str(health)
+    assert run_gpufleet(home, lab.inventory_yaml([short], **{"short": {"gpus": 1}}),
+                        "status").rc == 0
 
 
 HEALTH_FIELDS = ["persistence_mode", "pcie.link.gen.current", "pcie.link.gen.max",

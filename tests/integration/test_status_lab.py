@@ -126,7 +126,8 @@ def test_fleet_table_lists_every_gpu_and_its_holders(fleet: Any) -> None:
     assert [r["HOST"] for r in fleet.table if r["GPU"] in ("0", "-")] == [
         "ws-5090", "train-node", "infer-node", "dead-node", "blackholed-node"], "inventory order"
     # ws: 1680 MiB expected -> free; train-node: 8 busy; infer-node: 2 busy
-    assert lines_after_table(run.stdout, HEADER)[0] == "hosts: 3 ok, 2 failed; GPUs: 10 busy, 1 free"
+    assert lines_after_table(run.stdout, HEADER)[0] == (
+        "hosts: 3 ok, 2 failed; GPUs: 10 busy, 1 free; health: 11 OK")
 
 
 def test_blackholed_host_is_bounded_by_connect_timeout(fleet: Any) -> None:
@@ -211,7 +212,8 @@ def test_wsl2_reservation_is_flagged_when_the_inventory_expects_none(fleet: Any,
     assert run.rc == 0, str(run)
     row = rows_of(parse_table(run.stdout, HEADER), "ws-5090")["0"]
     assert row["UNATTRIBUTED"] == "%dMiB !" % WSL_GHOST
-    assert lines_after_table(run.stdout, HEADER)[0] == "hosts: 1 ok, 0 failed; GPUs: 1 busy, 0 free"
+    assert lines_after_table(run.stdout, HEADER)[0] == (
+        "hosts: 1 ok, 0 failed; GPUs: 1 busy, 0 free; health: 1 OK")
     doc = run_gpufleet(home, inv, "status", "--json").host("ws-5090")
     (g,) = doc["gpus"]
     assert (g["unattributed_mib"], g["expected_unattributed_mib"]) == (WSL_GHOST, 0)
@@ -395,7 +397,8 @@ def test_broken_hosts_are_one_row_each_and_the_rest_is_complete(
     assert "python3 not found" in rows_of(rows, "no-python")["-"]["HOLDERS"]
     good = rows_of(rows, "healthy")
     assert good["1"]["HOLDERS"] == "job %d 900MiB" % job and good["0"]["HOLDERS"] == "-"
-    assert lines_after_table(run.stdout, HEADER)[0] == "hosts: 1 ok, 3 failed; GPUs: 1 busy, 1 free"
+    assert lines_after_table(run.stdout, HEADER)[0] == (
+        "hosts: 1 ok, 3 failed; GPUs: 1 busy, 1 free; health: 2 OK; host findings: 1 CRITICAL")
 
     doc = run_gpufleet(home, inv, "status", "--json")
     assert doc.rc == 1

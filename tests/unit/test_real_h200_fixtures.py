@@ -142,7 +142,8 @@ def test_status_table_is_the_core_rendering_of_its_agent_document():
         assert cell in cli["stdout"] and cell in table, cell
     assert table.count("VLLM::Worker") == cli["stdout"].count("VLLM::Worker") == 2
     summary = [line for line in table.splitlines() if line.startswith("hosts: ")]
-    assert summary == [cli["stdout"].splitlines()[-1]]  # hosts/GPUs summary
+    # hosts/GPUs summary, and the health counts added since (that agent had no readings)
+    assert summary == [cli["stdout"].splitlines()[-1] + "; health: 2 UNKNOWN"]
     # the host warning the agent sent is printed under the table now
     assert all(f"{HOST}: warning: {w}" in table for w in snap.warnings)
 

@@ -40,7 +40,7 @@ def test_unreachable_host_is_one_row_and_others_complete() -> None:
     lines = text.splitlines()
     assert any(line.startswith("dead") and "ERROR: connection refused" in line for line in lines)
     assert "VLLM::Worker 425 20.5GiB" in text
-    assert lines[-1] == "hosts: 1 ok, 1 failed; GPUs: 1 busy, 0 free"
+    assert lines[-1] == "hosts: 1 ok, 1 failed; GPUs: 1 busy, 0 free; health: 1 OK"
 
 
 def test_renamed_vllm_worker_is_shown_by_its_new_name() -> None:
@@ -201,3 +201,22 @@ def test_watch_documents_reuse_a_host_part_until_its_next_snapshot(monkeypatch) 
     views[0] = LiveHost("basic", result=result("basic"), received_at=12.5)  # a new snapshot
     rs.watch_document(views, EXPECTED, 13.0, 5, docs)
     assert calls.count("basic") == 2 and calls.count("hidden_pids") == 1
+
+
+def test_a_hosts_own_critical_finding_is_a_row_counted_and_fails_status() -> None:
+    """The inventory expects 2 GPUs and 1 answered: each GPU row reads OK, so the finding
+    needs its own row, the summary counts it and `status` does not pass (exit 1)."""
+    from gpufleet.render.status import failing_hosts
+
+    res = result("basic")
+    text = status_table([res], {}, {"basic": 2})
+    rows = [line for line in text.splitlines() if line.startswith("basic ")]
+    assert rows[-1].split()[1] == "host"
+    assert "1 GPU(s) found, the inventory expects 2" in rows[-1]
+    assert rows[-1].rstrip().endswith("CRITICAL gpu_count")
+    assert text.splitlines()[-1].endswith("; health: 1 OK; host findings: 1 CRITICAL")
+    assert failing_hosts([res], {"basic": 2}) == ["basic"]
+    assert failing_hosts([res], {"basic": 1}) == [] and failing_hosts([res]) == []
+    assert " host " not in status_table([res], {}, {"basic": 1})
+    more = status_table([res], {}, {"basic": 0})  # more GPUs than expected: shown, passes
+    assert "WARN gpu_count" in more and failing_hosts([res], {"basic": 0}) == []

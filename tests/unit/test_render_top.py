@@ -60,6 +60,18 @@ def test_summary_and_one_row_per_host_with_the_numbers() -> None:
     assert [ln.role for ln in screen.lines if ln.key == ("host", "node-dead")] == ["down"]
 
 
+def test_the_summary_counts_health_and_a_hosts_own_finding_is_shown() -> None:
+    """node-a's inventory expects 2 GPUs and it has 1; node-b's snapshot has no readings: the
+    title counts both, and the expanded host says what is wrong with it."""
+    info = dict(INFO, **{"node-a": HostInfo(("inference",), expected_gpus=2)})
+    state = TopState(expanded=frozenset({("host", "node-a")}))
+    screen = layout(fleet(), info, state, 200, 40, NOW)
+    assert "| health: 1 OK, 8 UNKNOWN; host findings: 1 CRITICAL |" in screen.lines[0].text
+    found = [ln for ln in screen.lines if ln.text.startswith("    host: ")]
+    assert [(ln.text.strip(), ln.role) for ln in found] == [
+        ("host: CRITICAL gpu_count: 1 GPU(s) found, the inventory expects 2", "warn")]
+
+
 def test_enter_expands_a_host_into_gpus_and_holders() -> None:
     state = TopState()
     screen = layout(fleet(), INFO, state, 160, 40, NOW)
