@@ -7,7 +7,7 @@ python3; the command line tells what runs. So: the script or module instead of t
 interpreter, the script a launcher (torchrun, accelerate, deepspeed) starts instead of the
 launcher's own options, paths cut to their last part, the rest of the arguments as they are,
 and the whole cut to a width with ``...`` (as nvidia-smi marks a cut process name). A title a
-process gave itself (vLLM's ``VLLM::Worker_TP0``) is kept; when only comm took a title and the
+process gave itself (vLLM's ``VLLM::Worker_TP0``) is kept; when only comm took a name and the
 command line still says what started it, both are shown (``VLLM::Worker_TP: -m vllm...``).
 
 The text is safe to print: control and other non-printable characters (escape sequences,
@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Optional
 
-from gpufleet.render.common import terminal_safe
+from gpufleet.core.model import Snapshot
+from gpufleet.render.common import cut, terminal_safe
 
 WIDTH = 40
-CUT = "..."
 _PYTHON = re.compile(r"^(python|pypy)[0-9.]*[dmu]?$")
 SHELLS = frozenset(["sh", "bash", "dash", "zsh", "ksh", "ash", "busybox"])
 # Python options that take the next word as their value (python3 --help)
@@ -30,6 +31,8 @@ _PY_VALUE_OPTS = frozenset(["-W", "-X", "--check-hash-based-pycs"])
 # launchers whose first script (or -m module) is what runs; their options come before it
 LAUNCHERS = frozenset(["torchrun", "torch.distributed.run", "torch.distributed.launch",
                        "accelerate", "deepspeed"])
+# comms that name no program (PyTorch names its main thread)
+GENERIC_COMMS = frozenset(["pt_main_thread"])
 
 
 def _base(word: str) -> str:
@@ -118,21 +121,39 @@ def _printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else "\\u%04x" % ord(ch) for ch in text)
 
 
-def cut(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters, a cut marked ``...``."""
-    if len(text) <= width:
-        return text
-    return text[: max(0, width - len(CUT))] + CUT
-
-
 def command_summary(cmdline: str, comm: str = "", width: int = WIDTH) -> str:
     """What runs, in at most ``width`` characters: the script or module and its arguments;
-    after ``comm:`` when comm is a title (``VLLM::Worker_TP``) the command line does not say."""
-    words = [_short_path(w) for w in _words(cmdline.split())]
+    after ``comm:`` when comm is a name the process took (``VLLM::Worker_TP``, prctl) that
+    the command line does not say."""
+    argv = _without_env(cmdline.split())
+    words = [_short_path(w) for w in _words(argv)]
     if not words:
         return cut(_printable(comm or "?"), width)
     text = " ".join(words)
-    title = comm.strip()
-    if "::" in title and not words[0].startswith(title):
-        text = f"{title}: {text}"
+    name = comm.strip()
+    if name and not (_PYTHON.match(name) or name in SHELLS or name in GENERIC_COMMS
+                     or _base(argv[0]).startswith(name)
+                     or any(w.startswith(name) for w in words)):
+        text = f"{name}: {text}"
     return cut(_printable(text), width)
+
+
+def foreign_container(snapshot: Snapshot, container: Optional[str]) -> Optional[str]:
+    """The container a process runs in when it is not the agent's own (core.policy's rule):
+    inside a container every process is in it, and saying so on each line says nothing."""
+    facts = snapshot.facts
+    own = facts.container if facts.in_container else None
+    return container if container and container != own else None
+
+
+def process_cells(snapshot: Snapshot, pid: int, fallback: str,
+                  width: int = WIDTH) -> tuple[str, str, str]:
+    """(user, container or "", what runs) of a process for a table or the live screen; a PID
+    not in this /proc (another PID namespace) is known by ``fallback`` (nvidia-smi's argv[0])."""
+    proc = snapshot.processes.get(pid)
+    if proc is None:
+        return "?", "", command_summary("", fallback or "?", width)
+    ctr = foreign_container(snapshot, proc.container)
+    return (terminal_safe(proc.user or "?", one_line=True),
+            terminal_safe(ctr, one_line=True) if ctr else "",
+            command_summary(proc.cmdline, proc.comm, width))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 NA = "n/a"
 
@@ -41,9 +41,38 @@ def error_cell(error: Optional[str], label: str = "ERROR", width: Optional[int] 
     return f"{label}: {text}"
 
 
+def cut(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, a cut marked ``...`` (as nvidia-smi marks a
+    process name it cut: tests/fixtures/recorded/probe/h200-names-probe4.log)."""
+    if len(text) <= width:
+        return text
+    return text[: max(0, width - 3)] + "..."
+
+
+TABLE_WIDTH = 120  # every table's lines fit this, with typical host names (status, plans)
+
+
+def fit_column(rows: list[list[Any]], headers: Sequence[str], column: int,
+               width: int = TABLE_WIDTH, floor: int = 24) -> int:
+    """Cut each line of one column's cells (in place, ``...``) so that a table of these rows
+    (tabulate's "simple": a column is its widest line or its header + 2, two spaces between)
+    is at most ``width`` wide; never below ``floor``. Returns the room the column got. Only how
+    the table is called changes: the table's own code is tabulate's."""
+    def widest(i: int) -> int:
+        lines = [line for r in rows for line in str(r[i]).split("\n")]
+        return max([len(headers[i]) + 2] + [len(line) for line in lines])
+
+    others = sum(widest(i) for i in range(len(headers)) if i != column)
+    room = max(floor, len(headers[column]) + 2, width - others - 2 * (len(headers) - 1))
+    for r in rows:
+        r[column] = "\n".join(cut(line, room) for line in str(r[column]).split("\n"))
+    return room
+
+
 def to_json(doc: Any) -> str:
     """Every --json document: indented, keys in the order they were built."""
     return json.dumps(doc, indent=2, sort_keys=False)
 
 
-__all__ = ["NA", "error_cell", "fmt_mib", "terminal_safe", "to_json"]
+__all__ = ["NA", "TABLE_WIDTH", "cut", "error_cell", "fit_column", "fmt_mib", "terminal_safe",
+           "to_json"]

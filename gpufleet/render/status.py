@@ -10,10 +10,13 @@ from gpufleet.core.health import OK, RANK, UNKNOWN, GpuHealth, HostHealth
 from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
 from gpufleet.render.table import render_table
 from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
+from gpufleet.render.command import process_cells
 from gpufleet.render.health import health_summary
 from gpufleet.render.status_json import (BUSY_TOLERANCE_MIB, HEALTH_READINGS, HostDocs,  # noqa: F401
                                          host_doc, host_json, status_document, status_json,
                                          watch_document)
+
+HOLDER_WIDTH = 60  # what runs, at most (the table cuts it further to fit its width)
 
 
 def cell_text(text: str) -> str:
@@ -21,22 +24,26 @@ def cell_text(text: str) -> str:
     return terminal_safe(text, one_line=True)
 
 
-def _process_name(snapshot: Snapshot, pid: int, fallback: str) -> str:
-    proc = snapshot.processes.get(pid)
-    return cell_text(proc.name if proc is not None else (fallback or "?"))
+def holder_line(snapshot: Snapshot, pid: int, fallback: str, amount: str) -> str:
+    """``353 alice 29996MiB train_dflash.py --epochs 3``: the PID, the user, how much (or which
+    device files), a foreign container, and what runs (render.command), last so that cutting
+    the line to the table's width cuts only that."""
+    user, container, what = process_cells(snapshot, pid, fallback, HOLDER_WIDTH)
+    return " ".join(w for w in (str(pid), user, amount, f"[{container}]" if container else "",
+                                what) if w)
 
 
 def holders_text(snapshot: Snapshot, gpu: GpuInfo,
                  refused: Optional[dict[int, policy.ListingCheck]] = None) -> str:
-    """`VLLM::Worker 1234 700MiB`, one per line: what nvidia-smi attributes to this GPU; a
-    listed process that holds nothing of it is marked (policy.listing_check)."""
+    """One line per process nvidia-smi attributes to this GPU (holder_line); a listed process
+    that holds nothing of it is marked (policy.listing_check)."""
     parts = []
     for app in snapshot.apps_on(gpu.index):
-        name = _process_name(snapshot, app.pid, app.process_name)
         mark = "" if app.pid in snapshot.processes else " (not in /proc)"
         if refused and app.pid in refused:
             mark = " (untrusted row)"
-        parts.append(f"{name} {app.pid} {fmt_mib(app.used_mib)}{mark}")
+        parts.append(holder_line(snapshot, app.pid, app.process_name,
+                                 fmt_mib(app.used_mib) + mark))
     return "\n".join(parts) if parts else "-"
 
 
@@ -56,7 +63,7 @@ def unlisted_holders_text(snapshot: Snapshot, expected_mib: int = 0,
         gpus = snapshot.holder_gpu_indices(holder)
         where = f"GPUs {format_gpu_list(gpus)}" if gpus else ", ".join(
             d.rsplit("/", 1)[-1] for d in holder.devices)
-        parts.append(f"{_process_name(snapshot, holder.pid, '?')} {holder.pid} (fd: {where})")
+        parts.append(holder_line(snapshot, holder.pid, "?", f"(fd: {where})"))
     return "\n".join(parts)
 
 

@@ -17,6 +17,7 @@ from gpufleet.core import health, policy
 from gpufleet.core.gpus import format_gpu_ranges
 from gpufleet.core.live import DOWN, STALE, UP, LiveHost
 from gpufleet.core.model import Snapshot, ledger
+from gpufleet.render.command import command_summary, process_cells
 from gpufleet.render.common import fmt_mib, terminal_safe
 from gpufleet.render.health import health_summary
 from gpufleet.render.status import BUSY_TOLERANCE_MIB, gpu_is_busy
@@ -30,7 +31,7 @@ HELP = (
     "",
     "  Up/Down, j/k, PgUp/PgDn   move          Enter   expand / collapse a host",
     "  s                         sort: name, memory, unattributed",
-    "  /                         filter by host, tag or holder name (Enter keeps, Esc clears)",
+    "  /                         filter by host, tag, holder, what it runs or its user",
     "  space                     mark a GPU or a holder (its GPUs)",
     "  c                         clean the marked GPUs: the plan of `gpufleet clean`, then y/n",
     "  ?                         this help     q   quit",
@@ -165,14 +166,16 @@ def summary(views: Sequence[LiveHost], info: Mapping[str, HostInfo], now: float)
 
 
 def matches(view: LiveHost, info: HostInfo, text: str) -> bool:
-    """Host name, a tag, or a holder's name contains ``text`` (case-insensitive)."""
+    """Host name, a tag, or a holder's name, what it runs (render.command) or its user
+    contains ``text`` (case-insensitive)."""
     needle = text.lower().strip()
     if not needle:
         return True
     words = [view.host] + list(info.tags)
     snap = _snap(view)
     if snap is not None:
-        words += [p.name for p in snap.processes.values()]
+        for p in snap.processes.values():  # python3 says nothing: what it runs, and whose
+            words += [p.name, command_summary(p.cmdline, p.comm, 200), p.user or ""]
         words += [a.process_name for a in snap.compute_apps]
     return any(needle in w.lower() for w in words)
 
@@ -248,15 +251,15 @@ def marked(state: TopState, key: Key) -> str:
 
 
 def _proc_cells(snap: Snapshot, pid: int, fallback: str) -> tuple[str, str, str]:
+    """(what runs, user, unit and container) of a holder's line."""
     proc = snap.processes.get(pid)
-    name = cell(proc.name if proc else (fallback or "?"))
-    user = cell(proc.user or "?") if proc else "?"
+    user, container, what = process_cells(snap, pid, fallback, 28)
     where = []
     if proc is not None and proc.unit:
         where.append("unit " + cell(proc.unit))
-    if proc is not None and proc.container:
-        where.append("container " + cell(proc.container))
-    return name, user, "  ".join(where)
+    if container:
+        where.append("container " + container)
+    return what, user, "  ".join(where)
 
 
 def gpu_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: TopState,

@@ -321,7 +321,8 @@ def test_unit_owned_holder_is_refused_without_stop_units(lab: Any, make_host: An
     plan = clean(home, inv, "--dry-run", "--stop-units", *FAST)
     assert plan.rc == 0, str(plan)
     assert "stop unit vllm-minimax.service first" in plan.stdout
-    assert any(line.split()[:2] == [str(served), "vllm-minimax"] for line in plan.stdout.splitlines())
+    assert any(line.split()[:2] == [str(served), "root"] and line.rstrip().endswith("vllm-minimax")
+               for line in plan.stdout.splitlines()), plan.stdout
     assert host.alive(served)
 
 

@@ -96,14 +96,14 @@ def test_fleet_table_lists_every_gpu_and_its_holders(fleet: Any) -> None:
         assert row["MEMORY"] == "%dMiB / 48.0GiB" % WORKER_MIB
         assert row["UNATTRIBUTED"] == "0MiB"
         # vLLM renames its processes: the names shown are the new ones, memory is the fake's
-        assert row["HOLDERS"] == "VLLM::Worker_TP%d %d %dMiB" % (n, worker, WORKER_MIB), str(run)
+        assert row["HOLDERS"] == "%d root %dMiB VLLM::Worker_TP%d" % (worker, WORKER_MIB, n), str(run)
     for i, mib in zip(range(4, 8), TRAINER_MIB):
         row = train[str(i)]
         assert row["MEMORY"] == "%dMiB / 48.0GiB" % mib
-        assert row["HOLDERS"] == "trainer %d %dMiB" % (fleet.trainer, mib)
+        assert row["HOLDERS"] == "%d root %dMiB trainer" % (fleet.trainer, mib)
     # the engine core opened every GPU's device file (as CUDA does) and nvidia-smi does not
     # list it: one (fd) line for the host; the API server holds no device file at all
-    assert train["fd"]["HOLDERS"] == "VLLM::EngineCore_DP0 %d (fd: GPUs 0-7)" % fleet.engine
+    assert train["fd"]["HOLDERS"] == "%d root (fd: GPUs 0-7) VLLM::EngineCore_DP0" % fleet.engine
 
     ws = rows_of(fleet.table, "ws-5090")
     assert list(ws) == ["0"]
@@ -114,7 +114,7 @@ def test_fleet_table_lists_every_gpu_and_its_holders(fleet: Any) -> None:
 
     infer = rows_of(fleet.table, "infer-node")
     assert [infer[str(i)]["HOLDERS"] for i in (0, 1)] == [
-        "vllm-infer %d %dMiB" % (fleet.server, mib) for mib in INFER_MIB]
+        "%d root %dMiB vllm-infer" % (fleet.server, mib) for mib in INFER_MIB]
 
     dead = rows_of(fleet.table, "dead-node")
     assert list(dead) == ["-"] and dead["-"]["HOLDERS"].startswith("ERROR: ")
@@ -332,8 +332,8 @@ def test_non_root_user_sees_own_holder_and_is_warned_about_hidden_ones(
 
     table = run_gpufleet(home, host.inv, "status")
     rows = rows_of(parse_table(table.stdout, HEADER), "shared-box")
-    assert rows["0"]["HOLDERS"] == "my-notebook %d 1000MiB" % host.mine
-    assert rows["1"]["HOLDERS"] == "root-job %d 2000MiB" % host.roots
+    assert rows["0"]["HOLDERS"] == "%d %s 1000MiB my-notebook" % (host.mine, lab.user)
+    assert rows["1"]["HOLDERS"] == "%d root 2000MiB root-job" % host.roots
     assert host.alive(host.mine) and host.alive(host.roots)
 
 
@@ -369,7 +369,7 @@ def test_hidden_pids_memory_is_unattributed_and_device_holders_marked_fd(
     assert rows["0"]["HOLDERS"] == "-"  # nvidia-smi lists nobody
     assert rows["1"]["UNATTRIBUTED"] == "0MiB"
     # its device files are what shows it (CUDA opens every GPU's file)
-    assert rows["fd"]["HOLDERS"] == "hidden-job %d (fd: GPUs 0-1)" % job
+    assert rows["fd"]["HOLDERS"] == "%d root (fd: GPUs 0-1) hidden-job" % job
     doc = run_gpufleet(home, inv, "status", "--json").host("container-host")
     assert doc["gpus"][0]["processes"] == []
     assert (doc["gpus"][0]["attributed_mib"], doc["gpus"][0]["unattributed_mib"]) == (0, 3000)
@@ -396,7 +396,7 @@ def test_broken_hosts_are_one_row_each_and_the_rest_is_complete(
     assert rows_of(rows, "garbled-driver")["-"]["HOLDERS"].startswith("ERROR: unparsable nvidia-smi")
     assert "python3 not found" in rows_of(rows, "no-python")["-"]["HOLDERS"]
     good = rows_of(rows, "healthy")
-    assert good["1"]["HOLDERS"] == "job %d 900MiB" % job and good["0"]["HOLDERS"] == "-"
+    assert good["1"]["HOLDERS"] == "%d root 900MiB job" % job and good["0"]["HOLDERS"] == "-"
     assert lines_after_table(run.stdout, HEADER)[0] == (
         "hosts: 1 ok, 3 failed; GPUs: 1 busy, 1 free; health: 2 OK; host findings: 1 CRITICAL")
 
@@ -424,3 +424,25 @@ def test_hanging_driver_is_bounded_by_command_timeout(lab: Any, make_host: Any, 
     left = {pid: argv for pid, argv in host_pids(hung).items()
             if any("nvidia_smi" in a or "nvidia-smi" in a for a in argv)}
     assert left == {}, left
+
+
+def test_holders_say_what_runs_and_whose_it_is_and_the_plan_too(lab: Any, make_host: Any,
+                                                               home: Path) -> None:
+    """A trainer started as `python3 train_dflash.py ...` by the lab user: comm is python3,
+    which says nothing when every job is python3; status and the clean plan show the script,
+    its arguments and the user."""
+    host = make_host("py-node", gpus=2)
+    job = host.spawn_holder(gpus=[1], mib=3000, user=lab.user, argv=[
+        "python3", "/home/%s/dflash/train_dflash.py" % lab.user, "--epochs", "3"])
+    assert host.comm(job) == "python3"  # the premise: comm names the interpreter
+    inv = lab.inventory_yaml([host])
+    run = run_gpufleet(home, inv, "status")
+    assert run.rc == 0, str(run)
+    row = rows_of(parse_table(run.stdout, HEADER), "py-node")["1"]
+    assert row["HOLDERS"] == "%d %s 3000MiB train_dflash.py --epochs 3" % (job, lab.user), str(run)
+    plan = run_gpufleet(home, inv, "clean", "--gpus", "1", "--dry-run")
+    assert plan.rc == 0, str(plan)
+    target = [line for line in plan.stdout.splitlines() if line.split()[:1] == [str(job)]]
+    assert target and lab.user in target[0].split() and \
+        target[0].rstrip().endswith("train_dflash.py --epochs 3"), str(plan)
+    assert "COMMAND" in plan.stdout and "USER" in plan.stdout

@@ -170,6 +170,28 @@ def test_every_host_with_its_numbers_expand_filter_and_q_leaves_no_agent(fleet: 
     wait_no_agents(a, b)
 
 
+def test_the_filter_finds_a_script_its_interpreter_runs(fleet: Any, top: Any, lab: Any) -> None:
+    """`python3 train_dflash.py` has comm python3: `/train_dflash` must find its host, and the
+    expanded host shows the script and its user on the holder's line."""
+    a, b, _ = fleet
+    job = b.spawn_holder(gpus=[0], mib=2000, user=lab.user, argv=[
+        "python3", "/home/%s/train_dflash.py" % lab.user, "--epochs", "3"])
+    t = top()
+    t.wait(lambda s: "top-b" in s and "2000MiB" in row(s, "top-b"))
+    t.keys("/")
+    t.type("train_dflash")
+    t.keys("Enter")
+    screen = t.wait(lambda s: "top-a" not in s.split("\n", 1)[1] and "top-b" in s)
+    assert "filter 'train_dflash'" in screen.splitlines()[0]
+    t.keys("Enter")  # the cursor is on top-b, the one host shown
+    screen = t.wait("pid %d" % job)
+    line = [ln for ln in screen.splitlines() if "pid %d" % job in ln][0]
+    assert "train_dflash.py --epo" in line and lab.user in line, screen
+    t.keys("q")
+    t.wait("TOP-EXIT=0")
+    wait_no_agents(a, b)
+
+
 def test_clean_from_the_screen_frees_the_marked_gpu_and_nothing_else(fleet: Any, top: Any,
                                                                       home: Path) -> None:
     a, b, _ = fleet

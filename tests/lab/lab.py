@@ -154,6 +154,8 @@ def _holder_args(spec: Mapping[str, Any]) -> list[str]:
     args += ["--mib", ",".join(str(m) for m in mib) if isinstance(mib, (list, tuple)) else str(mib)]
     if spec.get("title"):
         args += ["--title", str(spec["title"])]
+    if spec.get("argv"):
+        args += ["--argv", json.dumps([str(a) for a in spec["argv"]])]
     if spec.get("ignore_term"):
         args.append("--ignore-term")
     if spec.get("term_delay") is not None:
@@ -403,16 +405,19 @@ class LabHost:
         python: Optional[str] = None,
         via: str = "ssh",
         monitor: bool = False,
+        argv: Optional[Sequence[str]] = None,
     ) -> HolderPid:
         """Start a fakecuda holder (and its children) fully detached; returns its pid.
 
         ``children`` are dicts with the same keys (gpus, mib, title, ignore_term, term_delay,
         children, ...). ``via="exec"`` starts it through nsenter instead of SSH (faster).
+        ``argv``: the command line it shows (rewritten in place, comm kept: ``python3``), as a
+        script its interpreter started, e.g. ``["python3", "/home/alice/train.py", "--lr", "1"]``.
         """
         spec = dict(
             gpus=list(gpus), mib=mib, title=title, ignore_term=ignore_term, term_delay=term_delay,
             children=children, cuda_visible=cuda_visible, no_devices=no_devices,
-            zombie_child=zombie_child, exit_after=exit_after, monitor=monitor,
+            zombie_child=zombie_child, exit_after=exit_after, monitor=monitor, argv=argv,
         )
         py = python or self.holder_python(user)
         log = "/tmp/fakecuda-%d.log" % time.time_ns()

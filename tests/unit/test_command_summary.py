@@ -49,8 +49,11 @@ from gpufleet.render.command import command_summary
     # env before the program
     ("env CUDA_VISIBLE_DEVICES=0 python3 x.py", "python3", "x.py"),
     ("/usr/bin/env -i PATH=/bin python3 -m http.server", "python3", "-m http.server"),
+    ("python3 job.py --n 2", "trainer", "trainer: job.py --n 2"),  # a prctl rename
+    ("python3 /tmp/hold.py trainer 5", "trainer", "hold.py trainer 5"),  # said already
     # PyTorch names its main thread: not a title
     ("python3 train.py", "pt_main_thread", "train.py"),
+    ("/usr/bin/node server.js", "node", "node server.js"),
     # no command line (a kernel thread, a zombie): comm
     ("", "kworker/0:1", "kworker/0:1"),
     ("", "", "?"),

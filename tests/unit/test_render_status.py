@@ -39,7 +39,7 @@ def test_unreachable_host_is_one_row_and_others_complete() -> None:
     text = status_table([result("basic"), dead], {})
     lines = text.splitlines()
     assert any(line.startswith("dead") and "ERROR: connection refused" in line for line in lines)
-    assert "VLLM::Worker 425 20.5GiB" in text
+    assert "425 root 20.5GiB hold.py VLLM::Worker 20" in text
     assert lines[-1] == "hosts: 1 ok, 1 failed; GPUs: 1 busy, 0 free; health: 1 OK"
 
 
@@ -86,7 +86,7 @@ def test_wsl2_per_process_memory_not_available_is_a_value() -> None:
 
 def test_hidden_pid_holder_shown_as_fd_holder() -> None:
     text = status_table([result("hidden_pids")], {})
-    assert "VLLM::Worker 77 (fd: GPUs 0)" in text
+    assert "77 root (fd: GPUs 0) VLLM::Worker_TP0" in text
     doc = status_document([result("hidden_pids")], {})
     assert doc["hosts"][0]["holders"][0]["listed_by_nvidia_smi"] is False
     assert doc["hosts"][0]["gpus"][0]["unattributed_mib"] == 20998
@@ -141,7 +141,7 @@ def test_a_newline_in_a_process_title_cannot_fake_a_holder_line() -> None:
     doc = json.loads((FIX / "basic.json").read_text())
     doc["processes"]["426"]["comm"] = "trainer\nVLLM::Worker 1 999MiB"
     text = status_table([HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))], {})
-    assert "trainer\\x0aVLLM::Worker 1 999MiB 426 5638MiB" in text
+    assert "426 root 5638MiB trainer\\x0aVLLM::Worker 1 999MiB: hold.py trainer 5" in text
     assert not any(line.strip().startswith("VLLM::Worker 1 999MiB") for line in text.splitlines())
 
 
@@ -159,7 +159,7 @@ def test_a_listed_process_without_its_gpus_device_file_is_an_untrusted_row() -> 
         425: ("verified", "has /dev/nvidia0 open (its maps not available)")}
     assert (gpu["attributed_mib"], gpu["unattributed_mib"]) == (20998, 26651 - 20998)
     text = status_table([res], {})
-    assert "trainer 426 5638MiB (untrusted row)" in text
+    assert "426 root 5638MiB (untrusted row) hold.py trainer 5" in text
     assert text.splitlines()[-1] == ("box: warning: PID 426 is an untrusted row: %s; its memory "
                                      "counts as unattributed" % reason)
 
@@ -220,3 +220,17 @@ def test_a_hosts_own_critical_finding_is_a_row_counted_and_fails_status() -> Non
     assert " host " not in status_table([res], {}, {"basic": 1})
     more = status_table([res], {}, {"basic": 0})  # more GPUs than expected: shown, passes
     assert "WARN gpu_count" in more and failing_hosts([res], {"basic": 0}) == []
+
+
+def test_holders_say_what_runs_and_whose_it_is() -> None:
+    """comm names the interpreter (python3 for every job); the command line says what runs:
+    the script and its arguments, and the user; a container only when it is not the agent's."""
+    doc = json.loads((FIX / "basic.json").read_text())
+    doc["processes"]["426"].update(comm="python3", user="alice", container="docker:0123456789ab",
+                                   cmdline="/usr/bin/python3 /home/alice/train_dflash.py --epochs 3")
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    text = status_table([res], {})
+    assert "426 alice 5638MiB [docker:0123456789ab] train_dflash.py --epochs 3" in text
+    doc["facts"].update(in_container=True, container="docker:0123456789ab")
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    assert "426 alice 5638MiB train_dflash.py --epochs 3" in status_table([res], {})

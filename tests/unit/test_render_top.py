@@ -118,6 +118,19 @@ def test_sort_by_memory_and_unattributed_and_filter_by_tag_and_holder() -> None:
                for t in texts(layout(fleet(), INFO, s, 160, 40, NOW)))
 
 
+def test_the_filter_finds_what_a_holder_runs_not_only_its_comm() -> None:
+    """node-a's holders are `python3 /tmp/hold.py ...` (comm renamed): the script is what an
+    operator types; an expanded host shows it on each holder's line."""
+    def shown(typed: str) -> tuple[str, ...]:
+        return layout(fleet(), INFO, replace(TopState(), filter=typed), 160, 40, NOW).shown
+
+    assert shown("hold.py") == ("node-a",)
+    assert shown("hold.py trainer") == ("node-a",)
+    state = TopState(expanded=frozenset({("host", "node-a")}))
+    body = texts(layout(fleet(), INFO, state, 160, 40, NOW))
+    assert any("hold.py trainer 5" in t and "pid 426" in t and "root" in t for t in body)
+
+
 def test_a_stale_host_shows_its_age_and_why() -> None:
     views = [live("node-a", "status/basic.json", age=12.0,
                   failure=Failure("closed", "connection lost: the server closed the connection"))]
