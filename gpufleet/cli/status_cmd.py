@@ -29,12 +29,17 @@ def parse_interval(text: Optional[str], option: str) -> Optional[float]:
 @cli.command()
 @selection_options
 @click.option("--json", "as_json", is_flag=True, help="Print the documented JSON document.")
+@click.option("--wide", is_flag=True,
+              help="Also TEMP (C) and POWER (W) per GPU (NVML's readings; n/a through nvidia-smi).")
 @click.option("--watch", "watch", default=None, metavar="SECONDS",
               help="Stay connected; print the status every SECONDS (with --json: NDJSON, one "
                    "document per line) until interrupted.")
 @click.pass_obj
-def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Optional[str]) -> int:
+def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, wide: bool,
+           watch: Optional[str]) -> int:
     """GPUs, memory and holders of the selected hosts (one SSH exec per host).
+
+    On a terminal the table fits its width (HOLDERS wrap); to a pipe it is whole.
 
     Exit 0 when every host answered, 1 when some host failed or has a CRITICAL finding of its
     own (the driver not loaded, fewer GPUs than the inventory's `gpus:`: a `host` row), 2 on
@@ -49,7 +54,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     if interval is not None:
         from gpufleet.cli.watch import watch_status
 
-        return watch_status(selected, interval, as_json, app.forks)
+        return watch_status(selected, interval, as_json, app.forks, wide)
     started = time.monotonic()
     prefetch("gpufleet.core.model", "gpufleet.render.status",  # loaded while the agents run
              after_first_start=True)
@@ -72,7 +77,10 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
                             for r in results], round(time.monotonic() - started, 3))
         write_whole(text + "\n")  # JSON escapes control characters: nothing to strip
     else:
-        write_whole(terminal_safe(status_table(results, expected, expected_gpus)) + "\n")
+        from gpufleet.cli.tty import table_width
+
+        table = status_table(results, expected, expected_gpus, wide, table_width())
+        write_whole(terminal_safe(table) + "\n")
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
         click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
         return EXIT_INTERRUPTED

@@ -55,10 +55,12 @@ def wait_first_round(fleet: Any, hosts: Sequence[Host], forks: int) -> None:
         generation = fleet.wait_change(generation, 0.2)
 
 
-def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: int) -> int:
+def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: int,
+                 wide: bool = False) -> int:
     from gpufleet.ops.live import LiveFleet
 
     expected = {h.name: int(h.unattributed_mib or 0) for h in hosts}
+    expected_gpus = {h.name: h.gpus for h in hosts}
     docs: list[Any] = []  # render.status.HostDocs, once the renderers have loaded
 
     def prepare(result: Any) -> None:  # in the host's thread, as its snapshot arrives
@@ -86,7 +88,8 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
                     doc["time"] = round(time.time(), 3)
                     write_whole(json.dumps(doc, separators=(",", ":")) + "\n")
                 else:
-                    write_whole(_text(views, expected, now, interval) + "\n")
+                    write_whole(_text(views, expected, expected_gpus, now, interval, wide)
+                                + "\n")
                 seq += 1
                 next_at = max(next_at + interval, now)
                 time.sleep(max(0.0, next_at - time.monotonic()))
@@ -96,11 +99,14 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
             fleet.stop()
 
 
-def _text(views: Sequence[Any], expected: dict[str, int], now: float, interval: float) -> str:
+def _text(views: Sequence[Any], expected: dict[str, int], expected_gpus: dict[str, Any],
+          now: float, interval: float, wide: bool) -> str:
+    from gpufleet.cli.tty import table_width
     from gpufleet.render.status import status_table
 
     head = time.strftime("%H:%M:%S") + f"  (every {interval:g}s; Ctrl-C ends)"
-    table = status_table([v.as_result() for v in views], expected)
+    table = status_table([v.as_result() for v in views], expected, expected_gpus, wide,
+                         table_width())
     notes = []
     for view in views:
         if view.state(now) == STALE:

@@ -7,9 +7,10 @@ from typing import Optional, Sequence
 
 from gpufleet.core import health, policy
 from gpufleet.core.health import OK, RANK, UNKNOWN, GpuHealth, HostHealth
-from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, HostResult, Snapshot, ledger
+from gpufleet.core.model import FD_DENIED_WARNING, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
 from gpufleet.render.table import render_table
-from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
+from gpufleet.render.common import (NA, column_room, cut, error_cell, fmt_mib,  # noqa: F401
+                                    short_gpu_name, terminal_safe, to_json)
 from gpufleet.render.command import process_cells
 from gpufleet.render.health import health_summary
 from gpufleet.render.status_json import (BUSY_TOLERANCE_MIB, HEALTH_READINGS, HostDocs,  # noqa: F401
@@ -17,6 +18,8 @@ from gpufleet.render.status_json import (BUSY_TOLERANCE_MIB, HEALTH_READINGS, Ho
                                          watch_document)
 
 HOLDER_WIDTH = 60  # what runs, at most (the table cuts it further to fit its width)
+ERROR_WIDTH = 100  # of an error in the table (render.common.error_cell); all of it below
+WRAP = "\t"  # where a holder's line may wrap: a tab, which no process text keeps (escaped)
 
 
 def cell_text(text: str) -> str:
@@ -29,8 +32,9 @@ def holder_line(snapshot: Snapshot, pid: int, fallback: str, amount: str) -> str
     device files), a foreign container, and what runs (render.command), last so that cutting
     the line to the table's width cuts only that."""
     user, container, what = process_cells(snapshot, pid, fallback, HOLDER_WIDTH)
-    return " ".join(w for w in (str(pid), user, amount, f"[{container}]" if container else "",
-                                what) if w)
+    head = " ".join(w for w in (str(pid), user, amount, f"[{container}]" if container else "")
+                    if w)
+    return head + WRAP + what  # fit_holders: one line, or the head and an indented "what"
 
 
 def holders_text(snapshot: Snapshot, gpu: GpuInfo,
@@ -42,8 +46,8 @@ def holders_text(snapshot: Snapshot, gpu: GpuInfo,
         mark = "" if app.pid in snapshot.processes else " (not in /proc)"
         if refused and app.pid in refused:
             mark = " (untrusted row)"
-        parts.append(holder_line(snapshot, app.pid, app.process_name,
-                                 fmt_mib(app.used_mib) + mark))
+        used = NA if app.used_mib is None else f"{app.used_mib}MiB"  # MiB, as every column
+        parts.append(holder_line(snapshot, app.pid, app.process_name, used + mark))
     return "\n".join(parts) if parts else "-"
 
 
@@ -96,65 +100,79 @@ def host_health_cell(h: HostHealth) -> str:
     return f"{top.severity} {top.code}"
 
 
+# HOLDERS last: its lines are the long ones, wrapped and cut to a terminal's width
+COLUMNS = {"host": "HOST", "gpu": "GPU", "name": "NAME", "memory": "MEMORY (MiB)",
+           "util": "UTIL", "temp": "TEMP (C)", "power": "POWER (W)",
+           "unattr": "UNATTR (MiB)", "health": "HEALTH", "holders": "HOLDERS"}
+WIDE = ("temp", "power")  # `status --wide`: NVML's readings (n/a from nvidia-smi)
+STATUS_HEADERS = [h for k, h in COLUMNS.items() if k not in WIDE]
+
+
+def status_headers(wide: bool = False) -> list[str]:
+    return [h for k, h in COLUMNS.items() if wide or k not in WIDE]
+
+
+def _row(cells: dict[str, str], wide: bool) -> list[str]:
+    """One table row from its cells by column key (absent: empty)."""
+    return [cells.get(k, "") for k in COLUMNS if wide or k not in WIDE]
+
+
+def _mib(value: Optional[int]) -> str:
+    return NA if value is None else str(value)
+
+
+def gpu_cells(snap: Snapshot, gpu: GpuInfo, row: GpuLedger, exp: int) -> dict[str, str]:
+    """A GPU's numbers in the units of the headers: MiB, %, degrees C, W."""
+    unattr = _mib(row.unattributed_mib)
+    if row.unexpected_mib and row.unexpected_mib > BUSY_TOLERANCE_MIB:
+        unattr += " !"
+    elif row.unattributed_mib and exp:
+        unattr += " (exp)"
+    return {"gpu": str(gpu.index), "name": short_gpu_name(gpu.name),
+            "memory": f"{_mib(gpu.memory_used_mib)} / {_mib(gpu.memory_total_mib)}",
+            "util": NA if gpu.utilization_pct is None else f"{gpu.utilization_pct}%",
+            "temp": _mib(gpu.temperature_c),
+            "power": NA if gpu.power_w is None else f"{gpu.power_w:.0f}", "unattr": unattr}
+
+
+def host_rows(res: HostResult, expected: dict[str, int],
+              expected_gpus: Optional[dict[str, Optional[int]]], wide: bool) -> list[list[str]]:
+    """A host's rows: one per GPU, the `fd` and `clients` rows, a `host` row per finding of
+    its own; one row with the reason when it could not be read."""
+    snap = res.snapshot
+    dash = {k: "-" for k in COLUMNS}
+    if not res.ok or snap is None:
+        return [_row(dict(dash, host=res.host, holders=error_cell(res.error)), wide)]
+    hh = health.assess(res.host, snap, (expected_gpus or {}).get(res.host))
+    if not snap.nvidia_smi_ok or not snap.gpus:
+        why = error_cell(snap.nvidia_smi_error) if not snap.nvidia_smi_ok else "-"
+        name = "no GPUs" if snap.nvidia_smi_ok else "-"
+        return [_row(dict(dash, host=res.host, name=name, holders=why,
+                          health=host_health_cell(hh)), wide)]
+    exp = expected.get(res.host, 0)
+    refused = policy.refused_listings(snap)
+    view = policy.without_refused_listings(snap, drop_holders=False)
+    led = {row.index: row for row in ledger(view, exp)}
+    rows = [_row(dict(gpu_cells(snap, gpu, led[gpu.index], exp), host=res.host,
+                      holders=holders_text(snap, gpu, refused),
+                      health=health_cell(hh.gpu(gpu.index))), wide) for gpu in snap.gpus]
+    unlisted = unlisted_holders_text(view, exp)
+    if unlisted:  # device files open, no listing: possible holders, once per host
+        rows.append(_row({"host": res.host, "gpu": "fd", "name": "not listed",
+                          "holders": unlisted}, wide))
+    clients = unlisted_holders_text(view, exp, policy.ROLE_CLIENT)
+    if clients:  # monitors and exporters: device files open, no evidence of memory
+        rows.append(_row({"host": res.host, "gpu": "clients", "name": "no memory",
+                          "holders": clients}, wide))
+    return rows + [_row({"host": hh.host, "gpu": "host", "holders": cell_text(f.message),
+                         "health": f"{f.severity} {f.code}"}, wide)
+                   for f in hh.host_findings if f.severity != OK]
+
+
 def status_rows(results: Sequence[HostResult], expected: dict[str, int],
-                expected_gpus: Optional[dict[str, Optional[int]]] = None) -> list[list[str]]:
-    rows: list[list[str]] = []
-    for res in results:
-        snap = res.snapshot
-        if not res.ok or snap is None:
-            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(res.error), "-"])
-            continue
-        hh = health.assess(res.host, snap, (expected_gpus or {}).get(res.host))
-        if not snap.nvidia_smi_ok:
-            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(snap.nvidia_smi_error),
-                         host_health_cell(hh)])
-            continue
-        if not snap.gpus:
-            rows.append([res.host, "-", "no GPUs", "-", "-", "-", "-", host_health_cell(hh)])
-            continue
-        exp = expected.get(res.host, 0)
-        refused = policy.refused_listings(snap)
-        view = policy.without_refused_listings(snap, drop_holders=False)
-        led = {row.index: row for row in ledger(view, exp)}
-        for gpu in snap.gpus:
-            row = led[gpu.index]
-            unattr = fmt_mib(row.unattributed_mib)
-            if row.unexpected_mib and row.unexpected_mib > BUSY_TOLERANCE_MIB:
-                unattr += " !"
-            elif row.unattributed_mib and exp:
-                unattr += " (expected)"
-            util = NA if gpu.utilization_pct is None else f"{gpu.utilization_pct}%"
-            rows.append(
-                [
-                    res.host,
-                    str(gpu.index),
-                    gpu.name,
-                    f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}",
-                    util,
-                    unattr,
-                    holders_text(snap, gpu, refused),
-                    health_cell(hh.gpu(gpu.index)),
-                ]
-            )
-        unlisted = unlisted_holders_text(view, exp)
-        if unlisted:
-            rows.append([res.host, "fd", "open device files, not listed by nvidia-smi", "", "", "", unlisted, ""])
-        clients = unlisted_holders_text(view, exp, policy.ROLE_CLIENT)
-        if clients:
-            rows.append([res.host, "clients", "GPU clients (monitors, exporters): no memory", "",
-                         "", "", clients, ""])
-        rows += host_finding_rows(hh)
-    return rows
-
-
-def host_finding_rows(hh: HostHealth) -> list[list[str]]:
-    """One `host` row per finding of the host itself (fewer GPUs than the inventory expects,
-    ...): no GPU row can show it, and each GPU row reads OK."""
-    return [[hh.host, "host", "", "", "", "", cell_text(f.message), f"{f.severity} {f.code}"]
-            for f in hh.host_findings if f.severity != OK]
-
-
-STATUS_HEADERS = ["HOST", "GPU", "NAME", "MEMORY", "UTIL", "UNATTRIBUTED", "HOLDERS", "HEALTH"]
+                expected_gpus: Optional[dict[str, Optional[int]]] = None,
+                wide: bool = False) -> list[list[str]]:
+    return [row for res in results for row in host_rows(res, expected, expected_gpus, wide)]
 
 
 def summary_line(results: Sequence[HostResult], expected: dict[str, int],
@@ -187,10 +205,34 @@ def failing_hosts(results: Sequence[HostResult],
     return out
 
 
+def fit_holders(cell: str, room: Optional[int]) -> str:
+    """A HOLDERS cell in ``room`` columns (None: as long as it is): a holder's line that does
+    not fit goes on as an indented line with what runs; what still does not fit is cut."""
+    out = []
+    for line in cell.split("\n"):
+        head, _, what = line.partition(WRAP)
+        whole = f"{head} {what}" if what else head
+        if room is None or len(whole) <= room:
+            out.append(whole)
+        else:
+            out += [cut(head, room)] + (["  " + cut(what, room - 2)] if what else [])
+    return "\n".join(out)
+
+
 def status_table(results: Sequence[HostResult], expected: dict[str, int],
-                 expected_gpus: Optional[dict[str, Optional[int]]] = None) -> str:
-    table = render_table(status_rows(results, expected, expected_gpus), STATUS_HEADERS)
-    notes = [f"{name}: {error}" for name, error in _long_errors(results)]
+                 expected_gpus: Optional[dict[str, Optional[int]]] = None,
+                 wide: bool = False, width: Optional[int] = None) -> str:
+    """The table (``width``: a terminal's, its lines at most that wide: HOLDERS, last, wraps
+    and is cut to what the other columns leave; None: nothing cut, as `ps` writes to a pipe),
+    the summary, then what did not fit: whole errors and the hosts' warnings."""
+    headers = status_headers(wide)
+    rows = status_rows(results, expected, expected_gpus, wide)
+    room = column_room(rows, headers, len(headers) - 1, width) if width else None
+    for row in rows:
+        row[-1] = fit_holders(row[-1], room)
+    table = render_table(rows, headers)
+    shown = ERROR_WIDTH if room is None else min(ERROR_WIDTH, room - len("ERROR: "))
+    notes = [f"{name}: {error}" for name, error in _long_errors(results, shown)]
     notes += [f"{r.host}: warning: {w}" for r in results if r.snapshot is not None
               for w in screen_warnings(r.snapshot, expected.get(r.host, 0))
               + listing_warnings(r.snapshot)]
@@ -211,7 +253,7 @@ def listing_warnings(snapshot: Snapshot) -> list[str]:
             for c in policy.refused_listings(snapshot).values()]
 
 
-def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[str, str]]:
+def _long_errors(results: Sequence[HostResult], width: int) -> list[tuple[str, str]]:
     """Errors cut short in the table are printed whole below it: they say what to do."""
     out = []
     for res in results:

@@ -200,8 +200,9 @@ def test_a_local_status_imports_only_what_status_needs(tmp_path: Path, local_fle
     unwanted = sorted(m for m in mods if any(m == n or m.startswith(n + ".") for n in NOT_FOR_STATUS))
     assert unwanted == [], "gpufleet %s imported %s" % (" ".join(args), unwanted)
     if args == ["status"]:
-        assert res.stdout.splitlines()[0].split() == ["HOST", "GPU", "NAME", "MEMORY", "UTIL",
-                                                      "UNATTRIBUTED", "HOLDERS", "HEALTH"]
+        assert res.stdout.splitlines()[0].split() == ["HOST", "GPU", "NAME", "MEMORY", "(MiB)",
+                                                      "UTIL", "UNATTR", "(MiB)", "HEALTH",
+                                                      "HOLDERS"]
         assert res.stdout.splitlines()[2].startswith("here ")
         assert "gpufleet.render.status" in mods and "gpufleet.core.health" in mods
     if args == ["status", "--json"]:

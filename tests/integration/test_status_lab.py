@@ -92,14 +92,14 @@ def test_fleet_table_lists_every_gpu_and_its_holders(fleet: Any) -> None:
     assert list(train) == [str(i) for i in range(8)] + ["fd"], str(run)
     for n, worker in enumerate(fleet.workers):
         row = train[str(n)]
-        assert row["NAME"] == "NVIDIA RTX 6000 Ada Generation"
-        assert row["MEMORY"] == "%dMiB / 48.0GiB" % WORKER_MIB
-        assert row["UNATTRIBUTED"] == "0MiB"
+        assert row["NAME"] == "RTX 6000 Ada"  # "NVIDIA RTX 6000 Ada Generation", short
+        assert row["MEMORY (MiB)"] == "%d / 49140" % WORKER_MIB
+        assert row["UNATTR (MiB)"] == "0"
         # vLLM renames its processes: the names shown are the new ones, memory is the fake's
         assert row["HOLDERS"] == "%d root %dMiB VLLM::Worker_TP%d" % (worker, WORKER_MIB, n), str(run)
     for i, mib in zip(range(4, 8), TRAINER_MIB):
         row = train[str(i)]
-        assert row["MEMORY"] == "%dMiB / 48.0GiB" % mib
+        assert row["MEMORY (MiB)"] == "%d / 49140" % mib
         assert row["HOLDERS"] == "%d root %dMiB trainer" % (fleet.trainer, mib)
     # the engine core opened every GPU's device file (as CUDA does) and nvidia-smi does not
     # list it: one (fd) line for the host; the API server holds no device file at all
@@ -107,9 +107,9 @@ def test_fleet_table_lists_every_gpu_and_its_holders(fleet: Any) -> None:
 
     ws = rows_of(fleet.table, "ws-5090")
     assert list(ws) == ["0"]
-    assert ws["0"]["NAME"] == "NVIDIA GeForce RTX 5090"
-    assert ws["0"]["MEMORY"] == "%dMiB / 31.8GiB" % WSL_GHOST
-    assert ws["0"]["UNATTRIBUTED"] == "%dMiB (expected)" % WSL_GHOST  # not flagged
+    assert ws["0"]["NAME"] == "GeForce RTX 5090"
+    assert ws["0"]["MEMORY (MiB)"] == "%d / %d" % (WSL_GHOST, WSL_TOTAL)
+    assert ws["0"]["UNATTR (MiB)"] == "%d (exp)" % WSL_GHOST  # not flagged
     assert ws["0"]["HOLDERS"] == "-"
 
     infer = rows_of(fleet.table, "infer-node")
@@ -211,7 +211,7 @@ def test_wsl2_reservation_is_flagged_when_the_inventory_expects_none(fleet: Any,
     run = run_gpufleet(home, inv, "status")
     assert run.rc == 0, str(run)
     row = rows_of(parse_table(run.stdout, HEADER), "ws-5090")["0"]
-    assert row["UNATTRIBUTED"] == "%dMiB !" % WSL_GHOST
+    assert row["UNATTR (MiB)"] == "%d !" % WSL_GHOST
     assert lines_after_table(run.stdout, HEADER)[0] == (
         "hosts: 1 ok, 0 failed; GPUs: 1 busy, 0 free; health: 1 OK")
     doc = run_gpufleet(home, inv, "status", "--json").host("ws-5090")
@@ -251,7 +251,7 @@ def test_unknown_host_key_under_strict_is_a_row_error_with_its_fingerprint(
     run = run_gpufleet(home, inv, "status")
     assert run.rc == 1, str(run)
     rows = parse_table(run.stdout, HEADER)
-    assert rows_of(rows, "known")["0"]["MEMORY"] == "0MiB / 48.0GiB"
+    assert rows_of(rows, "known")["0"]["MEMORY (MiB)"] == "0 / 49140"
     assert rows_of(rows, "stranger")["-"]["HOLDERS"].startswith("ERROR: unknown host key")
     # the whole error, with the key's SHA256 fingerprint, is printed below the table
     assert sha256_fingerprint(stranger.host_key_line) in run.stdout, str(run)
@@ -364,10 +364,10 @@ def test_hidden_pids_memory_is_unattributed_and_device_holders_marked_fd(
     run = run_gpufleet(home, inv, "status")
     assert run.rc == 0, str(run)
     rows = rows_of(parse_table(run.stdout, HEADER), "container-host")
-    assert rows["0"]["MEMORY"] == "3000MiB / 48.0GiB"
-    assert rows["0"]["UNATTRIBUTED"] == "3000MiB !"
+    assert rows["0"]["MEMORY (MiB)"] == "3000 / 49140"
+    assert rows["0"]["UNATTR (MiB)"] == "3000 !"
     assert rows["0"]["HOLDERS"] == "-"  # nvidia-smi lists nobody
-    assert rows["1"]["UNATTRIBUTED"] == "0MiB"
+    assert rows["1"]["UNATTR (MiB)"] == "0"
     # its device files are what shows it (CUDA opens every GPU's file)
     assert rows["fd"]["HOLDERS"] == "%d root (fd: GPUs 0-1) hidden-job" % job
     doc = run_gpufleet(home, inv, "status", "--json").host("container-host")
