@@ -8,6 +8,7 @@ import click
 
 from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
 from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
+from gpufleet.cli.tty import styled
 from gpufleet.errors import UsageError
 from gpufleet.render.clean import clean_document, outcome_table, plan_text
 from gpufleet.render.common import to_json
@@ -78,7 +79,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
                     confirm=_confirm(yes, interactive=sys.stdin.isatty() and not as_json),
                     progress=progress, on_interrupt=_on_interrupt(phase))
     if run.interrupted == "planning" and not dry_run:  # nothing is signalled anywhere
-        click.echo(terminal_safe(outcome_table(run.results)))
+        click.echo(styled(outcome_table(run.results), "CLEAN"))
         click.echo("gpufleet: interrupted while planning: nothing signalled on any host", err=True)
         return run.exit_code
     if run.declined:
@@ -89,7 +90,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     if as_json:
         click.echo(to_json(clean_document(run.results, dry_run)))
     else:
-        click.echo(terminal_safe(outcome_table(run.results)))
+        click.echo(styled(outcome_table(run.results), "CLEAN"))
     if run.interrupted:
         click.echo("gpufleet: interrupted: hosts already running finished their sequence (above); "
                    "no other host was started", err=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
+from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options
 from gpufleet.errors import EXIT_FAILED, EXIT_OK
 
 
@@ -42,7 +42,9 @@ def health(app: AppContext, hosts, groups, tags, all_, as_json: bool, strict: bo
     if as_json:
         click.echo(to_json(health_document(report)))
     else:
-        click.echo(terminal_safe(health_table(report)))
+        from gpufleet.cli.tty import styled
+
+        click.echo(styled(health_table(report), "HEALTH"))
     failing = (CRITICAL, WARN, UNKNOWN) if strict else (CRITICAL,)
     bad = any(not h.ok or h.severity in failing for h in report)
     return EXIT_FAILED if bad else EXIT_OK

@@ -8,7 +8,7 @@ import click
 
 from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
-from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
+from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options
 from gpufleet.cli.output import write_whole
 
 
@@ -77,10 +77,10 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, wide: bool
                             for r in results], round(time.monotonic() - started, 3))
         write_whole(text + "\n")  # JSON escapes control characters: nothing to strip
     else:
-        from gpufleet.cli.tty import table_width
+        from gpufleet.cli.tty import styled, table_width
 
         table = status_table(results, expected, expected_gpus, wide, table_width())
-        write_whole(terminal_safe(table) + "\n")
+        write_whole(styled(table, "STATUS") + "\n")
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
         click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
         return EXIT_INTERRUPTED

@@ -39,3 +39,16 @@ def colour(stream: Optional[IO[Any]] = None) -> bool:
     if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
         return False
     return _is_tty(stream)
+
+
+def styled(text: str, rules: str, stream: Optional[IO[Any]] = None) -> str:
+    """``text`` made terminal-safe (the one function), then painted by ``rules`` (a name in
+    render/style.py: STATUS, HEALTH, CLEAN) when ``stream`` (stdout) takes colour."""
+    from gpufleet.render.common import terminal_safe
+
+    text = terminal_safe(text)
+    if not colour(stream):
+        return text
+    from gpufleet.render import style
+
+    return style.paint_report(text, getattr(style, rules))

@@ -101,7 +101,7 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
 
 def _text(views: Sequence[Any], expected: dict[str, int], expected_gpus: dict[str, Any],
           now: float, interval: float, wide: bool) -> str:
-    from gpufleet.cli.tty import table_width
+    from gpufleet.cli.tty import colour, styled, table_width
     from gpufleet.render.status import status_table
 
     head = time.strftime("%H:%M:%S") + f"  (every {interval:g}s; Ctrl-C ends)"
@@ -112,5 +112,10 @@ def _text(views: Sequence[Any], expected: dict[str, int], expected_gpus: dict[st
         if view.state(now) == STALE:
             age = view.age_s(now) or 0.0
             why = view.failure.message if view.failure else "no new snapshot"
-            notes.append(f"{view.host}: stale, last snapshot {age:.0f}s ago: {why}")
-    return terminal_safe("\n".join([head, table] + notes)) + "\n"
+            notes.append((view.host, terminal_safe(
+                f"{view.host}: stale, last snapshot {age:.0f}s ago: {why}")))
+    if colour():
+        from gpufleet.render.style import paint_stale
+
+        notes = [(host, paint_stale(line, terminal_safe(host))) for host, line in notes]
+    return "\n".join([head, styled(table, "STATUS")] + [line for _, line in notes]) + "\n"

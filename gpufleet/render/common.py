@@ -35,7 +35,7 @@ def fmt_mib(value: Optional[int]) -> str:
 def error_cell(error: Optional[str], label: str = "ERROR", width: Optional[int] = 100) -> str:
     """A failed host's cell in every table: ``LABEL: message`` on one line, cut to ``width``
     (None: whole; the whole text is printed under the table)."""
-    text = " ".join(str(error or "failed").split())
+    text = terminal_safe(" ".join(str(error or "failed").split()), one_line=True)
     if width is not None and len(text) > width:
         text = text[: width - 1] + "…"
     return f"{label}: {text}"

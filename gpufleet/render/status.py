@@ -205,6 +205,21 @@ def failing_hosts(results: Sequence[HostResult],
     return out
 
 
+HOLDERS_FLOOR = 20  # below this a holder's PID, user and MiB no longer fit one line
+HOLDERS_SHORT = 32  # below this a holder's line wraps: HEALTH gives what it can first
+
+
+def fitted_room(rows: list[list[str]], headers: list[str], width: int) -> int:
+    """HOLDERS' room in ``width``; when it is short, HEALTH's findings go below their severity
+    (``CRITICAL`` over ``remap_failure``) to leave more."""
+    room = column_room(rows, headers, len(headers) - 1, width, 0)
+    if room < HOLDERS_SHORT:
+        at = headers.index(COLUMNS["health"])
+        for row in rows:
+            row[at] = row[at].replace(" ", "\n", 1)
+    return column_room(rows, headers, len(headers) - 1, width, HOLDERS_FLOOR)
+
+
 def fit_holders(cell: str, room: Optional[int]) -> str:
     """A HOLDERS cell in ``room`` columns (None: as long as it is): a holder's line that does
     not fit goes on as an indented line with what runs; what still does not fit is cut."""
@@ -227,7 +242,7 @@ def status_table(results: Sequence[HostResult], expected: dict[str, int],
     the summary, then what did not fit: whole errors and the hosts' warnings."""
     headers = status_headers(wide)
     rows = status_rows(results, expected, expected_gpus, wide)
-    room = column_room(rows, headers, len(headers) - 1, width) if width else None
+    room = fitted_room(rows, headers, width) if width else None
     for row in rows:
         row[-1] = fit_holders(row[-1], room)
     table = render_table(rows, headers)

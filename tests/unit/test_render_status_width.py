@@ -98,3 +98,20 @@ def first_row(table: str) -> dict[str, str]:
             spans.append((start, pos))
             start = None
     return {header[a:b].strip(): row[a:b].strip() for a, b in spans}
+
+
+def test_short_of_room_health_puts_its_code_under_the_severity() -> None:
+    """A long host name and a long finding code: HEALTH goes on two lines rather than the
+    holders below their floor or a line past the terminal."""
+    doc = json.loads((FIX / "scenarios" / "train-node.json").read_text())
+    for gpu in doc["gpus"]:
+        gpu.update(name=BLACKWELL, remapped_rows_failure=gpu["index"] == 1,
+                   ecc_uncorrected_volatile=0, pcie_gen_current=5, pcie_gen_max=5,
+                   clocks_event_reasons=0)
+    res = HostResult(host="blackwell-node-01", ok=True, snapshot=parse_snapshot(doc))
+    text = status_table([res], {}, width=120)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    at = next(i for i, line in enumerate(lines) if "CRITICAL" in line)
+    assert "remap_failure" not in lines[at] and "remap_failure" in lines[at + 1]
+    assert "CRITICAL remap_failure" in status_table([res], {})  # a pipe: one line
