@@ -32,6 +32,16 @@ def fmt_mib(value: Optional[int]) -> str:
     return f"{value}MiB"
 
 
+def fmt_pair(used: Optional[int], total: Optional[int]) -> str:
+    """``6.8 / 48.0GiB``, ``716 / 8192MiB``: used and total in ONE unit, chosen by the total
+    (GiB from 10 GiB on), never ``7000MiB / 48.0GiB``; n/a where one is not available."""
+    if used is None or total is None:
+        return f"{fmt_mib(used)} / {fmt_mib(total)}"
+    if total >= 10240:
+        return f"{used / 1024:.1f} / {total / 1024:.1f}GiB"
+    return f"{used} / {total}MiB"
+
+
 def error_cell(error: Optional[str], label: str = "ERROR", width: Optional[int] = 100) -> str:
     """A failed host's cell in every table: ``LABEL: message`` on one line, cut to ``width``
     (None: whole; the whole text is printed under the table)."""
@@ -107,4 +117,4 @@ def to_json(doc: Any) -> str:
 
 
 __all__ = ["NA", "TABLE_WIDTH", "column_room", "cut", "error_cell", "fit_column", "fmt_mib",
-           "short_gpu_name", "terminal_safe", "to_json"]
+           "fmt_pair", "short_gpu_name", "terminal_safe", "to_json"]

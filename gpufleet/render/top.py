@@ -18,7 +18,7 @@ from gpufleet.core.gpus import format_gpu_ranges
 from gpufleet.core.live import DOWN, STALE, UP, LiveHost
 from gpufleet.core.model import Snapshot, ledger
 from gpufleet.render.command import command_summary, process_cells
-from gpufleet.render.common import fmt_mib, terminal_safe
+from gpufleet.render.common import fmt_pair, short_gpu_name, terminal_safe
 from gpufleet.render.health import health_summary
 from gpufleet.render.status import BUSY_TOLERANCE_MIB, gpu_is_busy
 
@@ -114,6 +114,7 @@ class HostNumbers:
     expected_mib: int = 0
     unexpected: bool = False
     warnings: int = 0
+    util_pct: Optional[int] = None  # the mean of the GPUs that report it
 
 
 def host_numbers(snap: Optional[Snapshot], expected_mib: int) -> HostNumbers:
@@ -128,7 +129,14 @@ def host_numbers(snap: Optional[Snapshot], expected_mib: int) -> HostNumbers:
         unattributed_mib=sum(r.unattributed_mib or 0 for r in rows),
         expected_mib=expected_mib * len(snap.gpus),
         unexpected=any((r.unexpected_mib or 0) > BUSY_TOLERANCE_MIB for r in rows),
-        warnings=len(snap.warnings) + (0 if snap.nvidia_smi_ok else 1))
+        warnings=len(snap.warnings) + (0 if snap.nvidia_smi_ok else 1),
+        util_pct=mean_util(snap))
+
+
+def mean_util(snap: Snapshot) -> Optional[int]:
+    """The host's utilisation: the mean of its GPUs' (None when none reports it)."""
+    known = [g.utilization_pct for g in snap.gpus if g.utilization_pct is not None]
+    return round(sum(known) / len(known)) if known else None
 
 
 def _snap(view: LiveHost) -> Optional[Snapshot]:
@@ -158,8 +166,8 @@ def summary(views: Sequence[LiveHost], info: Mapping[str, HostInfo], now: float)
     return (f"hosts {len(views)}: {states.count(UP)} up, {states.count(DOWN)} down, "
             f"{states.count(STALE)} stale | GPUs {busy} busy, {gpus - busy} free | "
             f"{health_summary(report)} | memory "
-            f"{fmt_mib(sum(n.used_mib for n in nums))} / {fmt_mib(sum(n.total_mib for n in nums))}"
-            f" | unattributed {fmt_mib(sum(n.unattributed_mib for n in nums))}")
+            f"{fmt_pair(sum(n.used_mib for n in nums), sum(n.total_mib for n in nums))}"
+            f" | unattributed {sum(n.unattributed_mib for n in nums)}MiB")
 
 
 # ----------------------------------------------------------------------- filter and sort
@@ -200,13 +208,13 @@ def ordered(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopS
 def columns(width: int, name_w: int) -> tuple[int, int]:
     """(name width, bar width) for this terminal width."""
     name_w = max(4, min(name_w, 24, width // 4))
-    fixed = 2 + name_w + 2 + 4 + 2 + 9 + 2 + 19 + 2 + 22 + 2 + 4 + 2 + 10
+    fixed = 2 + name_w + 2 + 4 + 2 + 9 + 2 + 19 + 2 + 6 + 22 + 2 + 4 + 2 + 10
     return name_w, max(4, min(30, width - fixed))
 
 
 def header_line(name_w: int, bar_w: int) -> str:
     return ("  " + "HOST".ljust(name_w) + "  GPUS  BUSY/FREE  " + "MEMORY".ljust(bar_w + 21)
-            + "UNATTRIBUTED".ljust(24) + "WARN  AGE")
+            + "UTIL  " + "UNATTRIBUTED".ljust(24) + "WARN  AGE")
 
 
 def age_text(view: LiveHost, now: float) -> str:
@@ -230,11 +238,11 @@ def host_line(view: LiveHost, info: HostInfo, state: TopState, now: float, name_
         why = view.failure.message if view.failure else "connecting..."
         text = f"{mark} {name}  " + ("down: " if hstate == DOWN else "") + cell(why)
         return Line(text, role, ("host", view.host))
-    memory = f"{bar(n.used_mib, n.total_mib, bar_w)} " + (
-        f"{fmt_mib(n.used_mib)} / {fmt_mib(n.total_mib)}").ljust(20)
-    unattr = (f"{fmt_mib(n.unattributed_mib)} (exp {fmt_mib(n.expected_mib)})"
+    memory = f"{bar(n.used_mib, n.total_mib, bar_w)} " + fmt_pair(n.used_mib, n.total_mib).ljust(20)
+    util = "n/a" if n.util_pct is None else f"{n.util_pct}%"
+    unattr = (f"{n.unattributed_mib}MiB (exp {n.expected_mib}MiB)"
               + (" !" if n.unexpected else "")).ljust(24)
-    text = (f"{mark} {name}  {n.gpus:>4}  {n.busy:>4}/{n.gpus - n.busy:<4}  {memory}"
+    text = (f"{mark} {name}  {n.gpus:>4}  {n.busy:>4}/{n.gpus - n.busy:<4}  {memory}{util:>4}  "
             f"{unattr}{(str(n.warnings) if n.warnings else '-'):>4}  {age_text(view, now)}")
     if hstate == STALE and view.failure is not None:
         text += "  " + cell(view.failure.message)
@@ -271,16 +279,19 @@ def gpu_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: TopState,
         key: Key = ("gpu", view.host, gpu.index)
         row = rows[gpu.index]
         util = "n/a" if gpu.utilization_pct is None else f"{gpu.utilization_pct}%"
-        text = (f"    {box.format(marked(state, key))}GPU {gpu.index:<2} {fit(cell(gpu.name), 30):<30} "
+        unattr = "n/a" if row.unattributed_mib is None else f"{row.unattributed_mib}MiB"
+        text = (f"    {box.format(marked(state, key))}GPU {gpu.index:<2} "
+                f"{short_gpu_name(gpu.name):<16} "
                 f"{bar(gpu.memory_used_mib or 0, gpu.memory_total_mib or 0, min(bar_w, 16))} "
-                f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}  util {util}"
-                f"  unattr. {fmt_mib(row.unattributed_mib)}")
+                f"{fmt_pair(gpu.memory_used_mib, gpu.memory_total_mib)}  util {util}"
+                f"  unattr. {unattr}")
         out.append(Line(text, "gpu", key))
         for app in snap.apps_on(gpu.index):
             akey: Key = ("app", view.host, gpu.index, app.pid)
             name, user, where = _proc_cells(snap, app.pid, app.process_name)
+            used = "n/a" if app.used_mib is None else f"{app.used_mib}MiB"
             text = (f"        {box.format(marked(state, akey))}{fit(name, 28):<28} pid {app.pid:<8} "
-                    f"{fit(user, 12):<12} {fmt_mib(app.used_mib):>9}  nvidia-smi  {where}")
+                    f"{fit(user, 12):<12} {used:>9}  nvidia-smi  {where}")
             out.append(Line(text.rstrip(), "holder", akey))
     return out
 

@@ -55,7 +55,7 @@ def test_summary_and_one_row_per_host_with_the_numbers() -> None:
     rows = host_rows(screen)
     assert [r.split()[1] for r in rows] == ["node-a", "node-b", "node-dead"]  # sort: name
     a = rows[0].split()
-    assert a[2:4] == ["1", "1/0"] and "26651MiB" not in rows[0] and "26.0GiB / 140.4GiB" in rows[0]
+    assert a[2:4] == ["1", "1/0"] and "26651MiB" not in rows[0] and "26.0 / 140.4GiB" in rows[0]
     assert "connection refused" in rows[2] and screen.lines[0].role == "title"
     assert [ln.role for ln in screen.lines if ln.key == ("host", "node-dead")] == ["down"]
 
@@ -72,6 +72,22 @@ def test_the_summary_counts_health_and_a_hosts_own_finding_is_shown() -> None:
         ("host: CRITICAL gpu_count: 1 GPU(s) found, the inventory expects 2", "warn")]
 
 
+def test_host_rows_have_their_utilisation_and_one_unit_per_memory_pair() -> None:
+    """UTIL: the mean of the host's GPUs; used and total in one unit (never 7000MiB /
+    48.0GiB), per-process and unattributed memory in MiB."""
+    views = fleet()
+    snap = views[0].result.snapshot
+    utils = [g.utilization_pct for g in snap.gpus]
+    state = TopState(expanded=frozenset({("host", "node-b")}))
+    screen = layout(views, INFO, state, 200, 60, NOW)
+    assert "  UTIL  " in screen.lines[1].text
+    row = [r for r in host_rows(screen) if r.split()[1] == "node-b"][0]
+    assert f" {round(sum(utils) / len(utils))}% " in row and " 68% " in row, row
+    gpu0 = [t for t in texts(screen) if t.strip().startswith("[ ] GPU 0")][0]
+    assert " 43.1 / 48.0GiB " in gpu0 and "MiB / " not in gpu0, gpu0
+    assert "| memory 350.9 / 524.3GiB | unattributed 127MiB" in screen.lines[0].text
+
+
 def test_enter_expands_a_host_into_gpus_and_holders() -> None:
     state = TopState()
     screen = layout(fleet(), INFO, state, 160, 40, NOW)
@@ -80,7 +96,7 @@ def test_enter_expands_a_host_into_gpus_and_holders() -> None:
     screen = layout(fleet(), INFO, state, 160, 40, NOW)
     body = "\n".join(texts(screen))
     assert "GPU 0  NVIDIA H200" in body
-    assert any("VLLM::Worker" in t and "pid 425" in t and "20.5GiB" in t and "nvidia-smi" in t
+    assert any("VLLM::Worker" in t and "pid 425" in t and "20998MiB" in t and "nvidia-smi" in t
                for t in texts(screen))
     assert any("trainer" in t and "pid 426" in t and "root" in t for t in texts(screen))
     state, _ = on_key(state, "ENTER", screen)
