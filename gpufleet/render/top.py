@@ -1,4 +1,5 @@
-"""`gpufleet top`'s screen as values (pure: no terminal): layout, keys, marks, clean scope.
+"""`gpufleet top`'s screen as values (pure: no terminal): layout; the state's values are
+render/topstate.py, keys, marks and the clean scope render/topkeys.py (both re-exported here).
 
 ``layout(views, info, state, width, height, now)`` is every line the screen shows, each with
 a role (the terminal layer maps roles to attributes: colour, bold, reverse) and, for rows the
@@ -10,7 +11,7 @@ through the one terminal-safe function, so a process title cannot repaint the sc
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 from gpufleet.core import health, policy
@@ -21,76 +22,9 @@ from gpufleet.render.command import command_summary, process_cells
 from gpufleet.render.common import fmt_pair, short_gpu_name, terminal_safe
 from gpufleet.render.health import health_summary
 from gpufleet.render.status import BUSY_TOLERANCE_MIB, gpu_is_busy
-
-SORTS = ("name", "memory", "unattributed")
-MIN_WIDTH, MIN_HEIGHT = 60, 8
-Key = tuple  # ("host", h) | ("gpu", h, index) | ("app", h, index, pid) | ("fd", h, pid)
-
-HELP = (
-    "gpufleet top: every selected host, refreshed; one SSH session each.",
-    "",
-    "  Up/Down, j/k, PgUp/PgDn   move          Enter   expand / collapse a host",
-    "  s                         sort: name, memory, unattributed",
-    "  /                         filter by host, tag, holder, what it runs or its user",
-    "  space                     mark a GPU or a holder (its GPUs)",
-    "  c                         clean the marked GPUs: the plan of `gpufleet clean`, then y/n",
-    "  ?                         this help     q   quit",
-    "",
-    "A host is stale when its last snapshot is older than two intervals or its session",
-    "dropped (it is reconnected with backoff); down when it never answered.",
-    "--readonly: no marks, no clean.",
-)
-
-
-@dataclass(frozen=True)
-class HostInfo:
-    """What the screen needs from the inventory: tags (for the filter), expected MiB."""
-
-    tags: tuple[str, ...] = ()
-    expected_mib: int = 0
-    expected_gpus: Optional[int] = None  # the inventory's `gpus:` (a host finding when short)
-
-
-@dataclass(frozen=True)
-class Overlay:
-    """A page over the list: the help, a clean's plan and its question, its outcome."""
-
-    title: str
-    lines: tuple[str, ...]
-    prompt: str = "any key closes"
-    kind: str = "info"  # info | confirm | busy
-
-
-@dataclass(frozen=True)
-class TopState:
-    interval_s: float = 2.0
-    readonly: bool = False
-    sort: str = "name"
-    filter: str = ""
-    editing: bool = False
-    expanded: frozenset = frozenset()
-    marks: frozenset = frozenset()  # ("gpu", host, index) | ("pid", host, pid)
-    cursor: Optional[Key] = None
-    top: int = 0
-    message: str = ""
-    overlay: Optional[Overlay] = None
-
-
-@dataclass(frozen=True)
-class Line:
-    text: str
-    role: str = "text"
-    key: Optional[Key] = None
-
-
-@dataclass(frozen=True)
-class Screen:
-    lines: tuple[Line, ...]
-    keys: tuple[Key, ...] = ()
-    top: int = 0
-    too_small: bool = False
-    list_height: int = 0
-    shown: tuple[str, ...] = field(default=())  # hosts after the filter, in order
+from gpufleet.render.topkeys import clean_scope, on_key  # noqa: F401 (re-exported)
+from gpufleet.render.topstate import (HELP, MIN_HEIGHT, MIN_WIDTH, SORTS, HostInfo,  # noqa: F401
+                                      Key, Line, Overlay, Screen, TopState)
 
 
 def cell(text: object) -> str:
@@ -416,126 +350,3 @@ def layout(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopSt
     names = tuple(v.host for v in ordered(views, info, state))
     return Screen(tuple(replace(ln, text=fit(ln.text, width)) for ln in lines), keys, top,
                   False, room, names)
-
-
-# ----------------------------------------------------------------------- keys
-
-MOVES = {"UP": -1, "k": -1, "DOWN": 1, "j": 1, "PGUP": -10, "PGDN": 10}
-
-
-def move(state: TopState, screen: Screen, step: int) -> TopState:
-    keys = screen.keys
-    if not keys:
-        return state
-    at = keys.index(state.cursor) if state.cursor in keys else 0
-    if step in (-10, 10):
-        step = (screen.list_height or 10) * (1 if step > 0 else -1)
-    return replace(state, cursor=keys[max(0, min(len(keys) - 1, at + step))])
-
-
-def toggle_expand(state: TopState, screen: Screen) -> TopState:
-    cursor = state.cursor if state.cursor in screen.keys else (
-        screen.keys[0] if screen.keys else None)
-    if cursor is None:
-        return state
-    host_key = ("host", cursor[1])
-    expanded = set(state.expanded)
-    if host_key in expanded:
-        expanded.discard(host_key)
-    else:
-        expanded.add(host_key)
-    return replace(state, expanded=frozenset(expanded), cursor=host_key)
-
-
-def mark_key(key: Key) -> Optional[tuple]:
-    if key[0] == "gpu":
-        return ("gpu", key[1], key[2])
-    if key[0] == "app":
-        return ("pid", key[1], key[3])
-    if key[0] == "fd":
-        return ("pid", key[1], key[2])
-    return None
-
-
-def toggle_mark(state: TopState, screen: Screen) -> TopState:
-    if state.readonly:
-        return replace(state, message="read-only: no marks (started with --readonly)")
-    cursor = state.cursor if state.cursor in screen.keys else None
-    mark = mark_key(cursor) if cursor is not None else None
-    if mark is None:
-        return replace(state, message="expand a host (Enter), then mark its GPUs or holders")
-    marks = set(state.marks)
-    marks.symmetric_difference_update({mark})
-    return replace(state, marks=frozenset(marks), message="")
-
-
-def edit_filter(state: TopState, key: str) -> TopState:
-    if key == "ENTER":
-        return replace(state, editing=False)
-    if key == "ESC":
-        return replace(state, editing=False, filter="")
-    if key == "BACKSPACE":
-        return replace(state, filter=state.filter[:-1])
-    if len(key) == 1 and key.isprintable():
-        return replace(state, filter=state.filter + key)
-    return state
-
-
-def on_key(state: TopState, key: str, screen: Screen) -> tuple[TopState, Optional[str]]:
-    """The next state for a key, and an action for the caller: "quit" or "clean"."""
-    if state.editing:
-        return edit_filter(state, key), None
-    if state.overlay is not None:
-        return state, ("answer:" + key)  # the caller owns overlays (help, plan, outcome)
-    state = replace(state, message="")
-    if key in ("q", "Q"):
-        return state, "quit"
-    if key in MOVES:
-        return move(state, screen, MOVES[key]), None
-    if key in ("HOME", "g"):
-        return replace(state, cursor=screen.keys[0] if screen.keys else None), None
-    if key in ("END", "G"):
-        return replace(state, cursor=screen.keys[-1] if screen.keys else None), None
-    if key in ("ENTER", "RIGHT", "LEFT"):
-        return toggle_expand(state, screen), None
-    if key == " ":
-        return toggle_mark(state, screen), None
-    if key == "s":
-        return replace(state, sort=SORTS[(SORTS.index(state.sort) + 1) % len(SORTS)]), None
-    if key == "/":  # a new filter (Esc clears it, Enter keeps it)
-        return replace(state, editing=True, filter=""), None
-    if key == "?":
-        return replace(state, overlay=Overlay("help", HELP)), None
-    if key == "c":
-        if state.readonly:
-            return replace(state, message="read-only: no actions (started with --readonly)"), None
-        return state, "clean"
-    return state, None
-
-
-def clean_scope(state: TopState, views: Sequence[LiveHost]) -> tuple[Optional[str], list[int], str]:
-    """(host, GPUs, "") the marks ask to clean, or (None, [], why not). A marked holder
-    brings its GPUs (the planner works on GPUs, as `gpufleet clean --gpus` does)."""
-    hosts = sorted({m[1] for m in state.marks})
-    if not hosts:
-        return None, [], "nothing marked: mark GPUs or holders with space (expand a host first)"
-    if len(hosts) > 1:
-        return None, [], f"marks on {len(hosts)} hosts: clean one host at a time"
-    host = hosts[0]
-    view = next((v for v in views if v.host == host), None)
-    snap = _snap(view) if view is not None else None
-    if snap is None:
-        return None, [], f"{host}: no snapshot to plan from"
-    gpus: set[int] = set()
-    for mark in state.marks:
-        if mark[0] == "gpu":
-            gpus.add(int(mark[2]))
-            continue
-        listed = snap.gpu_indices_of_app(int(mark[2]))
-        gpus.update(listed)  # a CUDA process opens every /dev/nvidiaN: nvidia-smi's GPUs first
-        holder = next((h for h in snap.holders if h.pid == mark[2]), None)
-        if holder is not None and not listed:
-            gpus.update(snap.holder_gpu_indices(holder))
-    if not gpus:
-        return None, [], f"{host}: the marked processes are on no GPU any more"
-    return host, sorted(gpus), ""
