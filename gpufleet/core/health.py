@@ -252,8 +252,8 @@ def readings_finding(missing: tuple[str, ...]) -> Optional[Finding]:
     if not missing:
         return None
     if len(missing) == len(readings.READINGS):
-        return Finding("no_readings", UNKNOWN, "no health reading could be taken ("
-                       f"{readings.describe(missing)}): this GPU's health is unknown", NONE)
+        return Finding("no_readings", UNKNOWN,
+                       f"nothing could be read ({readings.describe(missing)})", NONE)
     return Finding("readings_missing", OK, f"not read: {readings.describe(missing)}", NONE)
 
 

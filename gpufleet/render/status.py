@@ -3,6 +3,7 @@ whose names are re-exported here.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Optional, Sequence
 
 from gpufleet.core import health, policy
@@ -222,15 +223,20 @@ def fitted_room(rows: list[list[str]], headers: list[str], width: int) -> int:
 
 def fit_holders(cell: str, room: Optional[int]) -> str:
     """A HOLDERS cell in ``room`` columns (None: as long as it is): a holder's line that does
-    not fit goes on as an indented line with what runs; what still does not fit is cut."""
+    not fit goes on as an indented line with what runs, cut if it still does not fit; an error
+    is cut (it is printed whole below), a host finding's message wrapped."""
     out = []
     for line in cell.split("\n"):
         head, _, what = line.partition(WRAP)
         whole = f"{head} {what}" if what else head
         if room is None or len(whole) <= room:
             out.append(whole)
-        else:
-            out += [cut(head, room)] + (["  " + cut(what, room - 2)] if what else [])
+        elif what:
+            out += [cut(head, room), "  " + cut(what, room - 2)]
+        elif head.startswith("ERROR: "):  # printed whole under the table
+            out.append(cut(head, room))
+        else:  # a host finding's message: all of it matters
+            out += textwrap.wrap(head, room, subsequent_indent="  ") or [""]
     return "\n".join(out)
 
 

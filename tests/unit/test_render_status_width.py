@@ -115,3 +115,15 @@ def test_short_of_room_health_puts_its_code_under_the_severity() -> None:
     at = next(i for i, line in enumerate(lines) if "CRITICAL" in line)
     assert "remap_failure" not in lines[at] and "remap_failure" in lines[at + 1]
     assert "CRITICAL remap_failure" in status_table([res], {})  # a pipe: one line
+
+
+def test_a_host_findings_message_wraps_rather_than_being_cut() -> None:
+    res = blackwell_node()
+    text = status_table([res], {}, {"blackwell-node-01": 9}, width=120)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    at = next(i for i, line in enumerate(lines) if " host " in line)
+    col = lines[at].index("8 GPU(s)")  # HOLDERS, the last column
+    assert lines[at][col:] != "8 GPU(s) found, the inventory expects 9"  # it did not fit...
+    found = " ".join(line[col:].strip() for line in lines[at:at + 2])
+    assert found == "8 GPU(s) found, the inventory expects 9", lines[at:at + 2]  # ...all of it
