@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from cli_helpers import GPUFLEET, REPO_ROOT, home, run_gpufleet  # noqa: F401  (home: fixture)
+from cli_helpers import GPUFLEET, REPO_ROOT, home, parse_table, run_gpufleet  # noqa: F401  (home: fixture)
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour (SGR); the progress line on stderr uses \x1b[K
 
@@ -104,6 +104,13 @@ def test_a_terminal_gets_colour_and_120_columns_a_pipe_plain_whole_lines(
     assert piped.rc == 1 and "\x1b[" not in piped.stdout, str(piped)
     assert ("%d %s 40000MiB train_dflash.py --config configs/dflash-70b.yaml --epochs 3"
             % (trainer, lab.user)) in piped.stdout, str(piped)
+
+    wide = run_gpufleet(home, inv, "status", "--wide", "--host", "gpu-node-01", "--host", "blind")
+    rows = {(r["HOST"], r["GPU"]): r for r in parse_table(wide.stdout, "HOST")}
+    # NVML's readings (the fake driver's recorded 37 C, 126 W); none through nvidia-smi
+    assert (rows[("gpu-node-01", "0")]["TEMP (C)"], rows[("gpu-node-01", "0")]["POWER (W)"]) == (
+        "37", "126"), str(wide)
+    assert (rows[("blind", "0")]["TEMP (C)"], rows[("blind", "0")]["POWER (W)"]) == ("n/a", "n/a")
 
     rc, health = on_pty(home, inv, "health", "--host", "gpu-node-01")
     assert rc == 1 and f"{RED}CRITICAL{RESET}" in health, health
