@@ -9,6 +9,7 @@ import click
 from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
 from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
 from gpufleet.cli.output import snapshot_warnings, warn
+from gpufleet.cli.tty import styled
 from gpufleet.errors import UsageError
 from gpufleet.render.clean import clean_document, outcome_table, plan_text
 from gpufleet.render.common import to_json
@@ -97,7 +98,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
                     progress=progress, on_interrupt=_on_interrupt(phase),
                     on_cancel=_on_cancel(phase))
     if run.interrupted == "planning" and not dry_run:  # nothing is signalled anywhere
-        click.echo(terminal_safe(outcome_table(run.results)))
+        click.echo(styled(outcome_table(run.results), "CLEAN"))
         click.echo("gpufleet: interrupted while planning: nothing signalled on any host", err=True)
         return run.exit_code
     if run.declined:
@@ -108,7 +109,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     if as_json:
         click.echo(to_json(clean_document(run.results, dry_run)))
     else:
-        click.echo(terminal_safe(outcome_table(run.results)))
+        click.echo(styled(outcome_table(run.results), "CLEAN"))
     warn_once(run.results)
     if run.interrupted:
         click.echo(_interrupted_line(run.results), err=True)

@@ -8,7 +8,7 @@ import click
 
 from gpufleet.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from gpufleet.ops.fanout import ABANDONED, NOT_STARTED
-from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options, terminal_safe
+from gpufleet.cli import AGENT_PAYLOAD, AppContext, cli, prefetch, selection_options
 from gpufleet.cli.output import snapshot_warnings, warn, write_whole
 
 
@@ -29,14 +29,21 @@ def parse_interval(text: Optional[str], option: str) -> Optional[float]:
 @cli.command()
 @selection_options
 @click.option("--json", "as_json", is_flag=True, help="Print the documented JSON document.")
+@click.option("--wide", is_flag=True,
+              help="Also TEMP (C) and POWER (W) per GPU (NVML's readings; n/a through nvidia-smi).")
 @click.option("--watch", "watch", default=None, metavar="SECONDS",
               help="Stay connected; print the status every SECONDS (with --json: NDJSON, one "
                    "document per line) until interrupted.")
 @click.pass_obj
-def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Optional[str]) -> int:
+def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, wide: bool,
+           watch: Optional[str]) -> int:
     """GPUs, memory and holders of the selected hosts (one SSH exec per host).
 
-    Exit 0 when every host answered, 1 when some host failed, 2 on usage errors.
+    On a terminal the table fits its width (HOLDERS wrap); to a pipe it is whole.
+
+    Exit 0 when every host answered, 1 when some host failed or has a CRITICAL finding of its
+    own (the driver not loaded, fewer GPUs than the inventory's `gpus:`: a `host` row), 2 on
+    usage errors.
     """
     prefetch(AGENT_PAYLOAD)  # compressed (GIL released) while the modules and the inventory load
     from gpufleet.ops.collect import snapshot_hosts
@@ -47,7 +54,7 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     if interval is not None:
         from gpufleet.cli.watch import watch_status
 
-        return watch_status(selected, interval, as_json, app.forks)
+        return watch_status(selected, interval, as_json, app.forks, wide)
     started = time.monotonic()
     prefetch("gpufleet.core.model", "gpufleet.render.status",  # loaded while the agents run
              after_first_start=True)
@@ -63,17 +70,19 @@ def status(app: AppContext, hosts, groups, tags, all_, as_json: bool, watch: Opt
     with HostProgress(selected, "status") as progress:  # stderr, on a terminal only
         results = snapshot_hosts(selected, forks=app.forks, then=encode if as_json else None,
                                  **progress.callbacks())
-    from gpufleet.render.status import host_json, status_json, status_table
+    from gpufleet.render.status import failing_hosts, host_json, status_json, status_table
 
     if as_json:  # hosts that never ran (Ctrl-C) are encoded here
         text = status_json([entries.get(r.host) or host_json(r, expected[r.host], expected_gpus[r.host])
                             for r in results], round(time.monotonic() - started, 3))
         write_whole(text + "\n")  # JSON escapes control characters: nothing to strip
     else:
-        write_whole(terminal_safe(status_table(results, expected, expected_gpus)) + "\n")
+        from gpufleet.cli.tty import styled, table_width
+
+        table = status_table(results, expected, expected_gpus, wide, table_width())
+        write_whole(styled(table, "STATUS") + "\n")
         warn(snapshot_warnings(results, selected))  # --json: in the document's warnings
     if any(r.error in (NOT_STARTED, ABANDONED) for r in results):
         click.echo("gpufleet: interrupted: rows above are what was gathered", err=True)
         return EXIT_INTERRUPTED
-    failed = any(not r.ok or r.snapshot is None or not r.snapshot.nvidia_smi_ok for r in results)
-    return EXIT_FAILED if failed else EXIT_OK
+    return EXIT_FAILED if failing_hosts(results, expected_gpus) else EXIT_OK

@@ -133,7 +133,7 @@ class Top:
                  readonly: bool, audit_log: Optional[str], actions_refused: str = ""):
         self.scr, self.fleet = scr, fleet
         self.hosts = {h.name: h for h in hosts}
-        self.info = {h.name: HostInfo(tuple(h.tags or ()), int(h.unattributed_mib or 0))
+        self.info = {h.name: HostInfo(tuple(h.tags or ()), int(h.unattributed_mib or 0), h.gpus)
                      for h in hosts}
         self.audit_log = audit_log
         self.state = TopState(interval_s=interval, readonly=readonly,

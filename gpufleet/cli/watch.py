@@ -55,10 +55,12 @@ def wait_first_round(fleet: Any, hosts: Sequence[Host], forks: int) -> None:
         generation = fleet.wait_change(generation, 0.2)
 
 
-def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: int) -> int:
+def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: int,
+                 wide: bool = False) -> int:
     from gpufleet.ops.live import LiveFleet
 
     expected = {h.name: int(h.unattributed_mib or 0) for h in hosts}
+    expected_gpus = {h.name: h.gpus for h in hosts}
     docs: list[Any] = []  # render.status.HostDocs, once the renderers have loaded
 
     def prepare(result: Any) -> None:  # in the host's thread, as its snapshot arrives
@@ -86,7 +88,8 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
                     doc["time"] = round(time.time(), 3)
                     write_whole(json.dumps(doc, separators=(",", ":")) + "\n")
                 else:
-                    write_whole(_text(views, expected, now, interval) + "\n")
+                    write_whole(_text(views, expected, expected_gpus, now, interval, wide)
+                                + "\n")
                     warn(snapshot_warnings([v.as_result() for v in views], hosts))
                 seq += 1
                 next_at = max(next_at + interval, now)
@@ -97,15 +100,23 @@ def watch_status(hosts: Sequence[Host], interval: float, as_json: bool, forks: i
             fleet.stop()
 
 
-def _text(views: Sequence[Any], expected: dict[str, int], now: float, interval: float) -> str:
+def _text(views: Sequence[Any], expected: dict[str, int], expected_gpus: dict[str, Any],
+          now: float, interval: float, wide: bool) -> str:
+    from gpufleet.cli.tty import colour, styled, table_width
     from gpufleet.render.status import status_table
 
     head = time.strftime("%H:%M:%S") + f"  (every {interval:g}s; Ctrl-C ends)"
-    table = status_table([v.as_result() for v in views], expected)
+    table = status_table([v.as_result() for v in views], expected, expected_gpus, wide,
+                         table_width())
     notes = []
     for view in views:
         if view.state(now) == STALE:
             age = view.age_s(now) or 0.0
             why = view.failure.message if view.failure else "no new snapshot"
-            notes.append(f"{view.host}: stale, last snapshot {age:.0f}s ago: {why}")
-    return terminal_safe("\n".join([head, table] + notes)) + "\n"
+            notes.append((view.host, terminal_safe(
+                f"{view.host}: stale, last snapshot {age:.0f}s ago: {why}")))
+    if colour():
+        from gpufleet.render.style import paint_stale
+
+        notes = [(host, paint_stale(line, terminal_safe(host))) for host, line in notes]
+    return "\n".join([head, styled(table, "STATUS")] + [line for _, line in notes]) + "\n"

@@ -14,19 +14,28 @@ failure means the GPU is out of spare rows (RMA).
 A reset is the action only where gpufleet's reset rules allow one (root, the host itself, not
 WSL2: the same conditions as ``gpufleet clean --reset``); elsewhere the node is drained and
 rebooted instead. Xid events are since boot: the kernel log holds nothing older.
+
+A reading that could not be taken is unknown, never OK (core/readings.py): a GPU that gave
+none is UNKNOWN (``no_readings``), one that gave some names the others (``readings_missing``,
+an OK finding, as ``xid_unavailable`` is).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
+from gpufleet.core import readings
+from gpufleet.core.xidcatalog import (CHECK_MECHANICALS_XIDS, IGNORE_XIDS, RESET_GPU_XIDS,
+                                     RESTART_APP_XIDS, RESTART_BM_XIDS, XID_NAMES)
 from gpufleet.core.model import GpuInfo, HostResult, KernelLog, Snapshot, XidEvent
 
 OK = "OK"
+UNKNOWN = "UNKNOWN"  # nothing could be read: not OK, and no known fault either
 WARN = "WARN"
 CRITICAL = "CRITICAL"
-SEVERITIES = (OK, WARN, CRITICAL)
-RANK = {OK: 0, WARN: 1, CRITICAL: 2}
+SEVERITIES = (OK, UNKNOWN, WARN, CRITICAL)
+RANK = {OK: 0, UNKNOWN: 1, WARN: 2, CRITICAL: 3}  # order only; exporters read VALUE
+VALUE = {OK: 0, WARN: 1, CRITICAL: 2, UNKNOWN: -1}  # finding_values (docs/health.md)
 
 # Actions, mildest first (a GPU's action is that of its worst finding, then the most drastic).
 NONE = "none"
@@ -46,25 +55,6 @@ ACTION_TEXT = {
     DRAIN_REBOOT: "drain and reboot the node",
     CONTACT_SUPPORT: "contact support / RMA",
 }
-
-# NVIDIA's Xid catalog, "Resolution Bucket (Immediate Action)" (see the module docstring).
-_RESTART_APP_XIDS = frozenset([8, 11, 13, 25, 31, 32, 39, 40, 41, 60, 68, 69, 70, 71, 72, 75, 76,
-                               77, 80, 82, 83, 84, 85, 86, 88, 89, 94, 96, 97, 98, 99, 100,
-                               101, 102, 103, 104, 105, 126, 127, 128, 129, 130, 131, 132, 133,
-                               134, 135, 139])
-_RESET_GPU_XIDS = frozenset([46, 48, 62, 64, 74, 95, 109, 110, 119, 120, 136, 140, 143, 144,
-                             145, 146, 147, 148, 149, 150, 155, 156, 158, 162])
-_RESTART_BM_XIDS = frozenset([79, 160])
-# IGNORE (and WORKFLOW_XID_45: channel teardown on a normal exit or kill, benign)
-_IGNORE_XIDS = frozenset([14, 37, 38, 43, 44, 45, 63, 66, 67, 92, 93, 106, 107, 121, 137, 141,
-                          152, 153, 157, 161])
-_CHECK_MECHANICALS_XIDS = frozenset([54])
-XID_NAMES = {13: "Graphics Engine Exception", 31: "GPU memory page fault",
-             43: "GPU stopped processing", 45: "preemptive cleanup", 48: "double bit ECC error",
-             63: "row remapping recorded", 64: "row remapping failure", 74: "NVLink error",
-             79: "GPU has fallen off the bus", 92: "high single-bit ECC error rate",
-             94: "contained ECC error", 95: "uncontained ECC error", 119: "GSP RPC timeout",
-             120: "GSP error"}
 
 NVML_DRIVER_NOT_LOADED = 9
 NVML_CORRUPTED_INFOROM = 14
@@ -100,6 +90,7 @@ class GpuHealth:
     uuid: Optional[str]
     name: Optional[str]
     findings: tuple[Finding, ...] = ()
+    unknown: tuple[str, ...] = ()  # reading groups not taken (core/readings.py)
 
     @property
     def severity(self) -> str:
@@ -191,15 +182,15 @@ def xid_finding(event: XidEvent) -> Finding:
     code = event.code
     what = XID_NAMES.get(code, "see NVIDIA's Xid catalog")
     text = f"Xid {code} ({what}) x{event.count} since boot"
-    if code in _RESTART_BM_XIDS:
+    if code in RESTART_BM_XIDS:
         sev, action = CRITICAL, DRAIN_REBOOT
-    elif code in _RESET_GPU_XIDS:
+    elif code in RESET_GPU_XIDS:
         sev, action = CRITICAL, RESET_GPU
-    elif code in _RESTART_APP_XIDS:
+    elif code in RESTART_APP_XIDS:
         sev, action = WARN, RESTART_APP
-    elif code in _IGNORE_XIDS:
+    elif code in IGNORE_XIDS:
         sev, action = OK, NONE
-    elif code in _CHECK_MECHANICALS_XIDS:
+    elif code in CHECK_MECHANICALS_XIDS:
         sev, action = WARN, INSPECT
     else:
         sev, action = WARN, CONTACT_SUPPORT
@@ -256,13 +247,27 @@ def link_findings(gpu: GpuInfo) -> list[Finding]:
     return out
 
 
+def readings_finding(missing: tuple[str, ...]) -> Optional[Finding]:
+    """What was not read: every group (UNKNOWN: no finding would mean nothing), or some."""
+    if not missing:
+        return None
+    if len(missing) == len(readings.READINGS):
+        return Finding("no_readings", UNKNOWN,
+                       f"nothing could be read ({readings.describe(missing)})", NONE)
+    return Finding("readings_missing", OK, f"not read: {readings.describe(missing)}", NONE)
+
+
 def gpu_findings(snapshot: Snapshot, gpu: GpuInfo, xids: Sequence[XidEvent]) -> GpuHealth:
     found: list[Finding] = memory_findings(gpu) + link_findings(gpu)
     if any(code == NVML_CORRUPTED_INFOROM for _, code in gpu.nvml_error_codes):
         found.append(Finding("inforom_corrupted", WARN, "InfoROM corrupted", CONTACT_SUPPORT))
     found += [xid_finding(x) for x in xids]
+    missing = readings.unknown(gpu)
+    unread = readings_finding(missing)
+    if unread is not None:
+        found.append(unread)
     return GpuHealth(gpu.index, short_pci(gpu.pci_bus_id), gpu.uuid, gpu.name,
-                     tuple(_reset_or_reboot(snapshot, f) for f in found))
+                     tuple(_reset_or_reboot(snapshot, f) for f in found), missing)
 
 
 def host_level(snapshot: Snapshot, expected_gpus: Optional[int], seen: int) -> list[Finding]:
@@ -333,6 +338,26 @@ def assess_result(result: HostResult, expected_gpus: Optional[int] = None) -> Ho
     return assess(result.host, result.snapshot, expected_gpus)
 
 
+def critical_host_findings(health: HostHealth) -> list[Finding]:
+    """The host's own CRITICAL findings (driver not loaded, GPUs missing, ...): what makes a
+    host that answered one `status` must not pass (exit 1), as it could not be read whole."""
+    return [f for f in health.host_findings if f.severity == CRITICAL]
+
+
+def tally(report: Sequence[HostHealth]) -> tuple[dict[str, int], dict[str, int]]:
+    """(GPUs per severity, host findings per severity) over the hosts that answered: what
+    every summary line counts. OK host findings (notes such as xid_unavailable) are left out."""
+    gpus = {sev: 0 for sev in SEVERITIES}
+    hosts = {sev: 0 for sev in SEVERITIES}
+    for h in report:
+        for g in h.gpus:
+            gpus[g.severity] += 1
+        for f in h.host_findings:
+            if f.severity != OK:
+                hosts[f.severity] += 1
+    return gpus, hosts
+
+
 def job_refusal(health: HostHealth, gpus: Optional[Sequence[int]] = None) -> Optional[str]:
     """For a Slurm prolog: why a job must not start on these GPUs (None: it may). A CRITICAL
     finding on one of them, or on the host, refuses it; so does a host that gave no readings."""
@@ -352,19 +377,20 @@ def job_refusal(health: HostHealth, gpus: Optional[Sequence[int]] = None) -> Opt
 
 
 def finding_values(health: HostHealth) -> list[dict[str, Any]]:
-    """For an exporter: one value per finding and per GPU, labels and a number (OK 0, WARN 1,
-    CRITICAL 2), so a metric such as gpufleet_gpu_health{host,gpu,pci,code} needs no parsing."""
+    """For an exporter: one value per finding and per GPU, labels and a number (VALUE: OK 0,
+    WARN 1, CRITICAL 2, UNKNOWN -1), so a metric such as gpufleet_gpu_health{host,gpu,pci,code}
+    needs no parsing."""
     out: list[dict[str, Any]] = []
     for g in health.gpus:
         gpu = "" if g.index is None else str(g.index)
         out.append({"host": health.host, "gpu": gpu, "pci": g.pci or "", "code": "",
-                    "severity": g.severity, "value": RANK[g.severity], "action": g.action})
+                    "severity": g.severity, "value": VALUE[g.severity], "action": g.action})
         for f in g.findings:
             out.append({"host": health.host, "gpu": gpu, "pci": g.pci or "", "code": f.code,
-                        "severity": f.severity, "value": RANK[f.severity], "action": f.action})
+                        "severity": f.severity, "value": VALUE[f.severity], "action": f.action})
     for f in health.host_findings:
         out.append({"host": health.host, "gpu": "", "pci": "", "code": f.code,
-                    "severity": f.severity, "value": RANK[f.severity], "action": f.action})
+                    "severity": f.severity, "value": VALUE[f.severity], "action": f.action})
     return out
 
 

@@ -6,9 +6,12 @@ from typing import Any, Optional, Sequence
 
 from gpufleet.core.plan import Plan
 from gpufleet.core.gpus import format_gpu_ranges
+from gpufleet.render.command import command_summary
+from gpufleet.render.common import TABLE_WIDTH, fit_column
 from gpufleet.render.table import render_table
 
 CLEAN_HEADERS = ["HOST", "GPUS", "SIGNALLED", "REFUSED", "FREED (MiB)", "LEFT (MiB)", "VERDICT", "TIME"]
+PLAN_HEADERS = ["SIGNAL PID", "USER", "GPUS", "EVIDENCE", "ORDER", "MiB", "OWNER", "COMMAND"]
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -23,13 +26,14 @@ def plan_text(plan: Plan) -> str:
     for unit in plan.units_to_stop:
         lines.append(f"  stop unit {unit.unit}{' and disable it' if unit.disable else ''} first")
     if plan.targets:
-        rows = [[t.pid, _short(t.name, 28), format_gpu_ranges(t.gpus) or "-", t.evidence,
+        rows = [[t.pid, _short(t.user or "?", 12), format_gpu_ranges(t.gpus) or "-", t.evidence,
                  "root" if t.wave == 0 else f"child of {t.family_root}",
                  "-" if t.used_mib is None else t.used_mib, _owner_cell(t),
-                 _short(t.cmdline, 40)]
+                 command_summary(t.cmdline, t.name, 60)]
                 for t in sorted(plan.targets, key=lambda t: (t.wave, t.pid))]
-        table = render_table(rows, ["SIGNAL PID", "NAME", "GPUS", "EVIDENCE", "ORDER", "MiB",
-                                    "OWNER", "CMDLINE"])
+        # what runs last, cut to what the width leaves (the plan is indented by 2)
+        fit_column(rows, PLAN_HEADERS, len(PLAN_HEADERS) - 1, TABLE_WIDTH - 2, 20)
+        table = render_table(rows, PLAN_HEADERS)
         lines.extend("  " + line for line in table.splitlines())
         if plan.settle_s > 0:
             lines.append(f"  then watch for {plan.settle_s:g} s that nothing takes the GPUs back "

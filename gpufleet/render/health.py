@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from gpufleet.core.health import ACTION_TEXT, OK, GpuHealth, HostHealth
+from gpufleet.core.health import (ACTION_TEXT, CRITICAL, OK, UNKNOWN, WARN, GpuHealth, HostHealth,
+                                  tally)
 from gpufleet.render.common import error_cell, terminal_safe, to_json  # noqa: F401 (re-exported)
 from gpufleet.render.table import render_table
 
@@ -51,13 +52,22 @@ def health_rows(report: Sequence[HostHealth]) -> list[list[str]]:
 
 
 def summary_line(report: Sequence[HostHealth]) -> str:
+    """Hosts, GPUs by severity and the hosts' own findings: a CRITICAL `gpu_count` is no GPU's,
+    and a summary that left it out would read as all sound."""
     failed = sum(1 for h in report if not h.ok)
-    counts = {"OK": 0, "WARN": 0, "CRITICAL": 0}
-    for h in report:
-        for g in h.gpus:
-            counts[g.severity] += 1
-    return (f"hosts: {len(report) - failed} ok, {failed} failed; GPUs: {counts['OK']} OK, "
-            f"{counts['WARN']} WARN, {counts['CRITICAL']} CRITICAL")
+    gpus, hosts = tally(report)
+    return (f"hosts: {len(report) - failed} ok, {failed} failed; GPUs: "
+            + ", ".join(f"{gpus[sev]} {sev}" for sev in (OK, UNKNOWN, WARN, CRITICAL))
+            + f"; host findings: {hosts[WARN]} WARN, {hosts[CRITICAL]} CRITICAL")
+
+
+def health_summary(report: Sequence[HostHealth]) -> str:
+    """``health: 15 OK, 1 UNKNOWN; host findings: 1 CRITICAL`` for `status` and `top`'s
+    summary lines: the severities present, the hosts' own findings whenever there is one."""
+    gpus, hosts = tally(report)
+    text = "health: " + (", ".join(f"{n} {sev}" for sev, n in gpus.items() if n) or "no GPUs")
+    found = ", ".join(f"{n} {sev}" for sev, n in hosts.items() if n)
+    return text + (f"; host findings: {found}" if found else "")
 
 
 def health_table(report: Sequence[HostHealth]) -> str:
@@ -68,7 +78,7 @@ def health_table(report: Sequence[HostHealth]) -> str:
 def gpu_doc(g: GpuHealth) -> dict[str, Any]:
     return {"index": g.index, "pci": g.pci, "uuid": g.uuid, "name": g.name,
             "severity": g.severity, "action": g.action, "action_text": ACTION_TEXT[g.action],
-            "findings": [f.as_dict() for f in g.findings]}
+            "unknown": list(g.unknown), "findings": [f.as_dict() for f in g.findings]}
 
 
 def health_document(report: Sequence[HostHealth]) -> dict[str, Any]:

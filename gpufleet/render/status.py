@@ -1,26 +1,26 @@
-"""Status as a table or as the documented JSON document (pure: values in, text out).
-
-The JSON keys are a contract (README "status --json"); more keys may be added, none renamed.
+"""Status as a table (pure: values in, text out); the JSON document is render/status_json.py,
+whose names are re-exported here.
 """
 from __future__ import annotations
 
-import json
-from typing import Any, Iterable, Optional, Sequence
-
+import textwrap
+from typing import Optional, Sequence
 
 from gpufleet.core import health, mps, policy
-from gpufleet.core.health import OK, RANK, GpuHealth, HostHealth
-from gpufleet.core.live import STALE, LiveHost
-from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS
-from gpufleet.core.model import GpuInfo, GpuLedger, HostResult, Snapshot, ledger
-from gpufleet.core.model import driver_allowance_mib
-from gpufleet.core.results import Failure
-from gpufleet.errors import COMMAND, TIMEOUT
+from gpufleet.core.health import OK, RANK, UNKNOWN, GpuHealth, HostHealth
+from gpufleet.core.model import GpuInfo, GpuLedger, HostResult, Snapshot, driver_allowance_mib, ledger
 from gpufleet.render.table import render_table
-from gpufleet.render.common import NA, error_cell, fmt_mib, terminal_safe, to_json  # noqa: F401 (re-exported)
+from gpufleet.render.common import (NA, column_room, cut, error_cell, fmt_mib,  # noqa: F401
+                                    short_gpu_name, terminal_safe, to_json)
+from gpufleet.render.command import process_cells
+from gpufleet.render.health import health_summary
+from gpufleet.render.status_json import (BUSY_TOLERANCE_MIB, HEALTH_READINGS, HostDocs,  # noqa: F401
+                                         host_doc, host_json, status_document, status_json,
+                                         watch_document)
 
-BUSY_TOLERANCE_MIB = policy.DEFAULT_TOLERANCE_MIB
-HEALTH_READINGS = HEALTH_INT_KEYS + HEALTH_BOOL_KEYS  # per GPU in status JSON: what `gpufleet health` reads  # clean's --tolerance-mib default
+HOLDER_WIDTH = 60  # what runs, at most (the table cuts it further to fit its width)
+ERROR_WIDTH = 100  # of an error in the table (render.common.error_cell); all of it below
+WRAP = "\t"  # where a holder's line may wrap: a tab, which no process text keeps (escaped)
 
 
 def cell_text(text: str) -> str:
@@ -28,25 +28,30 @@ def cell_text(text: str) -> str:
     return terminal_safe(text, one_line=True)
 
 
-def _process_name(snapshot: Snapshot, pid: int, fallback: str) -> str:
-    proc = snapshot.processes.get(pid)
-    return cell_text(proc.name if proc is not None else (fallback or "?"))
+def holder_line(snapshot: Snapshot, pid: int, fallback: str, amount: str) -> str:
+    """``353 alice 29996MiB train_dflash.py --epochs 3``: the PID, the user, how much (or which
+    device files), a foreign container, and what runs (render.command), last so that cutting
+    the line to the table's width cuts only that."""
+    user, container, what = process_cells(snapshot, pid, fallback, HOLDER_WIDTH)
+    head = " ".join(w for w in (str(pid), user, amount, f"[{container}]" if container else "")
+                    if w)
+    return head + WRAP + what  # fit_holders: one line, or the head and an indented "what"
 
 
 def holders_text(snapshot: Snapshot, gpu: GpuInfo,
                  refused: Optional[dict[int, policy.ListingCheck]] = None) -> str:
-    """`VLLM::Worker 1234 700MiB`, one per line: what nvidia-smi attributes to this GPU; a
-    listed process that holds nothing of it is marked (policy.listing_check), and so is a CUDA
-    MPS server's memory (expected while MPS runs)."""
+    """One line per process nvidia-smi attributes to this GPU (holder_line); a listed process
+    that holds nothing of it is marked (policy.listing_check), and so is a CUDA MPS server's
+    memory (expected while MPS runs)."""
     parts = []
     servers = mps.servers(snapshot)
     for app in snapshot.apps_on(gpu.index):
-        name = _process_name(snapshot, app.pid, app.process_name)
         mark = "" if app.pid in snapshot.processes else " (not in /proc)"
         if refused and app.pid in refused:
             mark = " (untrusted row)"
         mark += " (MPS server)" if app.pid in servers else ""
-        parts.append(f"{name} {app.pid} {fmt_mib(app.used_mib)}{mark}")
+        used = NA if app.used_mib is None else f"{app.used_mib}MiB"  # MiB, as every column
+        parts.append(holder_line(snapshot, app.pid, app.process_name, used + mark))
     return "\n".join(parts) if parts else "-"
 
 
@@ -66,7 +71,7 @@ def unlisted_holders_text(snapshot: Snapshot, expected_mib: int = 0,
         gpus = snapshot.holder_gpu_indices(holder)
         where = f"GPUs {format_gpu_list(gpus)}" if gpus else ", ".join(
             d.rsplit("/", 1)[-1] for d in holder.devices)
-        parts.append(f"{_process_name(snapshot, holder.pid, '?')} {holder.pid} (fd: {where})")
+        parts.append(holder_line(snapshot, holder.pid, "?", f"(fd: {where})"))
     return "\n".join(parts)
 
 
@@ -84,11 +89,15 @@ def gpu_is_busy(snapshot: Snapshot, gpu: GpuInfo, expected_mib: int) -> bool:
 
 
 def health_cell(gpu: Optional[GpuHealth]) -> str:
-    """The HEALTH column: OK, or the worst finding's severity and code (``CRITICAL xid_79``)."""
+    """The HEALTH column: the worst finding's severity and code (``CRITICAL xid_79``);
+    UNKNOWN when no reading could be taken; ``OK (partial)`` when some could not (`health`
+    names them): a GPU nothing was learnt about must not read as OK."""
     if gpu is None:
         return NA
     top = gpu.worst_finding
-    return OK if top is None else f"{top.severity} {top.code}"
+    if top is None:
+        return OK + (" (partial)" if gpu.unknown else "")
+    return UNKNOWN if top.severity == UNKNOWN else f"{top.severity} {top.code}"
 
 
 def host_health_cell(h: HostHealth) -> str:
@@ -101,60 +110,84 @@ def host_health_cell(h: HostHealth) -> str:
     return f"{top.severity} {top.code}"
 
 
+# HOLDERS last: its lines are the long ones, wrapped and cut to a terminal's width
+COLUMNS = {"host": "HOST", "gpu": "GPU", "name": "NAME", "memory": "MEMORY (MiB)",
+           "util": "UTIL", "temp": "TEMP (C)", "power": "POWER (W)",
+           "unattr": "UNATTR (MiB)", "health": "HEALTH", "holders": "HOLDERS"}
+WIDE = ("temp", "power")  # `status --wide`: NVML's readings (n/a from nvidia-smi)
+STATUS_HEADERS = [h for k, h in COLUMNS.items() if k not in WIDE]
+
+
+def status_headers(wide: bool = False) -> list[str]:
+    return [h for k, h in COLUMNS.items() if wide or k not in WIDE]
+
+
+def _row(cells: dict[str, str], wide: bool) -> list[str]:
+    """One table row from its cells by column key (absent: empty)."""
+    return [cells.get(k, "") for k in COLUMNS if wide or k not in WIDE]
+
+
+def _mib(value: Optional[int]) -> str:
+    return NA if value is None else str(value)
+
+
+def gpu_cells(snap: Snapshot, gpu: GpuInfo, row: GpuLedger, exp: int) -> dict[str, str]:
+    """A GPU's numbers in the units of the headers: MiB, %, degrees C, W."""
+    unattr = _mib(row.unattributed_mib)
+    if row.unexpected_mib and row.unexpected_mib > BUSY_TOLERANCE_MIB:
+        unattr += " !"
+    elif row.unattributed_mib and exp:
+        unattr += " (exp)"
+    return {"gpu": str(gpu.index), "name": short_gpu_name(gpu.name),
+            "memory": f"{_mib(gpu.memory_used_mib)} / {_mib(gpu.memory_total_mib)}",
+            "util": NA if gpu.utilization_pct is None else f"{gpu.utilization_pct}%",
+            "temp": _mib(gpu.temperature_c),
+            "power": NA if gpu.power_w is None else f"{gpu.power_w:.0f}", "unattr": unattr}
+
+
+def host_rows(res: HostResult, expected: dict[str, int],
+              expected_gpus: Optional[dict[str, Optional[int]]], wide: bool) -> list[list[str]]:
+    """A host's rows: one per GPU, the `fd` and `clients` rows, a `host` row per finding of
+    its own; one row with the reason when it could not be read."""
+    snap = res.snapshot
+    dash = {k: "-" for k in COLUMNS}
+    if not res.ok or snap is None:
+        return [_row(dict(dash, host=res.host, holders=error_cell(res.error)), wide)]
+    hh = health.assess(res.host, snap, (expected_gpus or {}).get(res.host))
+    if not snap.nvidia_smi_ok or not snap.gpus:
+        why = error_cell(snap.nvidia_smi_error) if not snap.nvidia_smi_ok else "-"
+        name = "no GPUs" if snap.nvidia_smi_ok else "-"
+        return [_row(dict(dash, host=res.host, name=name, holders=why,
+                          health=host_health_cell(hh)), wide)]
+    exp = expected.get(res.host, 0)
+    refused = policy.refused_listings(snap)
+    view = policy.without_refused_listings(snap, drop_holders=False)
+    led = {row.index: row for row in ledger(view, exp)}
+    rows = [_row(dict(gpu_cells(snap, gpu, led[gpu.index], exp), host=res.host,
+                      holders=holders_text(snap, gpu, refused),
+                      health=health_cell(hh.gpu(gpu.index))), wide) for gpu in snap.gpus]
+    unlisted = unlisted_holders_text(view, exp)
+    if unlisted:  # device files open, no listing: possible holders, once per host
+        rows.append(_row({"host": res.host, "gpu": "fd", "name": "not listed",
+                          "holders": unlisted}, wide))
+    clients = unlisted_holders_text(view, exp, policy.ROLE_CLIENT)
+    if clients:  # monitors and exporters: device files open, no evidence of memory
+        rows.append(_row({"host": res.host, "gpu": "clients", "name": "no memory",
+                          "holders": clients}, wide))
+    return rows + [_row({"host": hh.host, "gpu": "host", "holders": cell_text(f.message),
+                         "health": f"{f.severity} {f.code}"}, wide)
+                   for f in hh.host_findings if f.severity != OK]
+
+
 def status_rows(results: Sequence[HostResult], expected: dict[str, int],
-                expected_gpus: Optional[dict[str, Optional[int]]] = None) -> list[list[str]]:
-    rows: list[list[str]] = []
-    for res in results:
-        snap = res.snapshot
-        if not res.ok or snap is None:
-            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(res.error), "-"])
-            continue
-        hh = health.assess(res.host, snap, (expected_gpus or {}).get(res.host))
-        if not snap.nvidia_smi_ok:
-            rows.append([res.host, "-", "-", "-", "-", "-", error_cell(snap.nvidia_smi_error),
-                         host_health_cell(hh)])
-            continue
-        if not snap.gpus:
-            rows.append([res.host, "-", "no GPUs", "-", "-", "-", "-", host_health_cell(hh)])
-            continue
-        exp = expected.get(res.host, 0)
-        refused = policy.refused_listings(snap)
-        view = policy.without_refused_listings(snap, drop_holders=False)
-        led = {row.index: row for row in ledger(view, exp)}
-        for gpu in snap.gpus:
-            row = led[gpu.index]
-            unattr = fmt_mib(row.unattributed_mib)
-            if row.unexpected_mib and row.unexpected_mib > BUSY_TOLERANCE_MIB:
-                unattr += " !"
-            elif row.unattributed_mib and exp:
-                unattr += " (expected)"
-            util = NA if gpu.utilization_pct is None else f"{gpu.utilization_pct}%"
-            rows.append(
-                [
-                    res.host,
-                    str(gpu.index),
-                    gpu.name,
-                    f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}",
-                    util,
-                    unattr,
-                    holders_text(snap, gpu, refused),
-                    health_cell(hh.gpu(gpu.index)),
-                ]
-            )
-        unlisted = unlisted_holders_text(view, exp)
-        if unlisted:
-            rows.append([res.host, "fd", "open device files, not listed by nvidia-smi", "", "", "", unlisted, ""])
-        clients = unlisted_holders_text(view, exp, policy.ROLE_CLIENT)
-        if clients:
-            rows.append([res.host, "clients", "GPU clients (monitors, exporters): no memory", "",
-                         "", "", clients, ""])
-    return rows
+                expected_gpus: Optional[dict[str, Optional[int]]] = None,
+                wide: bool = False) -> list[list[str]]:
+    return [row for res in results for row in host_rows(res, expected, expected_gpus, wide)]
 
 
-STATUS_HEADERS = ["HOST", "GPU", "NAME", "MEMORY", "UTIL", "UNATTRIBUTED", "HOLDERS", "HEALTH"]
-
-
-def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str:
+def summary_line(results: Sequence[HostResult], expected: dict[str, int],
+                 expected_gpus: Optional[dict[str, Optional[int]]] = None) -> str:
+    """Hosts, busy and free GPUs, and the health of what answered (host findings too)."""
     ok = sum(1 for r in results if r.ok and r.snapshot is not None and r.snapshot.nvidia_smi_ok)
     failed = len(results) - ok
     busy = free = 0
@@ -165,19 +198,78 @@ def summary_line(results: Sequence[HostResult], expected: dict[str, int]) -> str
                     busy += 1
                 else:
                     free += 1
-    return f"hosts: {ok} ok, {failed} failed; GPUs: {busy} busy, {free} free"
+    report = [health.assess_result(r, (expected_gpus or {}).get(r.host)) for r in results]
+    return f"hosts: {ok} ok, {failed} failed; GPUs: {busy} busy, {free} free; " + \
+        health_summary(report)
+
+
+def failing_hosts(results: Sequence[HostResult],
+                  expected_gpus: Optional[dict[str, Optional[int]]] = None) -> list[str]:
+    """Hosts `status` must not pass (exit 1): not reached, GPUs not read, or a CRITICAL
+    finding of the host itself (driver not loaded, GPUs missing: it could not be read whole)."""
+    out = []
+    for r in results:
+        if not r.ok or r.snapshot is None or not r.snapshot.nvidia_smi_ok or \
+                health.critical_host_findings(health.assess_result(r, (expected_gpus or {}).get(r.host))):
+            out.append(r.host)
+    return out
+
+
+HOLDERS_FLOOR = 20  # below this a holder's PID, user and MiB no longer fit one line
+HOLDERS_SHORT = 32  # below this a holder's line wraps: HEALTH gives what it can first
+
+
+def fitted_room(rows: list[list[str]], headers: list[str], width: int) -> int:
+    """HOLDERS' room in ``width``; when it is short, HEALTH's findings go below their severity
+    (``CRITICAL`` over ``remap_failure``) to leave more."""
+    room = column_room(rows, headers, len(headers) - 1, width, 0)
+    if room < HOLDERS_SHORT:
+        at = headers.index(COLUMNS["health"])
+        for row in rows:
+            row[at] = row[at].replace(" ", "\n", 1)
+    return column_room(rows, headers, len(headers) - 1, width, HOLDERS_FLOOR)
+
+
+def fit_holders(cell: str, room: Optional[int]) -> str:
+    """A HOLDERS cell in ``room`` columns (None: as long as it is): a holder's line that does
+    not fit goes on as an indented line with what runs, cut if it still does not fit; an error
+    is cut (it is printed whole below), a host finding's message wrapped."""
+    out = []
+    for line in cell.split("\n"):
+        head, _, what = line.partition(WRAP)
+        whole = f"{head} {what}" if what else head
+        if room is None or len(whole) <= room:
+            out.append(whole)
+        elif what:
+            out += [cut(head, room), "  " + cut(what, room - 2)]
+        elif head.startswith("ERROR: "):  # printed whole under the table
+            out.append(cut(head, room))
+        else:  # a host finding's message: all of it matters
+            out += textwrap.wrap(head, room, subsequent_indent="  ") or [""]
+    return "\n".join(out)
 
 
 def status_table(results: Sequence[HostResult], expected: dict[str, int],
-                 expected_gpus: Optional[dict[str, Optional[int]]] = None) -> str:
-    """The table, its summary and the errors cut short in it; the hosts' warnings are not
-    here (core.hostwarnings: the CLI prints them on stderr, away from the rows scripts cut)."""
-    table = render_table(status_rows(results, expected, expected_gpus), STATUS_HEADERS)
-    notes = [f"{name}: {error}" for name, error in _long_errors(results)]
-    return table + "\n" + summary_line(results, expected) + "".join("\n" + n for n in notes)
+                 expected_gpus: Optional[dict[str, Optional[int]]] = None,
+                 wide: bool = False, width: Optional[int] = None) -> str:
+    """The table (``width``: a terminal's, its lines at most that wide: HOLDERS, last, wraps
+    and is cut to what the other columns leave; None: nothing cut, as `ps` writes to a pipe),
+    the summary, then what did not fit: whole errors. The hosts' warnings are not here
+    (core.hostwarnings: the CLI prints them on stderr, away from the rows scripts cut)."""
+    headers = status_headers(wide)
+    rows = status_rows(results, expected, expected_gpus, wide)
+    room = fitted_room(rows, headers, width) if width else None
+    for row in rows:
+        row[-1] = fit_holders(row[-1], room)
+    table = render_table(rows, headers)
+    shown = ERROR_WIDTH if room is None else min(ERROR_WIDTH, room - len("ERROR: "))
+    notes = [f"{name}: {error}" for name, error in _long_errors(results, shown)]
+    return table + "\n" + summary_line(results, expected, expected_gpus) + \
+        "".join("\n" + n for n in notes)
 
 
-def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[str, str]]:
+
+def _long_errors(results: Sequence[HostResult], width: int) -> list[tuple[str, str]]:
     """Errors cut short in the table are printed whole below it: they say what to do."""
     out = []
     for res in results:
@@ -189,194 +281,3 @@ def _long_errors(results: Sequence[HostResult], width: int = 100) -> list[tuple[
     return out
 
 
-def _process_doc(snapshot: Snapshot, pid: int, fallback: str, used_mib: Optional[int],
-                 check: Optional[policy.ListingCheck] = None) -> dict:
-    proc = snapshot.processes.get(pid)
-    return {
-        "pid": pid,
-        "name": proc.name if proc else fallback,
-        "cmdline": proc.cmdline if proc else None,
-        "user": proc.user if proc else None,
-        "state": proc.state if proc else None,
-        "used_mib": used_mib,
-        "unit": proc.unit if proc else None,
-        "user_unit": proc.user_unit if proc else None,
-        "user_unit_uid": proc.user_unit_uid if proc else None,
-        "container": proc.container if proc else None,
-        "starttime": proc.starttime if proc else None,
-        "visible": proc is not None,
-        # policy.listing_check: verified | unverified | refused (null: not in this /proc)
-        "listing": check.trust if check else None,
-        "listing_reason": check.reason if check else None,
-    }
-
-
-def host_doc(res: HostResult, expected_mib: int,
-             expected_gpus: Optional[int] = None) -> dict[str, Any]:
-    snap = res.snapshot
-    doc: dict[str, Any] = {
-        "host": res.host,
-        "ok": bool(res.ok and snap is not None and snap.nvidia_smi_ok),
-        "error": res.error if not res.ok else (None if snap is None or snap.nvidia_smi_ok else snap.nvidia_smi_error),
-        **(res.error_kind_field() if not res.ok else
-           {} if snap is None or snap.nvidia_smi_ok else {"error_kind": COMMAND}),
-        "seconds": round(res.seconds, 3),
-        "facts": snap.facts.as_dict() if snap else {},
-        "gpus": [],
-        "holders": [],
-        "warnings": list(snap.warnings) if snap else [],
-    }
-    if snap is None:
-        return doc
-    view = policy.without_refused_listings(snap, drop_holders=False)
-    led = {row.index: row for row in ledger(view, expected_mib)}
-    hh = health.assess(res.host, snap, expected_gpus)
-    checks = policy.listing_checks(snap)
-    for gpu in snap.gpus:
-        doc["gpus"].append(_gpu_doc(snap, gpu, led[gpu.index], checks))
-        doc["gpus"][-1]["health"] = _health_doc(hh.gpu(gpu.index))
-    doc["health"] = {"severity": hh.severity,
-                     "findings": [f.as_dict() for f in hh.host_findings]}
-    doc["holders"].extend(_holder_docs(snap, expected_mib))
-    doc["holders_vanished"] = list(snap.holders_vanished)
-    doc["fd_unreadable"] = [{"pid": u.pid, "comm": u.comm, "reason": u.reason}
-                            for u in snap.fd_unreadable]
-    doc["gpu_errors"] = [{"index": e.index, "error": e.error, "code": e.code}
-                         for e in snap.gpu_errors]
-    return doc
-
-
-def _gpu_doc(snap: Snapshot, gpu: GpuInfo, row: GpuLedger,
-             checks: dict[int, policy.ListingCheck]) -> dict[str, Any]:
-    """One GPU's entry: nvidia-smi's numbers, the ledger's attribution (refused listings not
-    counted: policy.listing_check), its processes."""
-    return {
-        "index": gpu.index,
-        "uuid": gpu.uuid,
-        "name": gpu.name,
-        "pci_bus_id": gpu.pci_bus_id,
-        "memory_used_mib": gpu.memory_used_mib,
-        "memory_total_mib": gpu.memory_total_mib,
-        "memory_free_mib": gpu.memory_free_mib,
-        "memory_reserved_mib": gpu.memory_reserved_mib,
-        "attributed_mib": row.attributed_mib,
-        "unattributed_mib": row.unattributed_mib,
-        "expected_unattributed_mib": row.expected_unattributed_mib,
-        "unexpected_unattributed_mib": row.unexpected_mib,
-        "driver_allowance_mib": row.driver_allowance_mib,
-        "mps_server_mib": row.mps_server_mib,
-        "utilization_pct": gpu.utilization_pct,
-        "persistence_mode": gpu.persistence_mode,
-        "temperature_c": gpu.temperature_c,
-        "power_w": gpu.power_w,
-        **{key: getattr(gpu, key) for key in HEALTH_READINGS},
-        "clocks_event_names": None if gpu.clocks_event_names is None
-        else list(gpu.clocks_event_names),
-        "processes": [
-            _process_doc(snap, a.pid, a.process_name, a.used_mib, checks.get(a.pid))
-            for a in snap.apps_on(gpu.index)
-        ],
-    }
-
-
-def _health_doc(g: Optional[GpuHealth]) -> Optional[dict[str, Any]]:
-    """A GPU's ``health``: severity, worst code, action, every finding."""
-    if g is None:
-        return None
-    top = g.worst_finding
-    return {"severity": g.severity, "code": top.code if top else None, "action": g.action,
-            "findings": [f.as_dict() for f in g.findings]}
-
-
-def _holder_docs(snap: Snapshot, expected_mib: int) -> list[dict[str, Any]]:
-    """One entry per process holding a GPU device, with its role (why it holds it). A listed
-    process that holds nothing of its GPU (policy.listing_check) is judged as unlisted."""
-    out: list[dict[str, Any]] = []
-    listed = snap.listed_pids()
-    refused = policy.refused_listings(snap)
-    view = policy.without_refused_listings(snap, drop_holders=False)
-    roles = policy.holder_roles(view, expected_mib + BUSY_TOLERANCE_MIB)
-    for holder in snap.holders:
-        proc = snap.processes.get(holder.pid)
-        role = roles.get(holder.pid)
-        trusted = holder.pid in listed and holder.pid not in refused
-        reason = role.reason if role else None
-        if holder.pid in refused:
-            reason = f"{refused[holder.pid].reason} (an untrusted row); {reason or '?'}"
-        out.append(
-            {
-                "pid": holder.pid,
-                "name": proc.name if proc else None,
-                "devices": list(holder.devices),
-                "gpus": list(snap.holder_gpu_indices(holder)),
-                "listed_by_nvidia_smi": holder.pid in listed,
-                "relation": proc.relation if proc else None,
-                "mapped": None if holder.mapped is None else list(holder.mapped),
-                "role": policy.ROLE_HOLDER if trusted else (role.role if role else None),
-                "role_reason": "listed by nvidia-smi" if trusted else reason,
-            }
-        )
-    return out
-
-
-def status_document(results: Iterable[HostResult], expected: dict[str, int],
-                    expected_gpus: Optional[dict[str, Optional[int]]] = None) -> dict[str, Any]:
-    return {"hosts": [host_doc(r, expected.get(r.host, 0), (expected_gpus or {}).get(r.host))
-                      for r in results]}
-
-
-
-def host_json(res: HostResult, expected_mib: int, expected_gpus: Optional[int] = None) -> str:
-    """One host's entry of ``status --json``, encoded as it stands in the document (indent 2,
-    two levels deep). Made in the host's worker as its result arrives, so a large fleet's
-    pure-Python indenting overlaps the hosts still answering instead of following the last."""
-    text = json.dumps(host_doc(res, expected_mib, expected_gpus), indent=2)
-    return "    " + text.replace("\n", "\n    ")
-
-
-def status_json(entries: Sequence[str], seconds: float) -> str:
-    """``to_json({"hosts": [...], "seconds": seconds})`` from the hosts' host_json entries:
-    the same text, character for character (tests/unit/test_render_status_json.py)."""
-    hosts = "[\n" + ",\n".join(entries) + "\n  ]" if entries else "[]"
-    return '{\n  "hosts": ' + hosts + ',\n  "seconds": ' + json.dumps(seconds) + "\n}"
-
-
-class HostDocs:
-    """host_doc of each host's latest result, made once per result: a watch writes a
-    document every interval, and a host's part changes only when a new snapshot arrives
-    (ops.live.LiveFleet's on_result makes it in the host's thread as it does)."""
-
-    def __init__(self, expected: dict[str, int]) -> None:
-        self.expected = expected
-        self._docs: dict[str, tuple[HostResult, dict[str, Any]]] = {}
-
-    def doc(self, res: HostResult) -> dict[str, Any]:
-        """A fresh top-level copy (the watch adds its keys to it)."""
-        hit = self._docs.get(res.host)
-        if hit is None or hit[0] is not res:
-            hit = (res, host_doc(res, self.expected.get(res.host, 0)))
-            self._docs[res.host] = hit
-        return dict(hit[1])
-
-
-def watch_document(views: Sequence[LiveHost], expected: dict[str, int], now: float,
-                   seq: int, docs: Optional[HostDocs] = None) -> dict[str, Any]:
-    """One `status --watch --json` line: the status document of every host's latest
-    snapshot (a host that dropped keeps its last one), plus per host ``state`` (up, stale,
-    down, connecting), ``age_s`` (seconds since that snapshot, null before the first) and
-    ``stale``; ``seq`` counts the documents. A stale host is ``ok: false`` with the numbers
-    it last sent; its ``error`` says why it is away. ``docs``: host parts already made."""
-    hosts = []
-    for view in views:
-        res = view.as_result()
-        doc = docs.doc(res) if docs is not None and view.result is not None else \
-            host_doc(res, expected.get(view.host, 0))
-        age = view.age_s(now)
-        state = view.state(now)
-        doc.update(state=state, stale=state == STALE,
-                   age_s=None if age is None else round(age, 3))
-        if state == STALE:  # the numbers are the last ones it sent; why it is away:
-            failure = view.failure or Failure(TIMEOUT, f"no snapshot for {age or 0:.0f}s")
-            doc.update(ok=False, error=failure.message, error_kind=failure.kind)
-        hosts.append(doc)
-    return {"seq": seq, "hosts": hosts}

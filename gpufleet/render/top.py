@@ -1,4 +1,5 @@
-"""`gpufleet top`'s screen as values (pure: no terminal): layout, keys, marks, clean scope.
+"""`gpufleet top`'s screen as values (pure: no terminal): layout; the state's values are
+render/topstate.py, keys, marks and the clean scope render/topkeys.py (both re-exported here).
 
 ``layout(views, info, state, width, height, now)`` is every line the screen shows, each with
 a role (the terminal layer maps roles to attributes: colour, bold, reverse) and, for rows the
@@ -10,92 +11,20 @@ through the one terminal-safe function, so a process title cannot repaint the sc
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from gpufleet.core import policy
+from gpufleet.core import health, policy
 from gpufleet.core.gpus import format_gpu_ranges
 from gpufleet.core.live import DOWN, STALE, UP, LiveHost
 from gpufleet.core.model import Snapshot, ledger
-from gpufleet.render.common import fmt_mib, terminal_safe
+from gpufleet.render.command import command_summary, process_cells
+from gpufleet.render.common import fmt_pair, short_gpu_name, terminal_safe
+from gpufleet.render.health import health_summary
 from gpufleet.render.status import BUSY_TOLERANCE_MIB, gpu_is_busy
-
-SORTS = ("name", "memory", "unattributed")
-MIN_WIDTH, MIN_HEIGHT = 60, 8
-Key = tuple  # ("host", h) | ("gpu", h, index) | ("app", h, index, pid) | ("fd", h, pid)
-
-HELP = (
-    "gpufleet top: every selected host, refreshed; one SSH session each.",
-    "",
-    "  Up/Down, j/k, PgUp/PgDn   move          Enter   expand / collapse a host",
-    "  s                         sort: name, memory, unattributed",
-    "  /                         filter by host, tag or holder name (Enter keeps, Esc clears)",
-    "  space                     mark a GPU or a holder (its GPUs)",
-    "  c                         clean the marked GPUs: the plan of `gpufleet clean`, then y/n",
-    "                            (s there: plan again with processes spanning other GPUs)",
-    "  ?                         this help     q   quit",
-    "",
-    "A host is stale when its last snapshot is older than two intervals or its session",
-    "dropped (it is reconnected with backoff); down when it never answered.",
-    "--readonly: no marks, no clean. Without --host, -g, --tag or --all: watch only.",
-)
-
-
-@dataclass(frozen=True)
-class HostInfo:
-    """What the screen needs from the inventory: tags (for the filter), expected MiB."""
-
-    tags: tuple[str, ...] = ()
-    expected_mib: int = 0
-
-
-@dataclass(frozen=True)
-class Overlay:
-    """A page over the list: the help, a clean's plan and its question, its outcome."""
-
-    title: str
-    lines: tuple[str, ...]
-    prompt: str = "any key closes"
-    kind: str = "info"  # info | confirm | busy
-
-
-@dataclass(frozen=True)
-class TopState:
-    interval_s: float = 2.0
-    readonly: bool = False
-    sort: str = "name"
-    filter: str = ""
-    editing: bool = False
-    expanded: frozenset = frozenset()
-    marks: frozenset = frozenset()  # ("gpu", host, index) | ("pid", host, pid)
-    cursor: Optional[Key] = None
-    top: int = 0
-    message: str = ""
-    overlay: Optional[Overlay] = None
-    # top started without --host/-g/--tag/--all: it watches every host, and a mark or `c`
-    # shows this line (how to select hosts) instead: a clean needs the hosts named
-    actions_refused: str = ""
-
-    @property
-    def watch_only(self) -> bool:
-        return self.readonly or bool(self.actions_refused)
-
-
-@dataclass(frozen=True)
-class Line:
-    text: str
-    role: str = "text"
-    key: Optional[Key] = None
-
-
-@dataclass(frozen=True)
-class Screen:
-    lines: tuple[Line, ...]
-    keys: tuple[Key, ...] = ()
-    top: int = 0
-    too_small: bool = False
-    list_height: int = 0
-    shown: tuple[str, ...] = field(default=())  # hosts after the filter, in order
+from gpufleet.render.topkeys import clean_scope, on_key  # noqa: F401 (re-exported)
+from gpufleet.render.topstate import (HELP, MIN_HEIGHT, MIN_WIDTH, SORTS, HostInfo,  # noqa: F401
+                                      Key, Line, Overlay, Screen, TopState)
 
 
 def cell(text: object) -> str:
@@ -119,6 +48,7 @@ class HostNumbers:
     expected_mib: int = 0
     unexpected: bool = False
     warnings: int = 0
+    util_pct: Optional[int] = None  # the mean of the GPUs that report it
 
 
 def host_numbers(snap: Optional[Snapshot], expected_mib: int) -> HostNumbers:
@@ -133,7 +63,14 @@ def host_numbers(snap: Optional[Snapshot], expected_mib: int) -> HostNumbers:
         unattributed_mib=sum(r.unattributed_mib or 0 for r in rows),
         expected_mib=expected_mib * len(snap.gpus),
         unexpected=any((r.unexpected_mib or 0) > BUSY_TOLERANCE_MIB for r in rows),
-        warnings=len(snap.warnings) + (0 if snap.nvidia_smi_ok else 1))
+        warnings=len(snap.warnings) + (0 if snap.nvidia_smi_ok else 1),
+        util_pct=mean_util(snap))
+
+
+def mean_util(snap: Snapshot) -> Optional[int]:
+    """The host's utilisation: the mean of its GPUs' (None when none reports it)."""
+    known = [g.utilization_pct for g in snap.gpus if g.utilization_pct is not None]
+    return round(sum(known) / len(known)) if known else None
 
 
 def _snap(view: LiveHost) -> Optional[Snapshot]:
@@ -148,29 +85,39 @@ def bar(used: int, total: int, width: int) -> str:
     return "[" + "#" * filled + "." * (inner - filled) + "]"
 
 
+def host_health(view: LiveHost, info: HostInfo) -> Optional[health.HostHealth]:
+    snap = _snap(view)
+    return None if snap is None else health.assess(view.host, snap, info.expected_gpus)
+
+
 def summary(views: Sequence[LiveHost], info: Mapping[str, HostInfo], now: float) -> str:
     states = [v.state(now) for v in views]
     nums = [host_numbers(_snap(v), info.get(v.host, HostInfo()).expected_mib) for v in views]
     busy = sum(n.busy for n in nums)
     gpus = sum(n.gpus for n in nums)
+    report = [h for h in (host_health(v, info.get(v.host, HostInfo())) for v in views)
+              if h is not None]
     return (f"hosts {len(views)}: {states.count(UP)} up, {states.count(DOWN)} down, "
-            f"{states.count(STALE)} stale | GPUs {busy} busy, {gpus - busy} free | memory "
-            f"{fmt_mib(sum(n.used_mib for n in nums))} / {fmt_mib(sum(n.total_mib for n in nums))}"
-            f" | unattributed {fmt_mib(sum(n.unattributed_mib for n in nums))}")
+            f"{states.count(STALE)} stale | GPUs {busy} busy, {gpus - busy} free | "
+            f"{health_summary(report)} | memory "
+            f"{fmt_pair(sum(n.used_mib for n in nums), sum(n.total_mib for n in nums))}"
+            f" | unattributed {sum(n.unattributed_mib for n in nums)}MiB")
 
 
 # ----------------------------------------------------------------------- filter and sort
 
 
 def matches(view: LiveHost, info: HostInfo, text: str) -> bool:
-    """Host name, a tag, or a holder's name contains ``text`` (case-insensitive)."""
+    """Host name, a tag, or a holder's name, what it runs (render.command) or its user
+    contains ``text`` (case-insensitive)."""
     needle = text.lower().strip()
     if not needle:
         return True
     words = [view.host] + list(info.tags)
     snap = _snap(view)
     if snap is not None:
-        words += [p.name for p in snap.processes.values()]
+        for p in snap.processes.values():  # python3 says nothing: what it runs, and whose
+            words += [p.name, command_summary(p.cmdline, p.comm, 200), p.user or ""]
         words += [a.process_name for a in snap.compute_apps]
     return any(needle in w.lower() for w in words)
 
@@ -195,13 +142,13 @@ def ordered(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopS
 def columns(width: int, name_w: int) -> tuple[int, int]:
     """(name width, bar width) for this terminal width."""
     name_w = max(4, min(name_w, 24, width // 4))
-    fixed = 2 + name_w + 2 + 4 + 2 + 9 + 2 + 19 + 2 + 22 + 2 + 4 + 2 + 10
+    fixed = 2 + name_w + 2 + 4 + 2 + 9 + 2 + 19 + 2 + 6 + 22 + 2 + 4 + 2 + 10
     return name_w, max(4, min(30, width - fixed))
 
 
 def header_line(name_w: int, bar_w: int) -> str:
     return ("  " + "HOST".ljust(name_w) + "  GPUS  BUSY/FREE  " + "MEMORY".ljust(bar_w + 21)
-            + "UNATTRIBUTED".ljust(24) + "WARN  AGE")
+            + "UTIL  " + "UNATTRIBUTED".ljust(24) + "WARN  AGE")
 
 
 def age_text(view: LiveHost, now: float) -> str:
@@ -225,11 +172,11 @@ def host_line(view: LiveHost, info: HostInfo, state: TopState, now: float, name_
         why = view.failure.message if view.failure else "connecting..."
         text = f"{mark} {name}  " + ("down: " if hstate == DOWN else "") + cell(why)
         return Line(text, role, ("host", view.host))
-    memory = f"{bar(n.used_mib, n.total_mib, bar_w)} " + (
-        f"{fmt_mib(n.used_mib)} / {fmt_mib(n.total_mib)}").ljust(20)
-    unattr = (f"{fmt_mib(n.unattributed_mib)} (exp {fmt_mib(n.expected_mib)})"
+    memory = f"{bar(n.used_mib, n.total_mib, bar_w)} " + fmt_pair(n.used_mib, n.total_mib).ljust(20)
+    util = "n/a" if n.util_pct is None else f"{n.util_pct}%"
+    unattr = (f"{n.unattributed_mib}MiB (exp {n.expected_mib}MiB)"
               + (" !" if n.unexpected else "")).ljust(24)
-    text = (f"{mark} {name}  {n.gpus:>4}  {n.busy:>4}/{n.gpus - n.busy:<4}  {memory}"
+    text = (f"{mark} {name}  {n.gpus:>4}  {n.busy:>4}/{n.gpus - n.busy:<4}  {memory}{util:>4}  "
             f"{unattr}{(str(n.warnings) if n.warnings else '-'):>4}  {age_text(view, now)}")
     if hstate == STALE and view.failure is not None:
         text += "  " + cell(view.failure.message)
@@ -246,15 +193,15 @@ def marked(state: TopState, key: Key) -> str:
 
 
 def _proc_cells(snap: Snapshot, pid: int, fallback: str) -> tuple[str, str, str]:
+    """(what runs, user, unit and container) of a holder's line."""
     proc = snap.processes.get(pid)
-    name = cell(proc.name if proc else (fallback or "?"))
-    user = cell(proc.user or "?") if proc else "?"
+    user, container, what = process_cells(snap, pid, fallback, 28)
     where = []
     if proc is not None and proc.unit:
         where.append("unit " + cell(proc.unit))
-    if proc is not None and proc.container:
-        where.append("container " + cell(proc.container))
-    return name, user, "  ".join(where)
+    if container:
+        where.append("container " + container)
+    return what, user, "  ".join(where)
 
 
 def gpu_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: TopState,
@@ -266,16 +213,19 @@ def gpu_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: TopState,
         key: Key = ("gpu", view.host, gpu.index)
         row = rows[gpu.index]
         util = "n/a" if gpu.utilization_pct is None else f"{gpu.utilization_pct}%"
-        text = (f"    {box.format(marked(state, key))}GPU {gpu.index:<2} {fit(cell(gpu.name), 30):<30} "
+        unattr = "n/a" if row.unattributed_mib is None else f"{row.unattributed_mib}MiB"
+        text = (f"    {box.format(marked(state, key))}GPU {gpu.index:<2} "
+                f"{short_gpu_name(gpu.name):<16} "
                 f"{bar(gpu.memory_used_mib or 0, gpu.memory_total_mib or 0, min(bar_w, 16))} "
-                f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}  util {util}"
-                f"  unattr. {fmt_mib(row.unattributed_mib)}")
+                f"{fmt_pair(gpu.memory_used_mib, gpu.memory_total_mib)}  util {util}"
+                f"  unattr. {unattr}")
         out.append(Line(text, "gpu", key))
         for app in snap.apps_on(gpu.index):
             akey: Key = ("app", view.host, gpu.index, app.pid)
             name, user, where = _proc_cells(snap, app.pid, app.process_name)
+            used = "n/a" if app.used_mib is None else f"{app.used_mib}MiB"
             text = (f"        {box.format(marked(state, akey))}{fit(name, 28):<28} pid {app.pid:<8} "
-                    f"{fit(user, 12):<12} {fmt_mib(app.used_mib):>9}  nvidia-smi  {where}")
+                    f"{fit(user, 12):<12} {used:>9}  nvidia-smi  {where}")
             out.append(Line(text.rstrip(), "holder", akey))
     return out
 
@@ -307,6 +257,10 @@ def device_file_lines(view: LiveHost, snap: Snapshot, info: HostInfo, state: Top
         out.append(Line("    clients (no memory): " + ", ".join(clients), "dim"))
     for warning in snap.warnings:
         out.append(Line("    warning: " + cell(warning), "warn"))
+    hh = health.assess(view.host, snap, info.expected_gpus)
+    for f in hh.host_findings:
+        if f.severity != health.OK:
+            out.append(Line(f"    host: {f.severity} {f.code}: " + cell(f.message), "warn"))
     if not snap.nvidia_smi_ok:
         out.append(Line("    nvidia-smi: " + cell(snap.nvidia_smi_error or "failed"), "warn"))
     return out
@@ -398,130 +352,3 @@ def layout(views: Sequence[LiveHost], info: Mapping[str, HostInfo], state: TopSt
     names = tuple(v.host for v in ordered(views, info, state))
     return Screen(tuple(replace(ln, text=fit(ln.text, width)) for ln in lines), keys, top,
                   False, room, names)
-
-
-# ----------------------------------------------------------------------- keys
-
-MOVES = {"UP": -1, "k": -1, "DOWN": 1, "j": 1, "PGUP": -10, "PGDN": 10}
-
-
-def move(state: TopState, screen: Screen, step: int) -> TopState:
-    keys = screen.keys
-    if not keys:
-        return state
-    at = keys.index(state.cursor) if state.cursor in keys else 0
-    if step in (-10, 10):
-        step = (screen.list_height or 10) * (1 if step > 0 else -1)
-    return replace(state, cursor=keys[max(0, min(len(keys) - 1, at + step))])
-
-
-def toggle_expand(state: TopState, screen: Screen) -> TopState:
-    cursor = state.cursor if state.cursor in screen.keys else (
-        screen.keys[0] if screen.keys else None)
-    if cursor is None:
-        return state
-    host_key = ("host", cursor[1])
-    expanded = set(state.expanded)
-    if host_key in expanded:
-        expanded.discard(host_key)
-    else:
-        expanded.add(host_key)
-    return replace(state, expanded=frozenset(expanded), cursor=host_key)
-
-
-def mark_key(key: Key) -> Optional[tuple]:
-    if key[0] == "gpu":
-        return ("gpu", key[1], key[2])
-    if key[0] == "app":
-        return ("pid", key[1], key[3])
-    if key[0] == "fd":
-        return ("pid", key[1], key[2])
-    return None
-
-
-def toggle_mark(state: TopState, screen: Screen) -> TopState:
-    if state.readonly:
-        return replace(state, message="read-only: no marks (started with --readonly)")
-    if state.actions_refused:
-        return replace(state, message=state.actions_refused)
-    cursor = state.cursor if state.cursor in screen.keys else None
-    mark = mark_key(cursor) if cursor is not None else None
-    if mark is None:
-        return replace(state, message="expand a host (Enter), then mark its GPUs or holders")
-    marks = set(state.marks)
-    marks.symmetric_difference_update({mark})
-    return replace(state, marks=frozenset(marks), message="")
-
-
-def edit_filter(state: TopState, key: str) -> TopState:
-    if key == "ENTER":
-        return replace(state, editing=False)
-    if key == "ESC":
-        return replace(state, editing=False, filter="")
-    if key == "BACKSPACE":
-        return replace(state, filter=state.filter[:-1])
-    if len(key) == 1 and key.isprintable():
-        return replace(state, filter=state.filter + key)
-    return state
-
-
-def on_key(state: TopState, key: str, screen: Screen) -> tuple[TopState, Optional[str]]:
-    """The next state for a key, and an action for the caller: "quit" or "clean"."""
-    if state.editing:
-        return edit_filter(state, key), None
-    if state.overlay is not None:
-        return state, ("answer:" + key)  # the caller owns overlays (help, plan, outcome)
-    state = replace(state, message="")
-    if key in ("q", "Q"):
-        return state, "quit"
-    if key in MOVES:
-        return move(state, screen, MOVES[key]), None
-    if key in ("HOME", "g"):
-        return replace(state, cursor=screen.keys[0] if screen.keys else None), None
-    if key in ("END", "G"):
-        return replace(state, cursor=screen.keys[-1] if screen.keys else None), None
-    if key in ("ENTER", "RIGHT", "LEFT"):
-        return toggle_expand(state, screen), None
-    if key == " ":
-        return toggle_mark(state, screen), None
-    if key == "s":
-        return replace(state, sort=SORTS[(SORTS.index(state.sort) + 1) % len(SORTS)]), None
-    if key == "/":  # a new filter (Esc clears it, Enter keeps it)
-        return replace(state, editing=True, filter=""), None
-    if key == "?":
-        return replace(state, overlay=Overlay("help", HELP)), None
-    if key == "c":
-        if state.readonly:
-            return replace(state, message="read-only: no actions (started with --readonly)"), None
-        if state.actions_refused:
-            return replace(state, message=state.actions_refused), None
-        return state, "clean"
-    return state, None
-
-
-def clean_scope(state: TopState, views: Sequence[LiveHost]) -> tuple[Optional[str], list[int], str]:
-    """(host, GPUs, "") the marks ask to clean, or (None, [], why not). A marked holder
-    brings its GPUs (the planner works on GPUs, as `gpufleet clean --gpus` does)."""
-    hosts = sorted({m[1] for m in state.marks})
-    if not hosts:
-        return None, [], "nothing marked: mark GPUs or holders with space (expand a host first)"
-    if len(hosts) > 1:
-        return None, [], f"marks on {len(hosts)} hosts: clean one host at a time"
-    host = hosts[0]
-    view = next((v for v in views if v.host == host), None)
-    snap = _snap(view) if view is not None else None
-    if snap is None:
-        return None, [], f"{host}: no snapshot to plan from"
-    gpus: set[int] = set()
-    for mark in state.marks:
-        if mark[0] == "gpu":
-            gpus.add(int(mark[2]))
-            continue
-        listed = snap.gpu_indices_of_app(int(mark[2]))
-        gpus.update(listed)  # a CUDA process opens every /dev/nvidiaN: nvidia-smi's GPUs first
-        holder = next((h for h in snap.holders if h.pid == mark[2]), None)
-        if holder is not None and not listed:
-            gpus.update(snap.holder_gpu_indices(holder))
-    if not gpus:
-        return None, [], f"{host}: the marked processes are on no GPU any more"
-    return host, sorted(gpus), ""

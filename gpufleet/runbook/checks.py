@@ -212,7 +212,8 @@ def health_outcome(snapshot: Snapshot, host: str, gpus: Optional[Sequence[int]],
 
     hh = health.assess(host, snapshot, expected_gpus)
     rows = [g for g in hh.gpus if gpus is None or g.index is None or g.index in gpus]
-    limit = {"critical": health.RANK[health.CRITICAL], "warn": health.RANK[health.WARN],
+    # "warn" takes UNKNOWN in (a GPU none of whose readings could be taken), as --strict does
+    limit = {"critical": health.RANK[health.CRITICAL], "warn": health.RANK[health.UNKNOWN],
              "never": 99}
     bad: list[str] = []
     warned: list[str] = []

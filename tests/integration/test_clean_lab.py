@@ -149,9 +149,13 @@ def test_dry_run_signals_nothing_and_shows_targets_and_refusals(lab: Any, make_h
     assert_no_traceback(run)
     text = run.stdout
     assert "train-node: GPUs 0-3" in text
+    def row(pid: int, command: str) -> bool:  # SIGNAL PID, USER ..., COMMAND last
+        return any(line.split()[:2] == [str(pid), "root"] and line.split()[-1] == command
+                   for line in text.splitlines())
+
     for n, w in enumerate(engine.children):
-        assert any(line.split()[:2] == [str(w), "VLLM::Worker_TP%d" % n] for line in text.splitlines()), text
-    assert any(line.split()[:2] == [str(engine), "VLLM::EngineCore_DP0"] for line in text.splitlines())
+        assert row(w, "VLLM::Worker_TP%d" % n), text
+    assert row(engine, "VLLM::EngineCore_DP0"), text
     assert "refused %d spanner: spans GPUs 3,4" % spanner in text
     outcome = {r["HOST"]: r for r in parse_table(text, "HOST")}
     assert outcome["train-node"]["VERDICT"] == "planned"
@@ -324,7 +328,8 @@ def test_unit_owned_holder_is_refused_without_stop_units(lab: Any, make_host: An
     plan = clean(home, inv, "--all", "--dry-run", "--stop-units", *FAST)
     assert plan.rc == 0, str(plan)
     assert "stop unit vllm-minimax.service first" in plan.stdout
-    assert any(line.split()[:2] == [str(served), "vllm-minimax"] for line in plan.stdout.splitlines())
+    assert any(line.split()[:2] == [str(served), "root"] and line.rstrip().endswith("vllm-minimax")
+               for line in plan.stdout.splitlines()), plan.stdout
     assert host.alive(served)
 
 

@@ -47,7 +47,7 @@ def test_workstation_monitor_is_a_client_and_survives_a_full_clean(lab: Any, mak
     assert holders[job]["role"] == "holder"
     text = run_gpufleet(home, inv, "status")
     rows = [line for line in text.stdout.splitlines() if line.startswith("workstation")]
-    assert any(" clients " in r and f" {mon} (fd: GPUs 0)" in r for r in rows), text.stdout
+    assert any(" clients " in r and f" {mon} root (fd: GPUs 0) " in r for r in rows), text.stdout
     assert not any(r.split()[1] == "fd" for r in rows), text.stdout
 
     run = clean(home, inv, "--yes", "--json", *FAST)

@@ -8,13 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cli_helpers import assert_no_traceback, home, run_gpufleet  # noqa: F401  (fixture)
+from cli_helpers import assert_no_traceback, home, parse_table, run_gpufleet  # noqa: F401  (fixture)
 
 N = 12
 
 
-def _row(run: Any, host: str) -> str:
-    return next(line for line in run.stdout.splitlines() if line.startswith(host + " "))
+def _unattributed(run: Any, host: str) -> str:
+    (row,) = [r for r in parse_table(run.stdout, "HOST") if r["HOST"] == host]
+    return row["UNATTR (MiB)"]
 
 
 def test_many_processes_are_not_hidden_memory(lab: Any, make_host: Any, home: Path) -> None:
@@ -29,8 +30,8 @@ def test_many_processes_are_not_hidden_memory(lab: Any, make_host: Any, home: Pa
     assert gpu["unattributed_mib"] == 2 + 6 * N
     assert gpu["unexpected_unattributed_mib"] == 0
     text = run_gpufleet(home, inv, "status")
-    assert "74MiB" in _row(text, host.name) and " !" not in _row(text, host.name), str(text)
+    assert _unattributed(text, host.name) == "74", str(text)  # no "!"
 
     host.set_config(ghost_mib={"0": 200})
     text = run_gpufleet(home, inv, "status")
-    assert "274MiB !" in _row(text, host.name), str(text)
+    assert _unattributed(text, host.name) == "274 !", str(text)

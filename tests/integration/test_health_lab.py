@@ -73,8 +73,9 @@ def test_health_finds_each_fault_with_its_action_over_nvml(lab: Any, make_host: 
 
 
 def test_the_nvidia_smi_path_reads_the_same_faults(lab: Any, make_host: Any, home: Path) -> None:
-    """nvml=False: --query-gpu's fields (no remapped rows there: None, no finding); a lost GPU
-    makes nvidia-smi exit 15, read as the host's gpu_lost with the Xid 79 on its own row."""
+    """nvml=False: --query-gpu's fields (no remapped rows there: None, named as not read); a
+    lost GPU makes nvidia-smi exit 15, read as the host's gpu_lost with the Xid 79 on its own
+    row."""
     smi = make_host("smi", nvml=False, persistence={"1": False}, **SICK)
     lost = make_host("smi-lost", nvml=False, gpus=2, bus_ids=BUSES[1:3], lost=[1],
                      kmsg=[kmsg_record(XID["xid79_bare"]["line"], 1, 60.0)])
@@ -82,9 +83,11 @@ def test_the_nvidia_smi_path_reads_the_same_faults(lab: Any, make_host: Any, hom
     assert run.rc == 1, str(run)
     doc = {h["host"]: h for h in run.json()["hosts"]}
     gpus = {g["index"]: g for g in doc["smi"]["gpus"]}
+    unread = {"readings_missing": ("OK", "none")}
     assert codes(gpus[0]) == {"ecc_uncorrected": ("CRITICAL", reset_action(doc["smi"])),
-                              "xid_94": ("WARN", "restart_app")}
-    assert codes(gpus[1]) == {"persistence_off": ("WARN", "configure")}
+                              "xid_94": ("WARN", "restart_app"), **unread}
+    assert codes(gpus[1]) == {"persistence_off": ("WARN", "configure"), **unread}
+    assert gpus[1]["unknown"] == ["row_remapping"]
     assert codes(gpus[3])["hw_slowdown"] == ("WARN", "inspect")
     assert codes(gpus[3])["pcie_width"] == ("WARN", "inspect")
     assert [f["code"] for f in doc["smi-lost"]["findings"]] == ["gpu_lost"]
@@ -99,7 +102,8 @@ def test_a_sound_host_is_ok_and_strict_fails_on_warn(lab: Any, make_host: Any,
     warm = make_host("warm", gpus=1, clocks_event_reasons={"0": 0x20})
     inv = lab.inventory_yaml([good, warm], **{"good": {"gpus": 2}})
     run = run_gpufleet(home, inv, "health", "--host", "good")
-    assert run.rc == 0 and run.stdout.splitlines()[-1].endswith("2 OK, 0 WARN, 0 CRITICAL"), str(run)
+    assert run.rc == 0 and run.stdout.splitlines()[-1].endswith(
+        "GPUs: 2 OK, 0 UNKNOWN, 0 WARN, 0 CRITICAL; host findings: 0 WARN, 0 CRITICAL"), str(run)
     assert [r["HEALTH"] for r in parse_table(run.stdout, "HOST")] == ["OK", "OK"]
     assert run_gpufleet(home, inv, "health").rc == 0  # WARN alone passes
     strict = run_gpufleet(home, inv, "health", "--strict", "--json")
@@ -165,3 +169,57 @@ def test_driver_not_loaded_is_critical_on_both_paths(lab: Any, make_host: Any,
             ("driver_not_loaded", "CRITICAL", "drain_reboot")], doc
     status = run_gpufleet(home, lab.inventory_yaml(hosts), "status")
     assert "CRITICAL driver_not_loaded" in status.stdout, str(status)
+    assert status.rc == 1 and "host findings: 2 CRITICAL" in status.stdout, str(status)
+
+
+def test_status_shows_the_hosts_own_findings_and_fails_on_a_critical_one(
+        lab: Any, make_host: Any, home: Path) -> None:
+    """The inventory expects 2 GPUs, the host has 1: its GPU row is OK, so a `host` row says
+    so, every summary line counts it and `status` exits 1 (`--json` always had it)."""
+    short = make_host("short", gpus=1)
+    inv = lab.inventory_yaml([short], **{"short": {"gpus": 2}})
+    run = run_gpufleet(home, inv, "status")
+    assert run.rc == 1, str(run)
+    rows = parse_table(run.stdout, "HOST")
+    assert [(r["GPU"], r["HEALTH"]) for r in rows] == [("0", "OK"), ("host", "CRITICAL gpu_count")]
+    assert "1 GPU(s) found, the inventory expects 2" in rows[1]["HOLDERS"]
+    assert run.stdout.splitlines()[-1].endswith("; health: 1 OK; host findings: 1 CRITICAL")
+    health = run_gpufleet(home, inv, "health")
+    assert health.rc == 1 and health.stdout.splitlines()[-1].endswith(
+        "GPUs: 1 OK, 0 UNKNOWN, 0 WARN, 0 CRITICAL; host findings: 0 WARN, 1 CRITICAL"), str(health)
+    assert run_gpufleet(home, lab.inventory_yaml([short], **{"short": {"gpus": 1}}),
+                        "status").rc == 0
+
+
+HEALTH_FIELDS = ["persistence_mode", "pcie.link.gen.current", "pcie.link.gen.max",
+                 "pcie.link.width.current", "pcie.link.width.max", "clocks_event_reasons.active",
+                 "ecc.errors.uncorrected.volatile.total", "ecc.errors.uncorrected.aggregate.total",
+                 "retired_pages.pending"]
+
+
+def test_a_gpu_nothing_could_be_read_of_is_unknown_not_ok(lab: Any, make_host: Any,
+                                                          home: Path) -> None:
+    """The nvidia-smi path of a driver that rejects every health field (an older driver): no
+    ECC, remapped-row, PCIe or clocks reading. Nothing found is not OK: UNKNOWN, counted, and
+    --strict fails on it; the default gate still passes (nothing is known to be wrong)."""
+    blind = make_host("blind", gpus=1, nvml=False, invalid_fields=HEALTH_FIELDS)
+    partial = make_host("partial", gpus=1, nvml=False)  # --query-gpu has no remapped rows
+    inv = lab.inventory_yaml([blind, partial])
+    run = run_gpufleet(home, inv, "health", "--json")
+    assert run.rc == 0, str(run)
+    (gpu,) = run.host("blind")["gpus"]
+    assert gpu["severity"] == "UNKNOWN" and gpu["unknown"] == [
+        "ecc", "row_remapping", "pcie_link", "clocks_events"], gpu
+    assert [f["code"] for f in gpu["findings"]] == ["no_readings"]
+    (gpu,) = run.host("partial")["gpus"]
+    assert gpu["severity"] == "OK" and gpu["unknown"] == ["row_remapping"]
+    table = run_gpufleet(home, inv, "health")
+    rows = {r["HOST"]: r for r in parse_table(table.stdout, "HOST")}
+    assert rows["blind"]["HEALTH"] == "UNKNOWN", str(table)
+    assert "readings_missing: not read: row remapping" in rows["partial"]["FINDINGS"]
+    assert table.stdout.splitlines()[-1] == (
+        "hosts: 2 ok, 0 failed; GPUs: 1 OK, 1 UNKNOWN, 0 WARN, 0 CRITICAL; "
+        "host findings: 0 WARN, 0 CRITICAL"), str(table)
+    strict = run_gpufleet(home, inv, "health", "--strict")
+    assert strict.rc == 1, str(strict)
+    assert run_gpufleet(home, inv, "health", "--strict", "--host", "partial").rc == 0

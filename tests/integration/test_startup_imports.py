@@ -202,8 +202,9 @@ def test_a_local_status_imports_only_what_status_needs(tmp_path: Path, local_fle
     draws_a_table = args in (["status"], ["hosts"])
     assert ("tabulate" in mods) == draws_a_table, "gpufleet %s and tabulate" % " ".join(args)
     if args == ["status"]:
-        assert res.stdout.splitlines()[0].split() == ["HOST", "GPU", "NAME", "MEMORY", "UTIL",
-                                                      "UNATTRIBUTED", "HOLDERS", "HEALTH"]
+        assert res.stdout.splitlines()[0].split() == ["HOST", "GPU", "NAME", "MEMORY", "(MiB)",
+                                                      "UTIL", "UNATTR", "(MiB)", "HEALTH",
+                                                      "HOLDERS"]
         assert res.stdout.splitlines()[2].startswith("here ")
         assert "gpufleet.render.status" in mods and "gpufleet.core.health" in mods
     if args == ["status", "--json"]:

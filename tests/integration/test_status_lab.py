@@ -92,29 +92,29 @@ def test_fleet_table_lists_every_gpu_and_its_holders(fleet: Any) -> None:
     assert list(train) == [str(i) for i in range(8)] + ["fd"], str(run)
     for n, worker in enumerate(fleet.workers):
         row = train[str(n)]
-        assert row["NAME"] == "NVIDIA RTX 6000 Ada Generation"
-        assert row["MEMORY"] == "%dMiB / 48.0GiB" % WORKER_MIB
-        assert row["UNATTRIBUTED"] == "0MiB"
+        assert row["NAME"] == "RTX 6000 Ada"  # "NVIDIA RTX 6000 Ada Generation", short
+        assert row["MEMORY (MiB)"] == "%d / 49140" % WORKER_MIB
+        assert row["UNATTR (MiB)"] == "0"
         # vLLM renames its processes: the names shown are the new ones, memory is the fake's
-        assert row["HOLDERS"] == "VLLM::Worker_TP%d %d %dMiB" % (n, worker, WORKER_MIB), str(run)
+        assert row["HOLDERS"] == "%d root %dMiB VLLM::Worker_TP%d" % (worker, WORKER_MIB, n), str(run)
     for i, mib in zip(range(4, 8), TRAINER_MIB):
         row = train[str(i)]
-        assert row["MEMORY"] == "%dMiB / 48.0GiB" % mib
-        assert row["HOLDERS"] == "trainer %d %dMiB" % (fleet.trainer, mib)
+        assert row["MEMORY (MiB)"] == "%d / 49140" % mib
+        assert row["HOLDERS"] == "%d root %dMiB trainer" % (fleet.trainer, mib)
     # the engine core opened every GPU's device file (as CUDA does) and nvidia-smi does not
     # list it: one (fd) line for the host; the API server holds no device file at all
-    assert train["fd"]["HOLDERS"] == "VLLM::EngineCore_DP0 %d (fd: GPUs 0-7)" % fleet.engine
+    assert train["fd"]["HOLDERS"] == "%d root (fd: GPUs 0-7) VLLM::EngineCore_DP0" % fleet.engine
 
     ws = rows_of(fleet.table, "ws-5090")
     assert list(ws) == ["0"]
-    assert ws["0"]["NAME"] == "NVIDIA GeForce RTX 5090"
-    assert ws["0"]["MEMORY"] == "%dMiB / 31.8GiB" % WSL_GHOST
-    assert ws["0"]["UNATTRIBUTED"] == "%dMiB (expected)" % WSL_GHOST  # not flagged
+    assert ws["0"]["NAME"] == "GeForce RTX 5090"
+    assert ws["0"]["MEMORY (MiB)"] == "%d / %d" % (WSL_GHOST, WSL_TOTAL)
+    assert ws["0"]["UNATTR (MiB)"] == "%d (exp)" % WSL_GHOST  # not flagged
     assert ws["0"]["HOLDERS"] == "-"
 
     infer = rows_of(fleet.table, "infer-node")
     assert [infer[str(i)]["HOLDERS"] for i in (0, 1)] == [
-        "vllm-infer %d %dMiB" % (fleet.server, mib) for mib in INFER_MIB]
+        "%d root %dMiB vllm-infer" % (fleet.server, mib) for mib in INFER_MIB]
 
     dead = rows_of(fleet.table, "dead-node")
     assert list(dead) == ["-"] and dead["-"]["HOLDERS"].startswith("ERROR: ")
@@ -126,7 +126,8 @@ def test_fleet_table_lists_every_gpu_and_its_holders(fleet: Any) -> None:
     assert [r["HOST"] for r in fleet.table if r["GPU"] in ("0", "-")] == [
         "ws-5090", "train-node", "infer-node", "dead-node", "blackholed-node"], "inventory order"
     # ws: 1680 MiB expected -> free; train-node: 8 busy; infer-node: 2 busy
-    assert lines_after_table(run.stdout, HEADER)[0] == "hosts: 3 ok, 2 failed; GPUs: 10 busy, 1 free"
+    assert lines_after_table(run.stdout, HEADER)[0] == (
+        "hosts: 3 ok, 2 failed; GPUs: 10 busy, 1 free; health: 11 OK")
 
 
 def test_blackholed_host_is_bounded_by_connect_timeout(fleet: Any) -> None:
@@ -210,8 +211,9 @@ def test_wsl2_reservation_is_flagged_when_the_inventory_expects_none(fleet: Any,
     run = run_gpufleet(home, inv, "status")
     assert run.rc == 0, str(run)
     row = rows_of(parse_table(run.stdout, HEADER), "ws-5090")["0"]
-    assert row["UNATTRIBUTED"] == "%dMiB !" % WSL_GHOST
-    assert lines_after_table(run.stdout, HEADER)[0] == "hosts: 1 ok, 0 failed; GPUs: 1 busy, 0 free"
+    assert row["UNATTR (MiB)"] == "%d !" % WSL_GHOST
+    assert lines_after_table(run.stdout, HEADER)[0] == (
+        "hosts: 1 ok, 0 failed; GPUs: 1 busy, 0 free; health: 1 OK")
     doc = run_gpufleet(home, inv, "status", "--json").host("ws-5090")
     (g,) = doc["gpus"]
     assert (g["unattributed_mib"], g["expected_unattributed_mib"]) == (WSL_GHOST, 0)
@@ -249,7 +251,7 @@ def test_unknown_host_key_under_strict_is_a_row_error_with_its_fingerprint(
     run = run_gpufleet(home, inv, "status")
     assert run.rc == 1, str(run)
     rows = parse_table(run.stdout, HEADER)
-    assert rows_of(rows, "known")["0"]["MEMORY"] == "0MiB / 48.0GiB"
+    assert rows_of(rows, "known")["0"]["MEMORY (MiB)"] == "0 / 49140"
     assert rows_of(rows, "stranger")["-"]["HOLDERS"].startswith("ERROR: unknown host key")
     # the whole error, with the key's SHA256 fingerprint, is printed below the table
     assert sha256_fingerprint(stranger.host_key_line) in run.stdout, str(run)
@@ -330,8 +332,8 @@ def test_non_root_user_sees_own_holder_and_is_warned_about_hidden_ones(
 
     table = run_gpufleet(home, host.inv, "status")
     rows = rows_of(parse_table(table.stdout, HEADER), "shared-box")
-    assert rows["0"]["HOLDERS"] == "my-notebook %d 1000MiB" % host.mine
-    assert rows["1"]["HOLDERS"] == "root-job %d 2000MiB" % host.roots
+    assert rows["0"]["HOLDERS"] == "%d %s 1000MiB my-notebook" % (host.mine, lab.user)
+    assert rows["1"]["HOLDERS"] == "%d root 2000MiB root-job" % host.roots
     assert host.alive(host.mine) and host.alive(host.roots)
 
 
@@ -364,12 +366,12 @@ def test_hidden_pids_memory_is_unattributed_and_device_holders_marked_fd(
     run = run_gpufleet(home, inv, "status")
     assert run.rc == 0, str(run)
     rows = rows_of(parse_table(run.stdout, HEADER), "container-host")
-    assert rows["0"]["MEMORY"] == "3000MiB / 48.0GiB"
-    assert rows["0"]["UNATTRIBUTED"] == "3000MiB !"
+    assert rows["0"]["MEMORY (MiB)"] == "3000 / 49140"
+    assert rows["0"]["UNATTR (MiB)"] == "3000 !"
     assert rows["0"]["HOLDERS"] == "-"  # nvidia-smi lists nobody
-    assert rows["1"]["UNATTRIBUTED"] == "0MiB"
+    assert rows["1"]["UNATTR (MiB)"] == "0"
     # its device files are what shows it (CUDA opens every GPU's file)
-    assert rows["fd"]["HOLDERS"] == "hidden-job %d (fd: GPUs 0-1)" % job
+    assert rows["fd"]["HOLDERS"] == "%d root (fd: GPUs 0-1) hidden-job" % job
     doc = run_gpufleet(home, inv, "status", "--json").host("container-host")
     assert doc["gpus"][0]["processes"] == []
     assert (doc["gpus"][0]["attributed_mib"], doc["gpus"][0]["unattributed_mib"]) == (0, 3000)
@@ -396,8 +398,9 @@ def test_broken_hosts_are_one_row_each_and_the_rest_is_complete(
     assert rows_of(rows, "garbled-driver")["-"]["HOLDERS"].startswith("ERROR: unparsable nvidia-smi")
     assert "python3 not found" in rows_of(rows, "no-python")["-"]["HOLDERS"]
     good = rows_of(rows, "healthy")
-    assert good["1"]["HOLDERS"] == "job %d 900MiB" % job and good["0"]["HOLDERS"] == "-"
-    assert lines_after_table(run.stdout, HEADER)[0] == "hosts: 1 ok, 3 failed; GPUs: 1 busy, 1 free"
+    assert good["1"]["HOLDERS"] == "%d root 900MiB job" % job and good["0"]["HOLDERS"] == "-"
+    assert lines_after_table(run.stdout, HEADER)[0] == (
+        "hosts: 1 ok, 3 failed; GPUs: 1 busy, 1 free; health: 2 OK; host findings: 1 CRITICAL")
 
     doc = run_gpufleet(home, inv, "status", "--json")
     assert doc.rc == 1
@@ -423,3 +426,25 @@ def test_hanging_driver_is_bounded_by_command_timeout(lab: Any, make_host: Any, 
     left = {pid: argv for pid, argv in host_pids(hung).items()
             if any("nvidia_smi" in a or "nvidia-smi" in a for a in argv)}
     assert left == {}, left
+
+
+def test_holders_say_what_runs_and_whose_it_is_and_the_plan_too(lab: Any, make_host: Any,
+                                                               home: Path) -> None:
+    """A trainer started as `python3 train_dflash.py ...` by the lab user: comm is python3,
+    which says nothing when every job is python3; status and the clean plan show the script,
+    its arguments and the user."""
+    host = make_host("py-node", gpus=2)
+    job = host.spawn_holder(gpus=[1], mib=3000, user=lab.user, argv=[
+        "python3", "/home/%s/dflash/train_dflash.py" % lab.user, "--epochs", "3"])
+    assert host.comm(job) == "python3"  # the premise: comm names the interpreter
+    inv = lab.inventory_yaml([host])
+    run = run_gpufleet(home, inv, "status")
+    assert run.rc == 0, str(run)
+    row = rows_of(parse_table(run.stdout, HEADER), "py-node")["1"]
+    assert row["HOLDERS"] == "%d %s 3000MiB train_dflash.py --epochs 3" % (job, lab.user), str(run)
+    plan = run_gpufleet(home, inv, "clean", "--gpus", "1", "--dry-run")
+    assert plan.rc == 0, str(plan)
+    target = [line for line in plan.stdout.splitlines() if line.split()[:1] == [str(job)]]
+    assert target and lab.user in target[0].split() and \
+        target[0].rstrip().endswith("train_dflash.py --epochs 3"), str(plan)
+    assert "COMMAND" in plan.stdout and "USER" in plan.stdout

@@ -25,7 +25,7 @@ from cli_helpers import (  # noqa: F401  (home: fixture)
     read_jsonl,
     run_gpufleet,
 )
-from gpufleet.render.common import fmt_mib
+from gpufleet.render.common import fmt_pair
 from watch_helpers import agents_on, cli_env, ppid_of, start_sshd, stop_sshd_and_sessions
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="!!! tmux not installed")
@@ -139,7 +139,8 @@ def test_every_host_with_its_numbers_expand_filter_and_q_leaves_no_agent(fleet: 
     used = sum(a.gpu_used())
     assert used == 8000
     ra = row(screen, "top-a")
-    assert ra.split()[2:4] == ["2", "2/0"] and f"{fmt_mib(used)} / {fmt_mib(2 * 49140)}" in ra
+    assert ra.split()[2:4] == ["2", "2/0"] and fmt_pair(used, 2 * 49140) in ra
+    assert " 0%  " in ra and "UTIL" in screen.splitlines()[1]  # the hosts' utilisation
     assert row(screen, "top-b").split()[2:4] == ["1", "0/1"]
     assert "down" in row(screen, "top-dead") and "refused" in row(screen, "top-dead")
     assert "GPUs 2 busy, 1 free" in screen.splitlines()[0]
@@ -165,6 +166,28 @@ def test_every_host_with_its_numbers_expand_filter_and_q_leaves_no_agent(fleet: 
     t.keys("?")
     t.wait("sort: name, memory, unattributed")
     t.keys("x")
+    t.keys("q")
+    t.wait("TOP-EXIT=0")
+    wait_no_agents(a, b)
+
+
+def test_the_filter_finds_a_script_its_interpreter_runs(fleet: Any, top: Any, lab: Any) -> None:
+    """`python3 train_dflash.py` has comm python3: `/train_dflash` must find its host, and the
+    expanded host shows the script and its user on the holder's line."""
+    a, b, _ = fleet
+    job = b.spawn_holder(gpus=[0], mib=2000, user=lab.user, argv=[
+        "python3", "/home/%s/train_dflash.py" % lab.user, "--epochs", "3"])
+    t = top()
+    t.wait(lambda s: "top-b" in s and fmt_pair(2000, 49140) in row(s, "top-b"))
+    t.keys("/")
+    t.type("train_dflash")
+    t.keys("Enter")
+    screen = t.wait(lambda s: "top-a" not in s.split("\n", 1)[1] and "top-b" in s)
+    assert "filter 'train_dflash'" in screen.splitlines()[0]
+    t.keys("Enter")  # the cursor is on top-b, the one host shown
+    screen = t.wait("pid %d" % job)
+    line = [ln for ln in screen.splitlines() if "pid %d" % job in ln][0]
+    assert "train_dflash.py --epo" in line and lab.user in line, screen
     t.keys("q")
     t.wait("TOP-EXIT=0")
     wait_no_agents(a, b)
@@ -197,7 +220,7 @@ def test_clean_from_the_screen_frees_the_marked_gpu_and_nothing_else(fleet: Any,
     assert {(r["host"], r["pid"], r["signal"]) for r in signals} == {("top-a", a.victim, "TERM")}
     assert [r["verdict"] for r in audit if r.get("event") == "verdict"] == ["clean"]
     t.keys("x")  # the outcome page closes; the screen follows the host
-    t.wait(lambda s: f"{fmt_mib(3000)} / " in row(s, "top-a"))
+    t.wait(lambda s: fmt_pair(3000, 2 * 49140) in row(s, "top-a"))
     t.keys("q")
     t.wait("TOP-EXIT=0")
     wait_no_agents(a, b)

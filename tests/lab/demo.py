@@ -1,7 +1,8 @@
 """Show gpufleet against the lab, as an operator would see it (the README's and notes' output).
 
-    sudo python3 tests/lab/demo.py            # status --all, clean dry run, clean, status
+    sudo python3 tests/lab/demo.py            # status --all, health --all, clean dry run, clean, status
     sudo python3 tests/lab/demo.py --swap     # the model-swap runbook: dry run, then for real
+    sudo python3 tests/lab/demo.py --small    # a workstation, an older driver, a GPU missing
 
 Starts the three fleets of the product (a WSL2 workstation with its 1680 MiB reservation, an
 8-GPU training node with a vLLM family on GPUs 0-3 and a trainer on 4-7, a 2-GPU inference
@@ -40,14 +41,40 @@ def gpufleet(args: list[str], env: dict) -> int:
     return res.returncode
 
 
+HEALTH_FIELDS = ["persistence_mode", "pcie.link.gen.current", "pcie.link.gen.max",
+                 "pcie.link.width.current", "pcie.link.width.max", "clocks_event_reasons.active",
+                 "ecc.errors.uncorrected.volatile.total", "ecc.errors.uncorrected.aggregate.total",
+                 "retired_pages.pending"]
+
+
+def small_fleet(lab: Lab, tmp: str, env: dict) -> int:
+    """A workstation (a python3 job, an nvtop-like monitor), a node whose older driver gives no
+    health reading, one that lost a GPU (the inventory expects 4): status, then health."""
+    ws = lab.add_host("workstation", gpus=1, gpu_name="NVIDIA GeForce RTX 5090", total_mib=32607)
+    ws.spawn_holder(gpus=[0], mib=3000, user=lab.user,
+                    argv=["python3", f"/home/{lab.user}/train.py", "--epochs", "3"])
+    ws.spawn_monitor(title="nvtop")
+    old = lab.add_host("old-driver", gpus=2, nvml=False, invalid_fields=HEALTH_FIELDS)
+    short = lab.add_host("short-node", gpus=3)
+    fleet = lab.inventory_yaml([ws, old, short], path=Path(tmp) / "fleet.yaml",
+                               **{"short-node": {"gpus": 4}})
+    gpufleet(["-i", str(fleet), "status"], env)
+    return gpufleet(["-i", str(fleet), "health"], env)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--swap", action="store_true", help="run the model-swap runbook instead")
+    parser.add_argument("--small", action="store_true",
+                        help="a workstation, a node with an older driver, one short of a GPU")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, Lab(Path(tmp) / "lab") as lab:
         home = Path(tmp) / "home"
         home.mkdir()
-        env = dict(os.environ, HOME=str(home), PYTHONPATH=str(REPO))
+        # COLUMNS: the tables as a 120-column terminal shows them (a pipe gets whole lines)
+        env = dict(os.environ, HOME=str(home), PYTHONPATH=str(REPO), COLUMNS="120")
+        if args.small:
+            return small_fleet(lab, tmp, env)
         wsl = lab.add_host("bigmama", gpus=1, wsl2=True, gpu_name="NVIDIA GeForce RTX 5090",
                            total_mib=32607, reserved_mib=0, ghost_mib=1680)
         train = lab.add_host("train-node", gpus=8, release_delay_s=0.2)
@@ -55,7 +82,11 @@ def main() -> int:
                              total_mib=97887, nvidia_smi="/usr/local/nvidia/bin/nvidia-smi")
         dead = lab.dead_host("old-node")
         train.spawn_vllm(gpus=[0, 1, 2, 3], mib=716)
-        train.spawn_holder(gpus=[4, 5, 6, 7], mib=[30000] * 4, title="train_dflash.py")
+        # a job as people start one: comm is python3, the command line says what runs
+        train.spawn_holder(gpus=[4, 5, 6, 7], mib=[30000] * 4, user=lab.user, argv=[
+            "python3", f"/home/{lab.user}/dflash/train_dflash.py", "--config",
+            "configs/dflash-8b.yaml", "--epochs", "3"])
+        train.spawn_monitor(title="nvtop")
         health_port = 18000 + os.getpid() % 1000
         systemctl = install_systemctl(infer, {
             "vllm-minimax": {"gpus": list(range(8)), "mib": 60000, "title": "VLLM::Worker"},
@@ -81,6 +112,7 @@ def main() -> int:
             gpufleet([*swap, "--dry-run"], env)
             return gpufleet([*swap, "--yes"], env)
         gpufleet([*inv, "status", "--all"], env)
+        gpufleet([*inv, "health", "--all"], env)
         gpufleet([*inv, "clean", "--host", "train-node", "--gpus", "0-3", "--dry-run"], env)
         gpufleet([*inv, "clean", "--host", "train-node", "--gpus", "0-3", "--yes", *audit], env)
         gpufleet([*inv, "status", "--host", "train-node"], env)

@@ -77,6 +77,10 @@ DEFAULTS = {
     "pcie_width": {},  # current width (max: pcie_width_max, 16)
     "pcie_gen_max": 5,
     "pcie_width_max": 16,
+    # --query-gpu names this driver rejects, as an older driver rejects newer fields: the
+    # recorded "is not a valid field" answer, exit 2 (invalid_field.txt); the agent drops
+    # them one by one. Every health field here = a GPU none of whose readings can be taken.
+    "invalid_fields": [],
 }
 
 FAIL_TEXT = (
@@ -535,7 +539,8 @@ def lost_check(cfg, gpus):
 
 
 def query_gpu(cfg, gpus, fields_text, fmt):
-    fields = resolve(fields_text, GPU_FIELDS)
+    rejected = set(cfg.get("invalid_fields") or ())
+    fields = resolve(fields_text, {k: v for k, v in GPU_FIELDS.items() if k not in rejected})
     rows = []
     for g in gpus:
         value = {

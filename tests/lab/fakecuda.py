@@ -63,6 +63,9 @@ def parse(argv):
     p.add_argument("--gpus", default="0", help="comma-separated CUDA device indices ('' = none)")
     p.add_argument("--mib", default="500", help="MiB per GPU: one value or one per GPU")
     p.add_argument("--title", default=None, help="new process name (comm and cmdline)")
+    p.add_argument("--argv", default=None, metavar="JSON",
+                   help="a command line to show, as a JSON list (argv rewritten in place, comm "
+                        "kept): `python3 train.py --epochs 3` as its interpreter started it")
     p.add_argument("--ignore-term", action="store_true")
     p.add_argument("--term-delay", type=float, default=None, help="seconds from SIGTERM to exit")
     p.add_argument("--spawn-child", action="append", default=[], metavar="ARGS")
@@ -424,6 +427,8 @@ def main(argv=None):
 
     if args.title:
         rename(args.title)
+    if args.argv:
+        _overwrite_argv("\0".join(json.loads(args.argv)))
 
     def hold():
         return setup(args, cfg, phys, minors, alloc, visible)

@@ -154,6 +154,8 @@ def _holder_args(spec: Mapping[str, Any]) -> list[str]:
     args += ["--mib", ",".join(str(m) for m in mib) if isinstance(mib, (list, tuple)) else str(mib)]
     if spec.get("title"):
         args += ["--title", str(spec["title"])]
+    if spec.get("argv"):
+        args += ["--argv", json.dumps([str(a) for a in spec["argv"]])]
     if spec.get("ignore_term"):
         args.append("--ignore-term")
     if spec.get("term_delay") is not None:
@@ -414,6 +416,7 @@ class LabHost:
         leader_exit: bool = False,
         stuck: bool = False,
         mps: Optional[Any] = None,
+        argv: Optional[Sequence[str]] = None,
     ) -> HolderPid:
         """Start a fakecuda holder (and its children) fully detached; returns its pid.
 
@@ -423,11 +426,13 @@ class LabHost:
         pthread_exit (a zombie leader that still holds, as on the H200); ``stuck`` (root) also
         puts that thread in uninterruptible sleep (D). Returns once the leader is a zombie.
         ``mps``: a client of that fake MPS (``spawn_mps``'s value): its daemon lists it.
+        ``argv``: the command line it shows (rewritten in place, comm kept: ``python3``), as a
+        script its interpreter started, e.g. ``["python3", "/home/alice/train.py", "--lr", "1"]``.
         """
         spec = dict(
             gpus=list(gpus), mib=mib, title=title, ignore_term=ignore_term, term_delay=term_delay,
             children=children, cuda_visible=cuda_visible, no_devices=no_devices,
-            zombie_child=zombie_child, exit_after=exit_after, monitor=monitor,
+            zombie_child=zombie_child, exit_after=exit_after, monitor=monitor, argv=argv,
             leader_exit=leader_exit, stuck=stuck,
             mps_pipe=mps.pipe_dir if mps is not None else None,
         )

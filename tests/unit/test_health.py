@@ -194,10 +194,53 @@ def test_each_reading_makes_its_finding(kw: dict, code: str, sev: str, action: s
     assert h.gpus[0].severity == sev
 
 
-def test_not_available_readings_make_no_finding() -> None:
+def test_a_gpu_with_no_readings_is_unknown_not_ok() -> None:
+    """Every reading None (the nvidia-smi path of an older driver, an agent before the
+    readings): no fault can be found, and that must not read as OK."""
     row = {k: None for k in gpu()}
     row.update(index=0, uuid="GPU-0", name="x")
-    assert health.assess("h", snap([row])).gpus[0].findings == ()
+    h = health.assess("h", snap([row]))
+    (f,) = h.gpus[0].findings
+    assert (f.code, f.severity) == ("no_readings", "UNKNOWN")
+    assert f.message == "nothing could be read (ECC, row remapping, PCIe link, clocks events)"
+    assert h.gpus[0].severity == "UNKNOWN" and h.severity == "UNKNOWN"
+    assert h.gpus[0].unknown == ("ecc", "row_remapping", "pcie_link", "clocks_events")
+    doc = health_document([h])["hosts"][0]["gpus"][0]
+    assert doc["severity"] == "UNKNOWN" and doc["unknown"] == list(h.gpus[0].unknown)
+
+
+def test_a_gpu_with_some_readings_names_the_missing_ones() -> None:
+    """A consumer GPU has no ECC and no row remapping: it is judged on what it gave, and says
+    what it did not."""
+    h = health.assess("h", snap([gpu(ecc_uncorrected_volatile=None, ecc_uncorrected_aggregate=None,
+                                     remapped_rows_pending=None, remapped_rows_failure=None)]))
+    (f,) = h.gpus[0].findings
+    assert (f.code, f.severity, f.message) == ("readings_missing", "OK",
+                                               "not read: ECC, row remapping")
+    assert h.gpus[0].severity == "OK" and h.gpus[0].unknown == ("ecc", "row_remapping")
+    assert "readings_missing: not read: ECC, row remapping" in health_table([h])
+
+
+@pytest.mark.parametrize("kw", [
+    {"retired_pages_pending": None},  # the H200's NVML: NOT_SUPPORTED, remapped rows read
+    {"remapped_rows_pending": None, "remapped_rows_failure": None,  # nvidia-smi --query-gpu
+     "retired_pages_pending": False},
+    {"pcie_gen_current": None, "pcie_gen_max": None},  # the width alone reads the link
+])
+def test_either_reading_of_a_group_is_enough(kw: dict) -> None:
+    h = health.assess("h", snap([gpu(**kw)]))
+    assert h.gpus[0].findings == () and h.gpus[0].unknown == ()
+
+
+def test_summaries_count_unknown_gpus_and_the_hosts_own_findings() -> None:
+    row = {k: None for k in gpu()}
+    row.update(index=1, uuid="GPU-1", name="x")
+    h = health.assess("h", snap([gpu(), row]), expected_gpus=3)
+    assert health_table([h]).splitlines()[-1] == (
+        "hosts: 1 ok, 0 failed; GPUs: 1 OK, 1 UNKNOWN, 0 WARN, 0 CRITICAL; "
+        "host findings: 0 WARN, 1 CRITICAL")
+    assert [f.code for f in health.critical_host_findings(h)] == ["gpu_count"]
+    assert health.finding_values(h)[2]["value"] == -1  # the UNKNOWN GPU's row
 
 
 def test_an_idle_gpu_may_lower_its_link_generation() -> None:
@@ -303,7 +346,25 @@ def test_health_step_fails_on_critical_and_warns_on_warn() -> None:
     assert health_outcome(s, "h", [0], None, "critical", "never") == (False, "1 GPU(s) OK")
 
 
+def test_health_step_warns_on_unknown_and_fails_on_it_with_fail_on_warn() -> None:
+    row = {k: None for k in gpu()}
+    row.update(index=0, uuid="GPU-0", name="x")
+    failed, detail = health_outcome(snap([row]), "h", None, None, "critical")
+    assert not failed and "warning: GPU 0: UNKNOWN no_readings" in detail
+    failed, detail = health_outcome(snap([row]), "h", None, None, "warn")
+    assert failed and "GPU 0: UNKNOWN no_readings" in detail
+
+
 def test_the_health_cli_rejects_bad_options_with_exit_2(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "gpufleet", "health", "--strictly"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr
+
+
+def test_the_health_help_says_its_exit_codes_and_what_strict_adds(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "gpufleet", "health", "--help"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    text = " ".join(run.stdout.split())
+    assert run.returncode == 0, run.stderr
+    assert "Exit 0 when every GPU is OK (or only WARN or UNKNOWN)" in text
+    assert "on WARN or UNKNOWN too with --strict" in text and "2 on usage errors" in text

@@ -25,6 +25,7 @@ from gpufleet.core.model import HostResult, ledger, parse_snapshot
 from gpufleet.core.plan import make_plan, to_request
 from gpufleet.remote import agent
 from gpufleet.core.hostwarnings import host_warnings
+from gpufleet.render.common import fmt_mib
 from gpufleet.render.status import status_document, status_table
 from gpufleet.render.clean import clean_document
 from gpufleet.core.verdict import make_verdict
@@ -136,14 +137,21 @@ def test_status_table_is_the_core_rendering_of_its_agent_document():
     cli = load("cli-status-text.json")
     snap = parse_snapshot(agent_doc(cli))
     table = status_table([HostResult(host=HOST, ok=True, snapshot=snap)], {HOST: 0})
-    # the layout may change; the cells the CLI printed then must all be there now
-    holders = [f"{snap.processes[a.pid].name} {a.pid} " for a in snap.compute_apps]
-    cells = ["12.4GiB / 140.4GiB", "16.7GiB / 140.4GiB", "26MiB", "9MiB", "612MiB", "4706MiB"]
-    for cell in holders + cells:
-        assert cell in cli["stdout"] and cell in table, cell
+    # the layout and the units changed since (MiB throughout; a holder is PID, user, MiB,
+    # what runs): the numbers the CLI printed then are all there now, in MiB
+    for a in snap.compute_apps:
+        name = snap.processes[a.pid].name
+        assert f"{name} {a.pid} {fmt_mib(a.used_mib)}" in cli["stdout"], a
+        assert f"{a.pid} root {a.used_mib}MiB " in table, a
+    for gpu in snap.gpus:
+        assert f"{fmt_mib(gpu.memory_used_mib)} / {fmt_mib(gpu.memory_total_mib)}" in cli["stdout"]
+        assert f"{gpu.memory_used_mib} / {gpu.memory_total_mib}" in table
+    for old, new in (("26MiB", " 26  "), ("9MiB", " 9  ")):  # unattributed, GPU 0 and 1
+        assert old in cli["stdout"] and new in table, (old, new)
     assert table.count("VLLM::Worker") == cli["stdout"].count("VLLM::Worker") == 2
     summary = [line for line in table.splitlines() if line.startswith("hosts: ")]
-    assert summary == [cli["stdout"].splitlines()[-1]]  # hosts/GPUs summary
+    # hosts/GPUs summary, and the health counts added since (that agent had no readings)
+    assert summary == [cli["stdout"].splitlines()[-1] + "; health: 2 UNKNOWN"]
     # the host warning the agent sent is a line of its own (stderr), never in the table
     assert "warning" not in table
     assert host_warnings(HOST, snap) == [f"{HOST}: warning: {w}" for w in snap.warnings]

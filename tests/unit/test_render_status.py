@@ -40,8 +40,8 @@ def test_unreachable_host_is_one_row_and_others_complete() -> None:
     text = status_table([result("basic"), dead], {})
     lines = text.splitlines()
     assert any(line.startswith("dead") and "ERROR: connection refused" in line for line in lines)
-    assert "VLLM::Worker 425 20.5GiB" in text
-    assert lines[-1] == "hosts: 1 ok, 1 failed; GPUs: 1 busy, 0 free"
+    assert "425 root 20998MiB hold.py VLLM::Worker 20" in text
+    assert lines[-1] == "hosts: 1 ok, 1 failed; GPUs: 1 busy, 0 free; health: 1 OK"
 
 
 def test_renamed_vllm_worker_is_shown_by_its_new_name() -> None:
@@ -87,7 +87,7 @@ def test_wsl2_per_process_memory_not_available_is_a_value() -> None:
 
 def test_hidden_pid_holder_shown_as_fd_holder() -> None:
     text = status_table([result("hidden_pids")], {})
-    assert "VLLM::Worker 77 (fd: GPUs 0)" in text
+    assert "77 root (fd: GPUs 0) VLLM::Worker_TP0" in text
     doc = status_document([result("hidden_pids")], {})
     assert doc["hosts"][0]["holders"][0]["listed_by_nvidia_smi"] is False
     assert doc["hosts"][0]["gpus"][0]["unattributed_mib"] == 20998
@@ -144,7 +144,7 @@ def test_a_newline_in_a_process_title_cannot_fake_a_holder_line() -> None:
     doc = json.loads((FIX / "basic.json").read_text())
     doc["processes"]["426"]["comm"] = "trainer\nVLLM::Worker 1 999MiB"
     text = status_table([HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))], {})
-    assert "trainer\\x0aVLLM::Worker 1 999MiB 426 5638MiB" in text
+    assert "426 root 5638MiB trainer\\x0aVLLM::Worker 1 999MiB: hold.py trainer 5" in text
     assert not any(line.strip().startswith("VLLM::Worker 1 999MiB") for line in text.splitlines())
 
 
@@ -162,7 +162,7 @@ def test_a_listed_process_without_its_gpus_device_file_is_an_untrusted_row() -> 
         425: ("verified", "has /dev/nvidia0 open (its maps not available)")}
     assert (gpu["attributed_mib"], gpu["unattributed_mib"]) == (20998, 26651 - 20998)
     text = status_table([res], {})
-    assert "trainer 426 5638MiB (untrusted row)" in text
+    assert "426 root 5638MiB (untrusted row) hold.py trainer 5" in text
     assert "warning" not in text  # on stderr: core.hostwarnings
     assert host_warnings("box", res.snapshot) == [
         "box: warning: PID 426 is an untrusted row: %s; its memory counts as unattributed" % reason]
@@ -190,7 +190,7 @@ def test_watch_documents_reuse_a_host_part_until_its_next_snapshot(monkeypatch) 
     """status --watch --json writes a document every interval; a host's part is made once per
     snapshot (render.status.HostDocs) and the document is the same as without it."""
     from gpufleet.core.live import LiveHost
-    from gpufleet.render import status as rs
+    from gpufleet.render import status_json as rs
 
     views = [LiveHost(n, result=result(n), received_at=10.0) for n in ("basic", "hidden_pids")]
     views.append(LiveHost("down"))  # no snapshot yet: made every time, never cached
@@ -205,3 +205,35 @@ def test_watch_documents_reuse_a_host_part_until_its_next_snapshot(monkeypatch) 
     views[0] = LiveHost("basic", result=result("basic"), received_at=12.5)  # a new snapshot
     rs.watch_document(views, EXPECTED, 13.0, 5, docs)
     assert calls.count("basic") == 2 and calls.count("hidden_pids") == 1
+
+
+def test_a_hosts_own_critical_finding_is_a_row_counted_and_fails_status() -> None:
+    """The inventory expects 2 GPUs and 1 answered: each GPU row reads OK, so the finding
+    needs its own row, the summary counts it and `status` does not pass (exit 1)."""
+    from gpufleet.render.status import failing_hosts
+
+    res = result("basic")
+    text = status_table([res], {}, {"basic": 2})
+    rows = [line for line in text.splitlines() if line.startswith("basic ")]
+    assert rows[-1].split()[1:4] == ["host", "CRITICAL", "gpu_count"]
+    assert rows[-1].endswith("1 GPU(s) found, the inventory expects 2")
+    assert text.splitlines()[-1].endswith("; health: 1 OK; host findings: 1 CRITICAL")
+    assert failing_hosts([res], {"basic": 2}) == ["basic"]
+    assert failing_hosts([res], {"basic": 1}) == [] and failing_hosts([res]) == []
+    assert " host " not in status_table([res], {}, {"basic": 1})
+    more = status_table([res], {}, {"basic": 0})  # more GPUs than expected: shown, passes
+    assert "WARN gpu_count" in more and failing_hosts([res], {"basic": 0}) == []
+
+
+def test_holders_say_what_runs_and_whose_it_is() -> None:
+    """comm names the interpreter (python3 for every job); the command line says what runs:
+    the script and its arguments, and the user; a container only when it is not the agent's."""
+    doc = json.loads((FIX / "basic.json").read_text())
+    doc["processes"]["426"].update(comm="python3", user="alice", container="docker:0123456789ab",
+                                   cmdline="/usr/bin/python3 /home/alice/train_dflash.py --epochs 3")
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    text = status_table([res], {})
+    assert "426 alice 5638MiB [docker:0123456789ab] train_dflash.py --epochs 3" in text
+    doc["facts"].update(in_container=True, container="docker:0123456789ab")
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    assert "426 alice 5638MiB train_dflash.py --epochs 3" in status_table([res], {})

@@ -55,9 +55,37 @@ def test_summary_and_one_row_per_host_with_the_numbers() -> None:
     rows = host_rows(screen)
     assert [r.split()[1] for r in rows] == ["node-a", "node-b", "node-dead"]  # sort: name
     a = rows[0].split()
-    assert a[2:4] == ["1", "1/0"] and "26651MiB" not in rows[0] and "26.0GiB / 140.4GiB" in rows[0]
+    assert a[2:4] == ["1", "1/0"] and "26651MiB" not in rows[0] and "26.0 / 140.4GiB" in rows[0]
     assert "connection refused" in rows[2] and screen.lines[0].role == "title"
     assert [ln.role for ln in screen.lines if ln.key == ("host", "node-dead")] == ["down"]
+
+
+def test_the_summary_counts_health_and_a_hosts_own_finding_is_shown() -> None:
+    """node-a's inventory expects 2 GPUs and it has 1; node-b's snapshot has no readings: the
+    title counts both, and the expanded host says what is wrong with it."""
+    info = dict(INFO, **{"node-a": HostInfo(("inference",), expected_gpus=2)})
+    state = TopState(expanded=frozenset({("host", "node-a")}))
+    screen = layout(fleet(), info, state, 200, 40, NOW)
+    assert "| health: 1 OK, 8 UNKNOWN; host findings: 1 CRITICAL |" in screen.lines[0].text
+    found = [ln for ln in screen.lines if ln.text.startswith("    host: ")]
+    assert [(ln.text.strip(), ln.role) for ln in found] == [
+        ("host: CRITICAL gpu_count: 1 GPU(s) found, the inventory expects 2", "warn")]
+
+
+def test_host_rows_have_their_utilisation_and_one_unit_per_memory_pair() -> None:
+    """UTIL: the mean of the host's GPUs; used and total in one unit (never 7000MiB /
+    48.0GiB), per-process and unattributed memory in MiB."""
+    views = fleet()
+    snap = views[0].result.snapshot
+    utils = [g.utilization_pct for g in snap.gpus]
+    state = TopState(expanded=frozenset({("host", "node-b")}))
+    screen = layout(views, INFO, state, 200, 60, NOW)
+    assert "  UTIL  " in screen.lines[1].text
+    row = [r for r in host_rows(screen) if r.split()[1] == "node-b"][0]
+    assert f" {round(sum(utils) / len(utils))}% " in row and " 68% " in row, row
+    gpu0 = [t for t in texts(screen) if t.strip().startswith("[ ] GPU 0")][0]
+    assert " 43.1 / 48.0GiB " in gpu0 and "MiB / " not in gpu0, gpu0
+    assert "| memory 350.9 / 524.3GiB | unattributed 127MiB" in screen.lines[0].text
 
 
 def test_enter_expands_a_host_into_gpus_and_holders() -> None:
@@ -68,7 +96,7 @@ def test_enter_expands_a_host_into_gpus_and_holders() -> None:
     screen = layout(fleet(), INFO, state, 160, 40, NOW)
     body = "\n".join(texts(screen))
     assert "GPU 0  NVIDIA H200" in body
-    assert any("VLLM::Worker" in t and "pid 425" in t and "20.5GiB" in t and "nvidia-smi" in t
+    assert any("VLLM::Worker" in t and "pid 425" in t and "20998MiB" in t and "nvidia-smi" in t
                for t in texts(screen))
     assert any("trainer" in t and "pid 426" in t and "root" in t for t in texts(screen))
     state, _ = on_key(state, "ENTER", screen)
@@ -104,6 +132,19 @@ def test_sort_by_memory_and_unattributed_and_filter_by_tag_and_holder() -> None:
     s = replace(TopState(), filter="nomatch")
     assert any("no host matches the filter 'nomatch'" in t
                for t in texts(layout(fleet(), INFO, s, 160, 40, NOW)))
+
+
+def test_the_filter_finds_what_a_holder_runs_not_only_its_comm() -> None:
+    """node-a's holders are `python3 /tmp/hold.py ...` (comm renamed): the script is what an
+    operator types; an expanded host shows it on each holder's line."""
+    def shown(typed: str) -> tuple[str, ...]:
+        return layout(fleet(), INFO, replace(TopState(), filter=typed), 160, 40, NOW).shown
+
+    assert shown("hold.py") == ("node-a",)
+    assert shown("hold.py trainer") == ("node-a",)
+    state = TopState(expanded=frozenset({("host", "node-a")}))
+    body = texts(layout(fleet(), INFO, state, 160, 40, NOW))
+    assert any("hold.py trainer 5" in t and "pid 426" in t and "root" in t for t in body)
 
 
 def test_a_stale_host_shows_its_age_and_why() -> None:
