@@ -184,7 +184,7 @@ def test_a_slurm_epilog_counts_the_mps_server_as_no_holder(snap: Snapshot) -> No
 def test_status_shows_the_servers_memory_and_a_gpu_with_only_it_is_free(snap: Snapshot) -> None:
     after = parse_snapshot(after_doc(73))
     gpu = after.gpus[0]
-    assert holders_text(after, gpu) == "nvidia-cuda-mps-server 908 66MiB (MPS server)"
+    assert holders_text(after, gpu) == "908 root 66MiB (MPS server)\tnvidia-cuda-mps-server"
     assert not gpu_is_busy(after, gpu, 0)
     assert gpu_is_busy(snap, snap.gpus[0], 0)  # the client is someone's
     out = host_doc(HostResult(host="h200", ok=True, snapshot=after), 0)
