@@ -24,18 +24,14 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from gpufleet.transport.connection import MAX_HOPS, connection_for, transport_error
     from gpufleet.transport.conversation import Conversation
     from gpufleet.transport.dial import Dialled, Predial, predial
-    from gpufleet.transport.kept import Kept, close_kept, kept_connections
+    from gpufleet.transport.keptlist import Kept, close_kept, kept_connections
     from gpufleet.transport.keyscan import TrustResult, fetch_host_key, trust
     from gpufleet.transport.run import FIRST_START, INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP
-    from gpufleet.transport.session import (
-        AgentReply,
-        ArgvResult,
-        LocalSession,
-        Session,
-        SshSession,
-        deadline_for,
-        open_session,
-    )
+    from gpufleet.transport.local import LocalSession
+    from gpufleet.transport.paramikossh import SshSession
+    from gpufleet.transport.reach import open_session
+    from gpufleet.transport.reply import AgentReply, ArgvResult, deadline_for
+    from gpufleet.transport.session import Session
     from gpufleet.transport.stream import Stream
 
 #: public name -> the module that defines it
@@ -44,11 +40,11 @@ _HOME = {
     "Conversation": "conversation",
     "Dialled": "dial", "Predial": "dial", "predial": "dial",
     "TrustResult": "keyscan", "fetch_host_key": "keyscan", "trust": "keyscan",
-    "Kept": "kept", "close_kept": "kept", "kept_connections": "kept",
+    "Kept": "keptlist", "close_kept": "keptlist", "kept_connections": "keptlist",
     "FIRST_START": "run", "INLINE_STDIN": "run", "KILL_AFTER_S": "run", "STDERR_KEEP": "run",
-    "AgentReply": "session", "ArgvResult": "session", "LocalSession": "session",
-    "Session": "session", "SshSession": "session", "deadline_for": "session",
-    "open_session": "session", "Stream": "stream",
+    "AgentReply": "reply", "ArgvResult": "reply", "deadline_for": "reply",
+    "LocalSession": "local", "Session": "session", "SshSession": "paramikossh",
+    "open_session": "reach", "Stream": "stream",
 }
 
 __all__ = [  # _HOME's names and TransportError (tests/integration/test_startup_imports.py)

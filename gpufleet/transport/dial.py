@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
+from gpufleet.transport import sshconfig
 
 if TYPE_CHECKING:  # imported by the dials themselves: a local host never loads the SSH stack
     from gpufleet.transport.connection import HostConnection
@@ -86,12 +87,10 @@ class Predial:
         self._lock = threading.Lock()
         self._closed = False
         self._dials: dict[str, _Dial] = {}
-        from gpufleet.transport.openssh import wanted as openssh_wanted
-
         for host in hosts:
-            if getattr(host, "connection", "ssh") == "local":
+            if getattr(host, "connection", "ssh") != "ssh":
                 continue
-            if openssh_too or not openssh_wanted(host):
+            if openssh_too or not sshconfig.openssh_wanted(host):
                 self._dials.setdefault(str(host.name), _Dial(host))
         self._queue = collections.deque(self._dials.values())
         n = len(self._queue)

@@ -1,8 +1,8 @@
 """SSH connections kept between commands (``ssh_persist``): where their sockets live, and
 how they are listed and closed.
 
-Internal to gpufleet.transport (gpufleet.transport.openssh asks for a host's socket; `gpufleet
-disconnect` lists and closes them). With ``ssh_persist: SECONDS`` a host's first ``ssh`` of a
+Internal to gpufleet.transport (gpufleet.transport.sshtarget asks for a host's socket;
+gpufleet.transport.keptlist lists and closes them for `gpufleet disconnect`). With ``ssh_persist: SECONDS`` a host's first ``ssh`` of a
 command becomes an OpenSSH master (``ControlMaster=auto``, ``ControlPersist=SECONDS``) that
 stays after the command for that long once idle, so the next command's runs skip the TCP
 connect, the key exchange and the authentication (gpufleet.transport.mux talks to it). Off
@@ -18,16 +18,12 @@ ssh_config gives another name, so an old master is never joined for a new destin
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-from gpufleet.errors import TransportError
-from gpufleet.transport import mux
 from gpufleet.transport.localstate import cache_dir, hashed_name
 
 SOCKET_MAX = 100  # sun_path is 108 bytes; a longer directory means no kept connections
@@ -72,12 +68,14 @@ def _ready_directory() -> Optional[str]:
     if problem is None and len(os.path.join(path, "x" * 2 * NAME_BYTES).encode()) > SOCKET_MAX:
         problem = f"{path} is too long for a socket path"
     if problem is not None:
-        _warn(problem)
+        warn_off(problem)
         return None
     return path
 
 
-def _warn(problem: str) -> None:
+def warn_off(problem: str) -> None:
+    """Say once per run why kept connections are off (sshtarget too: a socket path ssh would
+    expand)."""
     if _warned.is_set():
         return
     _warned.set()
@@ -107,46 +105,3 @@ def sockets() -> list[str]:
         except OSError:
             continue
     return found
-
-
-@dataclass(frozen=True)
-class Kept:
-    """One kept connection: the inventory host it is for (None: found in the directory),
-    its socket, and its master's PID (None: no master answers there)."""
-
-    host: Optional[str]
-    path: str
-    pid: Optional[int]
-
-
-def socket_of(host: Any) -> Optional[str]:
-    """Where ``host``'s kept connection is (whether or not one is up, whatever its
-    ``ssh_persist`` now): None for a host not reached through OpenSSH."""
-    from gpufleet.transport import openssh, sshconfig, sshtarget
-
-    ssh = sshconfig.ssh_client()
-    if getattr(host, "is_local", False) or ssh is None or not openssh.wanted(host):
-        return None
-    target = sshtarget.target_for(dataclasses.replace(host, ssh_persist=1.0), ssh)
-    return target.kept if target is not None else None
-
-
-def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
-    """The kept connections of ``hosts`` (None: every socket in the directory)."""
-    if hosts is None:
-        return [Kept(None, path, mux.alive(path)) for path in sockets()]
-    found = []
-    for host in hosts:
-        try:
-            path = socket_of(host)
-        except TransportError:  # ssh -G refuses the host now: no socket can be named for it
-            continue  # (one kept from before is still closed by a run without a selection)
-        if path is not None and os.path.exists(path):
-            found.append(Kept(host.name, path, mux.alive(path)))
-    return found
-
-
-def close_kept(path: str) -> Optional[int]:
-    """Ask the master at ``path`` to end (gpufleet.transport.mux.terminate); its PID, or None
-    when none was there (a stale socket is removed by the refused connect)."""
-    return mux.terminate(path)

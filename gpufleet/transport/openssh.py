@@ -4,7 +4,7 @@ Internal to gpufleet.transport (sessions come from ``open_session``). Why: ``ssh
 decides where gpufleet connects; running ``ssh`` itself connects exactly there, does the key
 exchange and the channel in C (paramiko's import alone is ~150 ms, its handshake ~20 ms of
 Python per host), and one process per host spreads a fleet over every core instead of one
-GIL. paramiko (gpufleet.transport.session.SshSession) stays the fallback: no ``ssh`` on PATH,
+GIL. paramiko (gpufleet.transport.paramikossh) stays the fallback: no ``ssh`` on PATH,
 ``ssh_client: paramiko``, and hosts reached through ProxyJump / ProxyCommand (OpenSSH would
 not pass gpufleet's options to the jump's own ``ssh``, so a hop's host key could not be held
 to gpufleet's policy).
@@ -35,7 +35,8 @@ from gpufleet.config.inventory import Host
 from gpufleet.errors import SshConfigError, TransportError
 from gpufleet.transport import mux, sshconfig
 from gpufleet.transport.run import RawRun, run_local
-from gpufleet.transport.session import Session, remote_timeout
+from gpufleet.transport.reply import remote_timeout
+from gpufleet.transport.session import Session
 from gpufleet.transport.sshmaster import Master
 from gpufleet.transport.sshtarget import Target, target_for
 from gpufleet.transport.stream import ProcessStream, Stream
@@ -43,15 +44,7 @@ from gpufleet.transport.stream import ProcessStream, Stream
 T = TypeVar("T")
 
 __all__ = ["OpensshSession", "OpensshStream", "Target", "hostkey_refusal", "open_session",
-           "ssh_failure", "target_for", "wanted"]
-
-
-def wanted(host: Host) -> bool:
-    """This SSH host goes through OpenSSH unless its ssh_config says jump (decided on open)."""
-    choice = getattr(host, "ssh_client", "auto") or "auto"
-    if choice == "paramiko":
-        return False
-    return choice == "openssh" or sshconfig.ssh_client() is not None
+           "ssh_failure", "target_for"]
 
 
 # --------------------------------------------------------------------------- ssh's failures

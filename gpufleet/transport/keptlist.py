@@ -1,0 +1,56 @@
+"""The connections kept between commands, listed and closed (`gpufleet disconnect`).
+
+Internal to gpufleet.transport; where the sockets are and how they are named is
+gpufleet.transport.kept's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from gpufleet.errors import TransportError
+from gpufleet.transport import mux, sshconfig, sshtarget
+from gpufleet.transport.kept import sockets
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One kept connection: the inventory host it is for (None: found in the directory),
+    its socket, and its master's PID (None: no master answers there)."""
+
+    host: Optional[str]
+    path: str
+    pid: Optional[int]
+
+
+def socket_of(host: Any) -> Optional[str]:
+    """Where ``host``'s kept connection is (whether or not one is up, whatever its
+    ``ssh_persist`` now): None for a host not reached through OpenSSH."""
+    ssh = sshconfig.ssh_client()
+    if getattr(host, "connection", "ssh") != "ssh" or ssh is None or not sshconfig.openssh_wanted(host):
+        return None
+    target = sshtarget.target_for(dataclasses.replace(host, ssh_persist=1.0), ssh)
+    return target.kept if target is not None else None
+
+
+def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
+    """The kept connections of ``hosts`` (None: every socket in the directory)."""
+    if hosts is None:
+        return [Kept(None, path, mux.alive(path)) for path in sockets()]
+    found = []
+    for host in hosts:
+        try:
+            path = socket_of(host)
+        except TransportError:  # ssh -G refuses the host now: no socket can be named for it
+            continue  # (one kept from before is still closed by a run without a selection)
+        if path is not None and os.path.exists(path):
+            found.append(Kept(host.name, path, mux.alive(path)))
+    return found
+
+
+def close_kept(path: str) -> Optional[int]:
+    """Ask the master at ``path`` to end (gpufleet.transport.mux.terminate); its PID, or None
+    when none was there (a stale socket is removed by the refused connect)."""
+    return mux.terminate(path)

@@ -1,0 +1,59 @@
+"""How a host is reached: one table from its ``connection`` to the module whose session
+reaches it. THE place that decides it; every other module only implements a way.
+
+A way's module is imported when a host of its kind opens: a run whose hosts are all local
+never imports the SSH stack (tests/integration/test_startup_imports.py).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+from gpufleet.config.inventory import Host
+from gpufleet.transport import sshconfig
+from gpufleet.transport.session import Session
+
+if TYPE_CHECKING:
+    from gpufleet.transport.dial import Dialled
+
+Opener = Callable[[Host, Optional["Dialled"], bool], Session]
+
+
+def _local(host: Host, dial: Optional[Dialled], keep: bool) -> Session:
+    from gpufleet.transport.local import LocalSession
+
+    return LocalSession(host)
+
+
+def _exec(host: Host, dial: Optional[Dialled], keep: bool) -> Session:
+    from gpufleet.transport.execprefix import ExecSession
+
+    return ExecSession(host)
+
+
+def _ssh(host: Host, dial: Optional[Dialled], keep: bool) -> Session:
+    """OpenSSH's client where it can be used (not pre-dialled for paramiko, ``ssh`` on PATH,
+    no hop); else paramiko's (gpufleet.transport.paramikossh says when and why)."""
+    if dial is None and sshconfig.openssh_wanted(host):
+        from gpufleet.transport import openssh
+
+        session = openssh.open_session(host, keep=keep)
+        if session is not None:
+            return session
+    from gpufleet.transport.paramikossh import SshSession
+
+    return SshSession(host, dial)
+
+
+#: connection -> how its session opens; each way is one module, imported when a host of that
+#: kind opens (config/inventory.py validates the kinds)
+WAYS: dict[str, Opener] = {"local": _local, "exec": _exec, "ssh": _ssh}
+
+
+def open_session(host: Host, dial: Optional[Dialled] = None, keep: bool = False) -> Session:
+    """Open the host's session (connects now over SSH); never raises for host failures.
+
+    ``dial``: the host's pre-dialled paramiko connection (``predial(hosts, forks).take(host)``);
+    None dials here. ``keep``: the caller runs several commands on it (OpenSSH then keeps a
+    master for them; a paramiko session always keeps its connection).
+    """
+    return WAYS[getattr(host, "connection", "ssh") or "ssh"](host, dial, keep)
