@@ -31,8 +31,8 @@ def trust(app: AppContext, names, path: Optional[str], yes: bool) -> int:
     # connect_timeout in all, not one more for each host after it.
     with predial(hosts, app.forks, openssh_too=True) as dials:
         for host in hosts:
-            if host.is_local:
-                click.echo(f"{host.name}: connection: local, no host key")
+            if host.connection != "ssh":
+                click.echo(f"{host.name}: connection: {host.connection}, no host key")
                 continue
             try:
                 fetched = fetch_host_key(host, dials.take(host))

@@ -30,8 +30,8 @@ def fetch_host_key(host: Host, dial: Optional[Dialled] = None
     the name are asked for first. ``dial``: the host's :func:`predial` Future (its TCP
     connect started with the command). Raises TransportError / HostKeyError.
     """
-    if getattr(host, "connection", "ssh") == "local":
-        raise TransportError(f"{host.name} uses connection: local; it has no SSH host key",
+    if getattr(host, "connection", "ssh") != "ssh":
+        raise TransportError(f"{host.name} uses connection: {host.connection}; it has no SSH host key",
                              kind=errors.SSHCONFIG)
     conn = connection_from_dial(dial) or connection_for(host)
     sock = None
