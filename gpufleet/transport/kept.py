@@ -5,7 +5,7 @@ Internal to gpufleet.transport (gpufleet.transport.sshtarget asks for a host's s
 gpufleet.transport.keptlist lists and closes them for `gpufleet disconnect`). With ``ssh_persist: SECONDS`` a host's first ``ssh`` of a
 command becomes an OpenSSH master (``ControlMaster=auto``, ``ControlPersist=SECONDS``) that
 stays after the command for that long once idle, so the next command's runs skip the TCP
-connect, the key exchange and the authentication (gpufleet.transport.mux talks to it). Off
+connect, the key exchange and the authentication (joined by each run's own ``ssh``, gpufleet.transport.openssh). Off
 by default: those masters are processes left behind the CLI (one per host, ~5 MB each), and an
 open authenticated connection is a thing an operator should choose to keep.
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from gpufleet.errors import TransportError
-from gpufleet.transport import mux, sshconfig, sshtarget
+from gpufleet.transport import sshconfig, sshcontrol, sshtarget
 from gpufleet.transport.kept import sockets
+
+ASK_S = 2.0  # how long a master has to answer `gpufleet disconnect`
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ def socket_of(host: Any) -> Optional[str]:
 def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
     """The kept connections of ``hosts`` (None: every socket in the directory)."""
     if hosts is None:
-        return [Kept(None, path, mux.alive(path)) for path in sockets()]
+        return [Kept(None, path, sshcontrol.check(path, ASK_S).pid) for path in sockets()]
     found = []
     for host in hosts:
         try:
@@ -46,11 +48,11 @@ def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
         except TransportError:  # ssh -G refuses the host now: no socket can be named for it
             continue  # (one kept from before is still closed by a run without a selection)
         if path is not None and os.path.exists(path):
-            found.append(Kept(host.name, path, mux.alive(path)))
+            found.append(Kept(host.name, path, sshcontrol.check(path, ASK_S).pid))
     return found
 
 
 def close_kept(path: str) -> Optional[int]:
-    """Ask the master at ``path`` to end (gpufleet.transport.mux.terminate); its PID, or None
-    when none was there (a stale socket is removed by the refused connect)."""
-    return mux.terminate(path)
+    """Ask the master at ``path`` to end (``ssh -O exit``); its PID, or None when none was
+    there (a stale socket is removed; one held by a master that hangs is left)."""
+    return sshcontrol.stop(path, ASK_S)

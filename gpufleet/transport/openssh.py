@@ -28,12 +28,12 @@ import os
 import re
 import shlex
 import time
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import SshConfigError, TransportError
-from gpufleet.transport import mux, sshconfig
+from gpufleet.transport import sshconfig, sshcontrol
 from gpufleet.transport.run import RawRun, run_local
 from gpufleet.transport.reply import remote_timeout
 from gpufleet.transport.session import Session
@@ -41,7 +41,6 @@ from gpufleet.transport.sshmaster import Master
 from gpufleet.transport.sshtarget import Target, target_for
 from gpufleet.transport.stream import ProcessStream, Stream
 
-T = TypeVar("T")
 
 __all__ = ["OpensshSession", "OpensshStream", "Target", "hostkey_refusal", "open_session",
            "ssh_failure", "target_for"]
@@ -120,8 +119,6 @@ def _connect_timed_out(target: Target) -> TransportError:
 def ssh_failure(raw: RawRun, target: Target) -> Optional[TransportError]:
     """ssh's own failure in this run (exit 255 and its line on stderr), with the paramiko
     path's kind and wording; None: the command itself ran (whatever its status)."""
-    if raw.lost is not None:
-        return raw.lost
     if raw.timed_out or raw.exit_code != 255:
         return None
     lines = [ln.strip() for ln in raw.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
@@ -216,28 +213,16 @@ class OpensshSession(Session):
             else self.target.argv
         return list(ssh) + [_remote_command(argv)]
 
-    def _joined(self, argv: Sequence[str], join: Callable[[str, str], T]
-                ) -> tuple[Optional[T], list[str]]:
-        """``join(socket, command)`` through the kept master when one takes the session (no
-        ``ssh`` process): (its value, ...); else (None, the ``ssh`` argv to run instead: one
-        that connects and becomes the kept master, or one on its own connection when the
-        master is there but does not serve)."""
+    def _kept_command(self, argv: Sequence[str]) -> list[str]:
+        """The ``ssh`` argv of a run: with a kept connection, one that joins its master, or
+        becomes it where none is up (ControlMaster=auto replaces a stale socket); one on a
+        connection of its own when a master holds the socket but does not answer within
+        the connect timeout (gpufleet.transport.sshcontrol says why it is asked first)."""
         target = self.target
         assert target is not None
-        if target.kept is not None:
-            try:
-                return join(target.kept, _remote_command(argv)), []
-            except mux.NoMaster as exc:
-                if exc.bypass:
-                    return None, list(target.alone) + [_remote_command(argv)]
-        return None, self._command(argv)
-
-    def _kept_run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
-        target = self.target
-        assert target is not None
-        got, command = self._joined(argv, lambda path, text: mux.run(
-            path, text, target.env, stdin, timeout, target.connect_timeout))
-        return got if got is not None else run_local(command, stdin, timeout)
+        if target.kept is not None and sshcontrol.check(target.kept, target.connect_timeout).hung:
+            return list(target.alone) + [_remote_command(argv)]
+        return self._command(argv)
 
     def _attempt(self, run: Callable[[], RawRun], master: bool = False) -> RawRun:
         """``run`` once (twice when gpufleet's accept-new recorded a first-seen key); ssh's
@@ -282,16 +267,13 @@ class OpensshSession(Session):
         self.connect()
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        return self._attempt(lambda: self._kept_run(argv, stdin, timeout))
+        return self._attempt(lambda: run_local(self._kept_command(argv), stdin, timeout))
 
     def _stream(self, argv: Sequence[str], head: bytes, timeout: float,
                 as_run: bool = False) -> Stream:
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        target = self.target
-        got, command = self._joined(argv, lambda path, text: mux.MuxStream(
-            path, text, target.env, head, min(target.connect_timeout, timeout), as_run=as_run))
-        return got if got is not None else OpensshStream(command, head, target, as_run=as_run)
+        return OpensshStream(self._kept_command(argv), head, self.target, as_run=as_run)
 
     def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
         """A conversation's start is this host's run: ssh's own failures raised with their

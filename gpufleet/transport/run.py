@@ -39,9 +39,6 @@ class RawRun:
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
-    #: The transport's own failure, already a value (a kept connection lost mid-run), where
-    #: no process of its own reported it through its exit status and stderr.
-    lost: Optional[TransportError] = None
 
 
 def exec_channel(transport: paramiko.Transport, command: str, stdin: bytes, timeout: float

@@ -211,7 +211,7 @@ class ChannelStream(Stream):
 
 class PipeStream(Stream):
     """Lines from a command's stdout pipe, its stderr pipe kept (the last lines name a
-    failure): a local process, or a session through a kept OpenSSH master (transport/mux)."""
+    failure): a local process, or an ``ssh`` process (gpufleet.transport.openssh)."""
 
     def _pipes(self) -> tuple[Optional[int], Optional[int]]:
         """(stdout, stderr) descriptors, non-blocking; None once closed."""
