@@ -25,9 +25,10 @@ if TYPE_CHECKING:  # the SSH stack is imported by exec_channel's callers, not by
 KILL_AFTER_S = 2  # `timeout -k`: SIGKILL this long after SIGTERM
 STDERR_KEEP = 64 * 1024
 INLINE_STDIN = 1 << 20  # below the SSH window: sendall cannot block on a remote not reading
-#: Set once this process has started its first command process (an ``ssh`` session, a local
-#: agent): the CLI's background imports wait for it, so that they do not take the GIL from
-#: the thread that is still setting that first session up (~30 ms of a 1-host status).
+#: Set once this process has started its first command process (``start_process``: an
+#: ``ssh``, a local agent): the CLI's background imports wait for it, so that they do not take
+#: the GIL from the thread still setting that first session up (~30 ms of a 1-host status).
+#: Set in that one place; the paramiko path starts no process (the CLI waits at most 1 s).
 FIRST_START = threading.Event()
 
 
@@ -108,17 +109,24 @@ def exec_channel(transport: paramiko.Transport, command: str, stdin: bytes, time
         chan.close()
 
 
+def start_process(argv: Sequence[str]) -> subprocess.Popen:
+    """THE start of a command process (``ssh``, a local or exec agent): pipes on all three
+    ends, no shell, its own session (its group is ours to end), cwd /. Raises OSError."""
+    proc = subprocess.Popen(
+        list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True, close_fds=True, cwd="/")
+    FIRST_START.set()
+    return proc
+
+
 def run_local(argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
     """The same argv without SSH: no shell; the process group is ended at the timeout."""
     try:
-        proc = subprocess.Popen(
-            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, close_fds=True, cwd="/")
+        proc = start_process(argv)
     except FileNotFoundError:
         return RawRun(127, b"", f"{argv[0]}: not found".encode())
     except PermissionError:
         return RawRun(126, b"", f"{argv[0]}: Permission denied".encode())
-    FIRST_START.set()
     try:
         out, err = proc.communicate(stdin, timeout=timeout)
         return RawRun(proc.returncode, out, err[-STDERR_KEEP:])

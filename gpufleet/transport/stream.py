@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.errors import TransportError
-from gpufleet.transport.run import FIRST_START, KILL_AFTER_S, STDERR_KEEP, RawRun
+from gpufleet.transport.run import KILL_AFTER_S, STDERR_KEEP, RawRun, start_process
 
 if TYPE_CHECKING:  # a local stream must not import the SSH stack (transport/__init__.py)
     import paramiko
@@ -269,14 +269,11 @@ class ProcessStream(PipeStream):
         take in (it ended at once) is left to its exit status and stderr."""
         super().__init__()
         try:
-            self.proc = subprocess.Popen(
-                list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, close_fds=True, cwd="/")
+            self.proc = start_process(argv)
         except OSError as exc:
             if as_run:
                 raise
             raise TransportError(f"{argv[0]}: {exc.strerror or exc}", kind=errors.COMMAND) from None
-        FIRST_START.set()
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         os.set_blocking(self.proc.stdout.fileno(), False)
         os.set_blocking(self.proc.stderr.fileno(), False)

@@ -141,7 +141,7 @@ def test_prefetch_calls_a_function_and_the_agent_payload_it_warms_is_the_one_sen
 
 def test_a_prefetch_after_the_first_start_waits_for_the_first_command_process() -> None:
     """``after_first_start``: nothing is imported until a run has started its process
-    (transport.FIRST_START, set by run_local and by a stream's start); with no process at all
+    (transport.FIRST_START, set by run.start_process); with no process at all
     it still imports after PREFETCH_WAIT_S."""
     code = ("import sys, time\nfrom gpufleet.cli import prefetch, PREFETCH_WAIT_S\n"
             "from gpufleet.transport import FIRST_START\n"
