@@ -34,7 +34,7 @@ from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import SshConfigError, TransportError
 from gpufleet.transport import sshconfig, sshcontrol
-from gpufleet.transport.run import RawRun, run_local
+from gpufleet.transport.run import RawRun
 from gpufleet.transport.reply import remote_timeout
 from gpufleet.transport.session import Session
 from gpufleet.transport.sshmaster import Master
@@ -267,7 +267,7 @@ class OpensshSession(Session):
         self.connect()
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        return self._attempt(lambda: run_local(self._kept_command(argv), stdin, timeout))
+        return self._attempt(lambda: super(OpensshSession, self)._run(argv, stdin, timeout))
 
     def _stream(self, argv: Sequence[str], head: bytes, timeout: float,
                 as_run: bool = False) -> Stream:

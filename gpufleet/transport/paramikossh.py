@@ -4,7 +4,7 @@ keys gpufleet holds to its own policy; gpufleet.transport.openssh says why ssh c
 
 One way of reaching a host (gpufleet.transport.reach's table). The connection (ssh_config,
 hops, host keys, timeouts) is gpufleet.transport.connection; each run is one exec channel on
-it (gpufleet.transport.run.exec_channel), each stream one more (stream.ChannelStream).
+it, a stream (stream.ChannelStream) read to its end; each stream one more.
 paramiko is imported here only when a session connects, never for a local host.
 """
 from __future__ import annotations
@@ -96,11 +96,8 @@ class SshSession(Session):
                                  kind=self.error_kind or errors.CLOSED)
         import paramiko
 
-        from gpufleet.transport.run import exec_channel
-
-        command = " ".join(shlex.quote(a) for a in argv)
         try:
-            return exec_channel(transport, command, stdin, timeout)
+            return super()._run(argv, stdin, timeout)
         except TransportError:
             raise
         except (paramiko.SSHException, OSError, EOFError) as exc:

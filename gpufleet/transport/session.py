@@ -49,7 +49,11 @@ class Session:
 
     # subclass interface
     def _run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
-        raise NotImplementedError
+        """THE one-shot run: the argv's stream read to its end (a way writes only its
+        stream; gpufleet.transport.stream.Stream.run_to_end)."""
+        started = time.monotonic()
+        stream = self._stream(argv, stdin, timeout, as_run=True)
+        return stream.run_to_end(timeout - (time.monotonic() - started))
 
     def _wrap_timeout(self, argv: list[str], timeout: float) -> list[str]:
         return argv

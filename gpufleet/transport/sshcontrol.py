@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gpufleet.transport import sshconfig
-from gpufleet.transport.run import RawRun, run_local
+from gpufleet.transport.run import RawRun
+from gpufleet.transport.stream import run_process
 
 _RUNNING = re.compile(rb"Master running \(pid=(\d+)\)")
 #: ssh's words when nothing listens at the socket: a stale one, or none
@@ -38,7 +39,7 @@ def _control(path: str, operation: str, timeout: float) -> RawRun:
     ssh = sshconfig.ssh_client() or "ssh"
     argv = [ssh, "-F", "/dev/null", "-o", "BatchMode=yes", "-S", path, "-O", operation,
             "--", "gpufleet-kept"]
-    return run_local(argv, b"", timeout)
+    return run_process(argv, b"", timeout)
 
 
 def check(path: str, timeout: float) -> Answer:

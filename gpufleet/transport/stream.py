@@ -1,10 +1,12 @@
-"""A streaming run: one resident command, its stdout read line by line, its stdin kept open.
+"""A command's stream: its stdout read line by line with its stdin kept open (a resident
+agent), or read to its end (``run_to_end``: THE one-shot run, every way's ``Session._run``).
 
 Internal to gpufleet.transport (sessions open streams: ``Session.stream_agent``). The agent's
 watch mode (gpufleet/remote/watch.py) prints a line per interval and ends itself when stdin
 closes or keep-alives stop, so :meth:`Stream.close` only has to close stdin (and the channel).
-Over SSH the stream is an exec channel on the host's existing connection; locally a
-subprocess in its own session (its process group is ended on close if it lingers). Every
+Over paramiko the stream is an exec channel on the host's existing connection; otherwise a
+process (``ssh``, the local agent, an exec prefix) in its own session (its process group is
+ended on close if it lingers). Every
 failure is a TransportError with a kind, from ``connection.transport_error`` (the one place
 lower-level errors get their kind).
 """
@@ -14,12 +16,13 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.errors import TransportError
-from gpufleet.transport.run import KILL_AFTER_S, STDERR_KEEP, RawRun, start_process
+from gpufleet.transport.run import INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP, RawRun, start_process
 
 if TYPE_CHECKING:  # a local stream must not import the SSH stack (transport/__init__.py)
     import paramiko
@@ -37,6 +40,7 @@ def transport_error(exc: BaseException) -> TransportError:
     return classify(exc)
 
 
+PIPE_INLINE = 1 << 16  # a pipe's buffer: a larger head is written by a thread
 MAX_LINE = 64 << 20  # a snapshot line longer than this is not one: the stream is broken
 
 
@@ -65,6 +69,66 @@ class Stream:
 
     def close(self) -> None:
         raise NotImplementedError
+
+    _feeding: Optional[threading.Lock] = None  # set while a thread writes the head
+    _fed = True
+    _eof_wanted = False
+
+    def _feed_later(self, head: bytes) -> None:
+        """The head written by a thread: a command that writes before it reads (more than a
+        pipe or an SSH window holds) must not wait on us while we wait on it."""
+        self._feeding, self._fed = threading.Lock(), False
+        threading.Thread(target=self._feed, args=(head,), daemon=True,
+                         name="gpufleet-stdin").start()
+
+    def _feed(self, head: bytes) -> None:
+        try:
+            self._write_head(head)
+        except Exception:
+            pass  # the command stopped reading; its exit status tells the rest
+        assert self._feeding is not None
+        with self._feeding:
+            self._fed, eof = True, self._eof_wanted
+        if eof:
+            self._close_input()
+
+    def _write_head(self, head: bytes) -> None:
+        self.send(head)
+
+    def _close_input(self) -> None:
+        raise NotImplementedError
+
+    def end_input(self) -> None:
+        """No more input: the command sees EOF once its head is written (a one-shot run)."""
+        if self._feeding is not None:
+            with self._feeding:
+                self._eof_wanted = True
+                if not self._fed:
+                    return  # the feeding thread ends the input once the head is written
+        self._close_input()
+
+    def kill(self) -> None:
+        """End the command now (a one-shot run past its timeout)."""
+        raise NotImplementedError
+
+    def run_to_end(self, timeout: float) -> RawRun:
+        """THE one-shot run: the command's input ended, its output read to its end (exit
+        status, stdout, stderr); at ``timeout`` it is ended and the run is ``timed_out``.
+        Every way's run is its stream read this way; the stream is closed after."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        try:
+            self.end_input()
+            while not self.ended:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.kill()
+                    return RawRun(None, bytes(self._buf), bytes(self._err[-STDERR_KEEP:]),
+                                  timed_out=True)
+                if self._wait(left):
+                    self._take()
+            return self.ended_run()
+        finally:
+            self.close()
 
     def readline(self, timeout: float) -> Optional[bytes]:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -146,8 +210,12 @@ class ChannelStream(Stream):
             self.chan.settimeout(max(0.1, timeout))
             self.chan.exec_command(command)
             sending = True
-            self.chan.sendall(head)
-            self.chan.settimeout(None)
+            if as_run and len(head) > INLINE_STDIN:
+                self.chan.settimeout(None)
+                self._feed_later(head)
+            else:
+                self.chan.sendall(head)
+                self.chan.settimeout(None)
         except Exception as exc:
             if as_run and sending and self.chan is not None:
                 self.chan.settimeout(None)
@@ -195,6 +263,23 @@ class ChannelStream(Stream):
             raise TransportError(f"connection lost: {transport_error(exc)}",
                                  kind=errors.CLOSED) from None
 
+    def _write_head(self, head: bytes) -> None:
+        assert self.chan is not None
+        self.chan.sendall(head)
+
+    def _close_input(self) -> None:
+        if self.chan is not None:
+            try:
+                self.chan.shutdown_write()
+            except Exception:
+                pass  # the command stopped reading; its exit status tells the rest
+
+    def kill(self) -> None:
+        """Closing the channel does not end the remote process: it bounds itself (``timeout``
+        on the host, the agent's deadline); this side stops waiting."""
+        if self.chan is not None:
+            self.chan.close()
+
     def close(self) -> None:
         """stdin closed = EOF for the agent (it ends); then the channel."""
         if self.chan is None:
@@ -221,7 +306,11 @@ class PipeStream(Stream):
 
     def _send_head(self, head: bytes, as_run: bool) -> None:
         """The command's first input; one that ended before taking it is its end's error,
-        unless ``as_run`` (a conversation's start) leaves that to its exit status and stderr."""
+        unless ``as_run`` (a run, a conversation's start) leaves that to its exit status and
+        stderr. A head larger than a pipe is written by a thread (``_feed_later``)."""
+        if as_run and len(head) > PIPE_INLINE:
+            self._feed_later(head)
+            return
         try:
             self.send(head)
         except TransportError:
@@ -298,6 +387,26 @@ class ProcessStream(PipeStream):
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise TransportError(f"agent gone: {why}", kind=errors.CLOSED) from None
 
+    def _close_input(self) -> None:
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def kill(self) -> None:
+        """Its process group ended now: TERM, then KILL (the group we started)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(timeout=KILL_AFTER_S)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
     def close(self) -> None:
         """stdin closed: the agent ends itself; its process group is ended if it lingers."""
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
@@ -326,3 +435,15 @@ def read_some(fd: int) -> Optional[bytes]:
     except BlockingIOError:
         return b""
     return data or None
+
+
+def run_process(argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
+    """One local process as a one-shot run (no shell, its group ended at the timeout); one
+    that cannot start is 127 / 126 with the shell's words, as a host reports it."""
+    try:
+        stream = ProcessStream(argv, stdin, as_run=True)
+    except FileNotFoundError:
+        return RawRun(127, b"", f"{argv[0]}: not found".encode())
+    except PermissionError:
+        return RawRun(126, b"", f"{argv[0]}: Permission denied".encode())
+    return stream.run_to_end(timeout)
