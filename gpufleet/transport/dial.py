@@ -101,6 +101,8 @@ class Predial:
         if count <= 0:  # no descriptors to spare: every host dials in its worker, as before
             self._queue.clear()
             self._dials.clear()
+        with _ACTIVE_LOCK:
+            _ACTIVE.append(self)
         try:
             for i in range(count):
                 threading.Thread(target=self._run, name=f"gpufleet-dial-{i}", daemon=True).start()
@@ -125,6 +127,9 @@ class Predial:
     def close(self) -> None:
         """Give up every dial nobody took: queued ones never start, done ones are closed,
         running ones close their socket when they end. Never blocks."""
+        with _ACTIVE_LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
         with self._lock:
             self._closed = True
             queued = list(self._queue)
@@ -191,6 +196,24 @@ class Predial:
                     dial.future.set_result(conn)
             if give_up and conn is not None:
                 conn.close()
+
+
+#: The pre-dials in progress: a session that opens takes its host's dial from them (``pending``),
+#: so a command names its hosts once (``with predial(hosts, forks):``) and passes nothing on.
+_ACTIVE: list[Predial] = []
+_ACTIVE_LOCK = threading.Lock()
+
+
+def pending(host: Host) -> Optional[Dialled]:
+    """This host's dial from a pre-dial in progress, taken (its owner is now the caller); None:
+    none was started for it (the caller dials)."""
+    with _ACTIVE_LOCK:
+        active = list(_ACTIVE)
+    for started in reversed(active):
+        dial = started.take(host)
+        if dial is not None:
+            return dial
+    return None
 
 
 def dial_host(host: Host) -> Optional[HostConnection]:

@@ -39,9 +39,10 @@ def _ssh(host: Host, dial: Optional[Dialled], keep: bool) -> Session:
         session = openssh.open_session(host, keep=keep)
         if session is not None:
             return session
+    from gpufleet.transport.dial import pending
     from gpufleet.transport.paramikossh import SshSession
 
-    return SshSession(host, dial)
+    return SshSession(host, dial if dial is not None else pending(host))
 
 
 #: connection -> how its session opens; each way is one module, imported when a host of that
@@ -52,8 +53,8 @@ WAYS: dict[str, Opener] = {"local": _local, "exec": _exec, "ssh": _ssh}
 def open_session(host: Host, dial: Optional[Dialled] = None, keep: bool = False) -> Session:
     """Open the host's session (connects now over SSH); never raises for host failures.
 
-    ``dial``: the host's pre-dialled paramiko connection (``predial(hosts, forks).take(host)``);
-    None dials here. ``keep``: the caller runs several commands on it (OpenSSH then keeps a
+    ``dial``: the host's pre-dialled paramiko connection; None: the one a pre-dial in progress
+    holds for it (``with predial(hosts, forks):``, gpufleet.transport.dial), else dialled here. ``keep``: the caller runs several commands on it (OpenSSH then keeps a
     master for them; a paramiko session always keeps its connection).
     """
     return WAYS[getattr(host, "connection", "ssh") or "ssh"](host, dial, keep)
