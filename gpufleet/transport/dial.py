@@ -221,7 +221,8 @@ def dial_host(host: Host) -> Optional[HostConnection]:
 
     None when ssh_config cannot be applied: the worker builds it again and reports that.
     """
-    from gpufleet.transport.connection import connection_for, dial_tcp
+    from gpufleet.transport.connection import connection_for
+    from gpufleet.transport.tcp import dial_tcp
 
     try:
         conn = connection_for(host)

@@ -17,7 +17,8 @@ from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
 from gpufleet.transport import hostkeys
-from gpufleet.transport.connection import connection_for, dial_tcp, transport_error
+from gpufleet.transport.connection import connection_for, transport_error
+from gpufleet.transport.tcp import dial_tcp
 from gpufleet.transport.dial import Dialled, connection_from_dial, pending
 
 
