@@ -174,9 +174,9 @@ class HostConnection(Connection):
         return prev
 
     def open_gateway(self):
-        # Why: fabric's opens the direct-tcpip channel with no timeout (paramiko's hour) and lets
-        # a hop's failure out
-        # as the target's; here it is bounded and named "via jump host H" with its own kind.
+        # Why: fabric's opens the direct-tcpip channel with no timeout (paramiko's hour) and
+        # lets a hop's failure out as the target's; here it is bounded and named "via jump
+        # host H" with its own kind.
         if not isinstance(self.gateway, HostConnection):
             return super().open_gateway()
         gw = self.gateway
