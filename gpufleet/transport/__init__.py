@@ -1,12 +1,14 @@
-"""The transport: run the agent or an argv on one Host, over SSH or locally (the public face).
+"""The transport: run the agent or an argv on one Host, over SSH, locally, or through an exec
+prefix (the public face).
 
-session: one connection per host reused by several runs; connection: ssh_config, ProxyJump,
-host keys, dialling; dial: pre-dialling (every TCP connect at once); keyscan: the key
-exchange alone (`gpufleet trust`); auth: public-key auth only; hostkeys: strict / accept-new;
-run: one bounded raw run on an exec channel or a local subprocess; stream: a resident run
-read line by line (the agent's watch mode); conversation: one agent process answering several
-requests over one exec (`clean`'s plan and act). Other packages import
-from here only, and no module imports another's private names.
+session: THE interface of a host's session; reach: THE table from a host's ``connection`` to
+the module that reaches it (local, execprefix, openssh, paramikossh); reply: what a run gave
+and why it failed, the same for every way; stream: a command read line by line, or to its end
+(every one-shot run); conversation: one agent process answering several requests over one exec
+(`clean`'s plan and act); sshtarget/sshconfig: what ``ssh`` is told (``ssh -G`` decides where);
+kept/keptlist/sshcontrol: connections kept between commands (``ssh -S``, ``ssh -O``);
+connection/dial/keyscan/auth/hostkeys/tcp: the paramiko path. Other packages import from here
+only, and no module imports another's private names.
 
 Lazy: a name is imported from its module when first asked for (PEP 562), and session, run and
 dial import the SSH stack (paramiko, fabric, invoke: ~0.3 s) only when a host is reached over
