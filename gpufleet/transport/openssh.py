@@ -347,7 +347,9 @@ class OpensshStream(ProcessStream):
     def __init__(self, argv: Sequence[str], head: bytes, target: Target, as_run: bool = False,
                  host: Optional[Host] = None):
         self.target = target
-        self.host = host
+        # a conversation's start (as_run) is a run: OpensshSession._attempt records a
+        # first-seen key and retries it; only a resident stream (top, --watch) says it here
+        self.host = None if as_run else host
         self._refused: Optional[TransportError] = None  # the host key's verdict, fetched once
         super().__init__(argv, head, as_run=as_run)
 
