@@ -87,6 +87,9 @@ class CliRun:
 def cli_env(home: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     env["HOME"] = str(home)
+    # gpufleet's own colour off (on a pty it paints ERROR and dirty): an escape sequence in
+    # what these tests read can then only have come from a hostile process or value
+    env["NO_COLOR"] = "1"
     # this checkout first: the CLI runs from HOME, where another installed gpufleet would win
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
