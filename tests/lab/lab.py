@@ -427,7 +427,7 @@ class LabHost:
         puts that thread in uninterruptible sleep (D). Returns once the leader is a zombie.
         ``mps``: a client of that fake MPS (``spawn_mps``'s value): its daemon lists it.
         ``argv``: the command line it shows (rewritten in place, comm kept: ``python3``), as a
-        script its interpreter started, e.g. ``["python3", "/home/alice/train.py", "--lr", "1"]``.
+        script its interpreter started, e.g. ``["python3", "/data/alice/train.py", "--lr", "1"]``.
         """
         spec = dict(
             gpus=list(gpus), mib=mib, title=title, ignore_term=ignore_term, term_delay=term_delay,

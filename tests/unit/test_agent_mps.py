@@ -138,7 +138,7 @@ def test_only_root_binaries_named_like_the_daemon_are_daemons() -> None:
                 "exe_root": True},
         "908": {"pid": 908, "exe": "/usr/local/nvidia/bin/nvidia-cuda-mps-server",
                 "exe_root": True},
-        "77": {"pid": 77, "exe": "/home/a/nvidia-cuda-mps-control", "exe_root": False},
+        "77": {"pid": 77, "exe": "/data/a/nvidia-cuda-mps-control", "exe_root": False},
         "78": {"pid": 78, "exe": "/usr/bin/python3.11", "exe_root": True},
         "79": {"pid": 79, "exe": None, "exe_root": None},
     }

@@ -10,7 +10,7 @@ from gpufleet.render.command import command_summary
 @pytest.mark.parametrize("cmdline,comm,shown", [
     # a script instead of its interpreter; paths cut to their last part
     ("python3 train_dflash.py --epochs 3", "python3", "train_dflash.py --epochs 3"),
-    ("/usr/bin/python3 -u /home/alice/proj/train_dflash.py --config /home/alice/cfg.yaml",
+    ("/usr/bin/python3 -u /data/alice/proj/train_dflash.py --config /data/alice/cfg.yaml",
      "python3", "train_dflash.py --config cfg.yaml"),
     ("python3.11 -X dev -W ignore script.py a b", "python3.11", "script.py a b"),
     ("/opt/conda/bin/python -B ./tools/eval.py", "python", "eval.py"),

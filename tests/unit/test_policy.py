@@ -662,7 +662,7 @@ def test_protected_names_need_the_binary(train: Snapshot, ctx: PolicyContext) ->
         ("sshd-session: alice@pts/3", "sshd-session", "/usr/lib/openssh/sshd-session", True,
          False),
         ("sshd: alice@pts/3", "sshd", "/usr/bin/python3.11", True, True),
-        ("sshd: alice@pts/3", "sshd", "/home/alice/sshd", False, True),  # alice's own copy
+        ("sshd: alice@pts/3", "sshd", "/data/alice/sshd", False, True),  # alice's own copy
         ("sshd: alice@pts/3", "sshd", None, None, False),  # no evidence: the name protects
         ("nvidia-persistenced --user nvidia", "nvidia-persiste",
          "/usr/bin/nvidia-persistenced", True, False),

@@ -230,7 +230,7 @@ def test_holders_say_what_runs_and_whose_it_is() -> None:
     the script and its arguments, and the user; a container only when it is not the agent's."""
     doc = json.loads((FIX / "basic.json").read_text())
     doc["processes"]["426"].update(comm="python3", user="alice", container="docker:0123456789ab",
-                                   cmdline="/usr/bin/python3 /home/alice/train_dflash.py --epochs 3")
+                                   cmdline="/usr/bin/python3 /data/alice/train_dflash.py --epochs 3")
     res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
     text = status_table([res], {})
     assert "426 alice 5638MiB [docker:0123456789ab] train_dflash.py --epochs 3" in text
