@@ -120,9 +120,9 @@ def test_a_dirty_verdict_is_red_on_a_terminal(lab: Any, make_host: Any, home: Pa
     host = make_host("keeps", gpus=1)
     host.spawn_holder(gpus=[0], mib=2000, title="keeper")
     inv = lab.inventory_yaml([host])
-    rc, screen = on_pty(home, inv, "clean", "--gpus", "0", "--yes", "--protect", "keeper",
+    rc, screen = on_pty(home, inv, "clean", "--all", "--gpus", "0", "--yes", "--protect", "keeper",
                         "--timeout", "1", "--grace", "1")
     assert rc == 1 and f"{RED}dirty{RESET}" in screen, screen
-    piped = run_gpufleet(home, inv, "clean", "--gpus", "0", "--yes", "--protect", "keeper",
+    piped = run_gpufleet(home, inv, "clean", "--all", "--gpus", "0", "--yes", "--protect", "keeper",
                          "--timeout", "1", "--grace", "1")
     assert piped.rc == 1 and " dirty " in piped.stdout and "\x1b[" not in piped.stdout

@@ -84,7 +84,8 @@ def test_status_shows_the_servers_memory_as_expected(lab: Any, mps_host: Any, ho
     assert gpu0["mps_server_mib"] == SERVER_MIB
     assert [p["pid"] for p in gpu0["processes"]] == [mps.server]
     table = run_gpufleet(home, inv, "status")
-    assert f"nvidia-cuda-mps-server {mps.server} 66MiB (MPS server)" in table.stdout, table.stdout
+    assert f"{mps.server} root 66MiB (MPS server) nvidia-cuda-mps-server" in table.stdout, \
+        table.stdout
     assert "GPUs: 1 busy, 1 free" in table.stdout, table.stdout  # GPU 0: only MPS is left
 
 

@@ -442,7 +442,7 @@ def test_holders_say_what_runs_and_whose_it_is_and_the_plan_too(lab: Any, make_h
     assert run.rc == 0, str(run)
     row = rows_of(parse_table(run.stdout, HEADER), "py-node")["1"]
     assert row["HOLDERS"] == "%d %s 3000MiB train_dflash.py --epochs 3" % (job, lab.user), str(run)
-    plan = run_gpufleet(home, inv, "clean", "--gpus", "1", "--dry-run")
+    plan = run_gpufleet(home, inv, "clean", "--all", "--gpus", "1", "--dry-run")
     assert plan.rc == 0, str(plan)
     target = [line for line in plan.stdout.splitlines() if line.split()[:1] == [str(job)]]
     assert target and lab.user in target[0].split() and \
