@@ -22,7 +22,8 @@ Agent snapshot document (version 1), the contract between agent and controller::
      "fd_unreadable": [{"pid", "comm", "reason"}],
      "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
                    "cmdline", "exe", "exe_root", "cgroup", "unit", "user_unit",
-                   "user_unit_uid", "container", "container_restart", "session", "pgid",
+                   "user_unit_uid", "container", "container_restart",
+                   "container_name", "session", "pgid",
                    "kernel_thread", "wchan", "relation", "fds_readable", "threads",
                    "live_threads", "stuck_threads": [{"tid", "wchan"}]}},
      "warnings": [str]}
@@ -124,6 +125,7 @@ class ProcessInfo:
     user_unit_uid: Optional[int] = None
     container: Optional[str] = None
     container_restart: Optional[str] = None  # the runtime's restart policy (docker, podman)
+    container_name: Optional[str] = None  # the runtime's name for it (docker, podman)
     session: Optional[int] = None
     pgid: Optional[int] = None
     kernel_thread: bool = False
@@ -468,6 +470,8 @@ def _process(raw: Mapping[str, Any]) -> ProcessInfo:
         container=raw.get("container"),
         container_restart=raw.get("container_restart") if isinstance(
             raw.get("container_restart"), str) else None,
+        container_name=raw.get("container_name") if isinstance(
+            raw.get("container_name"), str) else None,
         session=_opt_int(raw.get("session")),
         pgid=_opt_int(raw.get("pgid")),
         kernel_thread=bool(raw.get("kernel_thread", False)),

@@ -57,9 +57,9 @@ INSPECT_TIMEOUT_S = 2.0
 
 
 def container_restarts(processes, req, deadline, warnings):
-    """Each docker or podman container's restart policy, as the runtime's own CLI says
-    (``inspect --format {{.HostConfig.RestartPolicy.Name}}``): processes[...]["container_restart"]
-    is "always", "unless-stopped", "on-failure", "no", or None (not asked, not answered)."""
+    """Each docker or podman container's restart policy and name, as the runtime's own CLI
+    says (``inspect``): processes[...]["container_restart"] is "always", "unless-stopped",
+    "on-failure", "no", or None (not asked, not answered); ["container_name"] its name."""
     asked = {}
     for entry in processes.values():
         name = entry.get("container") or ""
@@ -67,19 +67,23 @@ def container_restarts(processes, req, deadline, warnings):
         if kind not in CONTAINER_CLIS or not ident:
             continue
         if name not in asked:
-            asked[name] = _restart_policy(kind, ident, req, deadline, warnings)
-        entry["container_restart"] = asked[name]
+            asked[name] = _inspect(kind, ident, req, deadline, warnings)
+        entry["container_restart"], entry["container_name"] = asked[name]
 
 
-def _restart_policy(kind, ident, req, deadline, warnings):
+def _inspect(kind, ident, req, deadline, warnings):
+    """(restart policy or None, name or None) of one container, from its runtime's inspect."""
     cli = (req.get("container_cli") or {}).get(kind) or which(kind, CONTAINER_CLIS[kind])
     if cli is None or not all(c in "0123456789abcdef" for c in ident):
-        return None
-    res = run_cmd([cli, "inspect", "--format", "{{.HostConfig.RestartPolicy.Name}}", "--", ident],
-                  min(INSPECT_TIMEOUT_S, deadline.remaining()), deadline, kind + " inspect")
+        return None, None
+    res = run_cmd([cli, "inspect", "--format", "{{.HostConfig.RestartPolicy.Name}} {{.Name}}",
+                   "--", ident], min(INSPECT_TIMEOUT_S, deadline.remaining()), deadline,
+                  kind + " inspect")
     if res.error or res.rc != 0:
         warnings.append("%s inspect %s: %s" % (kind, ident, res.error or (res.err or "").strip()[:200]
                                                or "exit %s" % res.rc))
-        return None
-    policy = (res.out or "").strip()
-    return policy if policy in RESTARTING_POLICIES + ("no",) else None
+        return None, None
+    words = (res.out or "").strip().split(" ", 1)
+    policy = words[0] if words[0] in RESTARTING_POLICIES + ("no",) else None
+    name = words[1].lstrip("/")[:128] if len(words) > 1 and words[1].strip("/") else None
+    return policy, name

@@ -154,6 +154,8 @@ def process_cells(snapshot: Snapshot, pid: int, fallback: str,
     if proc is None:
         return "?", "", command_summary("", fallback or "?", width)
     ctr = foreign_container(snapshot, proc.container)
+    if ctr and proc.container_name:  # the runtime's name, as `docker ps` shows it
+        ctr = proc.container_name
     return (terminal_safe(proc.user or "?", one_line=True),
             terminal_safe(ctr, one_line=True) if ctr else "",
             command_summary(proc.cmdline, proc.comm, width))

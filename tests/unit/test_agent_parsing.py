@@ -649,16 +649,16 @@ def test_confirm_units_trusts_systemd_not_the_path(tmp_path):
 
 
 DOCKER = """#!/bin/sh
-# the runtime's own answer: inspect --format {{.HostConfig.RestartPolicy.Name}} -- ID
+# the runtime's own answer: inspect --format '{{.HostConfig.RestartPolicy.Name}} {{.Name}}' -- ID
 case "$5" in
-  0123456789ab) echo always;;
-  0000000000aa) echo no;;
+  0123456789ab) echo always /vllm-a;;
+  0000000000aa) echo no /eval;;
   *) echo "Error: No such object: $5" >&2; exit 1;;
 esac
 """
 
 
-def test_a_containers_restart_policy_is_the_runtimes_answer(tmp_path):
+def test_a_containers_restart_policy_and_name_are_the_runtimes_answer(tmp_path):
     docker = tmp_path / "docker"
     docker.write_text(DOCKER)
     docker.chmod(0o755)
@@ -671,6 +671,8 @@ def test_a_containers_restart_policy_is_the_runtimes_answer(tmp_path):
     warnings = []
     agent.container_restarts(procs, {"container_cli": {"docker": str(docker)}},
                              agent.Deadline(10), warnings)
-    got = {int(k): e.get("container_restart", "-") for k, e in procs.items()}
-    assert got == {1: "always", 2: "always", 3: "no", 4: None, 5: "-", 6: "-"}
+    got = {int(k): (e.get("container_restart", "-"), e.get("container_name", "-"))
+           for k, e in procs.items()}
+    assert got == {1: ("always", "vllm-a"), 2: ("always", "vllm-a"), 3: ("no", "eval"),
+                   4: (None, None), 5: ("-", "-"), 6: ("-", "-")}
     assert len(warnings) == 1 and "No such object" in warnings[0]

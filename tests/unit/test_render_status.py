@@ -237,3 +237,13 @@ def test_holders_say_what_runs_and_whose_it_is() -> None:
     doc["facts"].update(in_container=True, container="docker:0123456789ab")
     res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
     assert "426 alice 5638MiB train_dflash.py --epochs 3" in status_table([res], {})
+
+
+def test_a_container_is_named_as_its_runtime_names_it() -> None:
+    """The runtime's own name (docker/podman inspect, asked by the agent) where it answered;
+    its short id otherwise."""
+    doc = json.loads((FIX / "basic.json").read_text())
+    doc["processes"]["426"].update(comm="python3", user="alice", container="docker:0123456789ab",
+                                   container_name="vllm-llama", cmdline="vllm serve llama")
+    res = HostResult(host="box", ok=True, snapshot=parse_snapshot(doc))
+    assert "426 alice 5638MiB [vllm-llama] vllm serve llama" in status_table([res], {})
