@@ -222,3 +222,7 @@ def _print_result(runbook: Any, result: Any, as_json: bool, retry_file: Optional
         click.echo(terminal_safe(roll_summary(result, runbook.rolling, planned)))
     else:
         click.echo(terminal_safe(table(result.runs)))
+    from gpufleet.cli.output import warn
+
+    # the hosts' warnings on stderr, as every command's: the rows above stay the rows
+    warn(line for r in result.runs for line in getattr(r, "warnings", ()))
