@@ -32,7 +32,9 @@ class ShellLoop:
         self.pidfile = "/tmp/loop-%s.pid" % uuid.uuid4().hex[:8]
         holder = "%s /run/gflab/fakecuda.py --gpus %d --mib %d --title trainer" % (
             host.holder_python(), gpu, mib)
-        self.script = "echo $$ > %s; while :; do %s; sleep 1; done" % (self.pidfile, holder)
+        # Written then renamed: the test must never read the file half-written.
+        self.script = "echo $$ > %s.tmp && mv %s.tmp %s; while :; do %s; sleep 1; done" % (
+            self.pidfile, self.pidfile, self.pidfile, holder)
         res = host.exec(["sh", "-c", 'setsid -f sh -c "$0" </dev/null >/dev/null 2>&1',
                          self.script])
         assert res.returncode == 0, res.stderr
