@@ -25,6 +25,8 @@ def health(app: AppContext, hosts, groups, tags, all_, as_json: bool, strict: bo
     Exit 0 when every GPU is OK (or only WARN or UNKNOWN), 1 on any CRITICAL finding (a GPU's
     or the host's own, e.g. fewer GPUs than the inventory's `gpus:`), on WARN or UNKNOWN too
     with --strict, or when a host could not be read; 2 on usage errors.
+
+    On a terminal (or with COLUMNS) the findings wrap to its width; to a pipe each is one line.
     """
     prefetch(AGENT_PAYLOAD)  # compressed (GIL released) while the modules and the inventory load
     from gpufleet.cli.progress import HostProgress
@@ -43,9 +45,9 @@ def health(app: AppContext, hosts, groups, tags, all_, as_json: bool, strict: bo
     if as_json:
         click.echo(to_json(health_document(report)))
     else:
-        from gpufleet.cli.tty import styled
+        from gpufleet.cli.tty import styled, table_width
 
-        click.echo(styled(health_table(report), "HEALTH"))
+        click.echo(styled(health_table(report, table_width()), "HEALTH"))
     warn(snapshot_warnings(results, selected))  # stderr: the rows above stay the rows
     failing = (CRITICAL, WARN, UNKNOWN) if strict else (CRITICAL,)
     bad = any(not h.ok or h.severity in failing for h in report)

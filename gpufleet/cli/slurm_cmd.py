@@ -21,7 +21,7 @@ def node_options(func: Callable) -> Callable:
     """What the prolog and the epilog share."""
     options = [
         click.option("--budget", "budget_s", type=click.FloatRange(3, 3600), default=DEFAULT_BUDGET_S,
-                     show_default=True, help="Seconds the whole run may take (docs/slurm.md)."),
+                     show_default=True, help="Seconds the whole run may take (slurmd kills a Prolog/Epilog at PrologEpilogTimeout: keep it below that)."),
         click.option("--tolerance-mib", type=click.IntRange(0, 1 << 20), default=DEFAULT_TOLERANCE_MIB,
                      show_default=True, help="MiB above the expected unattributed memory still free."),
         click.option("--unattributed-mib", type=click.IntRange(0, 1 << 20), default=0, show_default=True,

@@ -66,7 +66,7 @@ def parse_job_env(env: Mapping[str, str], user_of: Callable[[int], Optional[str]
     job_id = (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "").strip()
     if not job_id:
         raise UsageError("not running under Slurm: SLURM_JOB_ID is not set (this command is "
-                         "Slurm's Prolog/Epilog; see docs/slurm.md); nothing touched")
+                         "Slurm's Prolog/Epilog, run by slurmd with the job's environment); nothing touched")
     if not _INDEX.match(job_id):
         raise SlurmConfigError(f"SLURM_JOB_ID={job_id!r} is not a job id")
     raw_uid = (env.get("SLURM_JOB_UID") or env.get("SLURM_UID") or "").strip()

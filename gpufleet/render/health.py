@@ -5,11 +5,13 @@ document carries the codes (docs/health.md); keys may be added, never renamed.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import textwrap
+from typing import Any, Optional, Sequence
 
 from gpufleet.core.health import (ACTION_TEXT, CRITICAL, OK, UNKNOWN, WARN, GpuHealth, HostHealth,
                                   tally)
-from gpufleet.render.common import error_cell, terminal_safe, to_json  # noqa: F401 (re-exported)
+from gpufleet.render.common import (column_room, error_cell, terminal_safe,  # noqa: F401
+                                     to_json)  # (to_json re-exported)
 from gpufleet.render.table import render_table
 
 HEALTH_HEADERS = ["HOST", "GPU", "PCI", "HEALTH", "FINDINGS", "ACTION"]
@@ -70,9 +72,31 @@ def health_summary(report: Sequence[HostHealth]) -> str:
     return text + (f"; host findings: {found}" if found else "")
 
 
-def health_table(report: Sequence[HostHealth]) -> str:
-    table = render_table(health_rows(report), HEALTH_HEADERS)
-    return table + "\n" + summary_line(report)
+FINDINGS = HEALTH_HEADERS.index("FINDINGS")
+FINDINGS_FLOOR = 30  # below this a finding's message would be a word a line
+
+
+def wrap_findings(rows: list[list[str]], width: int) -> None:
+    """Each FINDINGS cell wrapped (in place) to what the other columns leave of ``width``: a
+    finding's message can be 80 characters, and a table wider than the terminal wraps every
+    row. Continuation lines are indented under their finding."""
+    room = column_room(rows, HEALTH_HEADERS, FINDINGS, width, FINDINGS_FLOOR)
+    for r in rows:
+        lines = []
+        for line in r[FINDINGS].split("\n"):
+            lead = len(line) - len(line.lstrip(" "))
+            lines += textwrap.wrap(line, room, subsequent_indent=" " * (lead + 2),
+                                   break_on_hyphens=False) or [line]
+        r[FINDINGS] = "\n".join(lines)
+
+
+def health_table(report: Sequence[HostHealth], width: Optional[int] = None) -> str:
+    """The table; ``width`` (a terminal's): FINDINGS wrapped so no line is wider; None (a
+    pipe): each finding on one line, as long as it is."""
+    rows = health_rows(report)
+    if width:
+        wrap_findings(rows, width)
+    return render_table(rows, HEALTH_HEADERS) + "\n" + summary_line(report)
 
 
 def gpu_doc(g: GpuHealth) -> dict[str, Any]:

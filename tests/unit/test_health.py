@@ -368,3 +368,24 @@ def test_the_health_help_says_its_exit_codes_and_what_strict_adds(tmp_path: Path
     assert run.returncode == 0, run.stderr
     assert "Exit 0 when every GPU is OK (or only WARN or UNKNOWN)" in text
     assert "on WARN or UNKNOWN too with --strict" in text and "2 on usage errors" in text
+
+
+def test_at_120_columns_the_health_table_does_not_wrap_and_keeps_every_word() -> None:
+    """An old driver's GPUs (nothing readable: the longest finding), a host short of GPUs (a
+    host row with the longest action) and an Xid line: at 120 columns every line fits, and the
+    findings' words are all there, wrapped under their finding; to a pipe each is one line."""
+    unread = {k: None for k in ("ecc_uncorrected_volatile", "ecc_uncorrected_aggregate",
+                                "remapped_rows_pending", "remapped_rows_failure",
+                                "pcie_gen_current", "pcie_gen_max", "pcie_width_current",
+                                "pcie_width_max", "clocks_event_reasons")}
+    xid = [{"pci": "0000:c6:00", "code": 79, "count": 1,
+            "message": "NVRM: Xid (PCI:0000:c6:00): 79, pid=1234, GPU has fallen off the bus."}]
+    report = [health.assess("old-driver-node-07", snap([gpu(0, **unread), gpu(1)], xid), 4)]
+    whole = health_table(report)
+    assert max(len(line) for line in whole.splitlines()) > 120  # the case is a real one
+    fitted = health_table(report, 120)
+    assert max(len(line) for line in fitted.splitlines()) <= 120, fitted
+    assert " ".join(fitted.split()).count("fallen off the bus") == 2  # the finding, its line
+    assert "\n" + " " * 51 + "  pid=1234" in fitted  # a wrapped line sits under its own
+    words = lambda text: sorted(w for w in text.split() if set(w) != {"-"})  # noqa: E731
+    assert words(fitted) == words(whole)
