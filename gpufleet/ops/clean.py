@@ -30,6 +30,7 @@ from gpufleet.core.cancel import cancel_unanswered, cancel_undelivered, cancelle
 from gpufleet.core.hostlock import lock_failure
 from gpufleet.core.model import HostResult, Snapshot, parse_snapshot
 from gpufleet.core.plan import Plan, make_plan, release_floors, to_request
+from gpufleet.core.plan.notes import fleet_protect_notes
 from gpufleet.core.results import Failure, HostOutcome
 from gpufleet.errors import SnapshotError, UsageError, first_line, kind_of
 from gpufleet.ops import audit
@@ -357,6 +358,7 @@ def run_clean(hosts: Sequence[Host], opts: CleanOptions, *, forks: int = 32, dry
     sessions: dict[str, tuple[Session, Conversation]] = {}
     try:
         results = _plan_all(hosts, opts, sessions if not dry_run else None, fan, progress)
+        _fleet_notes(results, opts)
         if dry_run or state["interrupted"]:
             return CleanRun(results, dry_run, state["interrupted"])
         if on_planned is not None:
@@ -448,6 +450,15 @@ def _plan_all(hosts: Sequence[Host], opts: CleanOptions,
         with _progress(progress, hosts, "clean: planning") as line:
             planned = run_hosts(hosts, plan, **fan, **_callbacks(line))
     return [as_row(h, r) for h, r in zip(hosts, planned)]
+
+
+def _fleet_notes(results: Sequence[HostClean], opts: CleanOptions) -> None:
+    """The plans' notes as the whole run sees them (core.plan.notes.fleet_protect_notes)."""
+    planned = [r for r in results if r.plan is not None]
+    fixed = fleet_protect_notes([r.plan for r in planned if r.plan is not None],
+                                opts.protect_label, opts.protect)
+    for row, plan in zip(planned, fixed):
+        row.plan = plan
 
 
 def _refuse_bad_input(results: Sequence[HostClean]) -> None:

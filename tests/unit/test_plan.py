@@ -931,3 +931,24 @@ def test_release_floors_leave_gpus_a_target_the_listing_misses_may_hold() -> Non
     part = make_plan(hidden, (0,))
     assert pids(part) == set()
     assert planmod.release_floors(part, hidden) == {"0": 126410}
+
+
+def test_a_run_pattern_that_protects_a_job_on_one_host_is_no_typo_on_the_others() -> None:
+    """One --protect is given to every host of a run: a pattern that matches on one host is
+    no typo because another has no such process; one that matches on none keeps its note."""
+    from gpufleet.core.plan.notes import fleet_protect_notes
+
+    train = make_plan(load("train-node"), (4, 5, 6, 7), protect=("train.py", "train_dlfash"))
+    other = planmod.make_plan(load("agent-session"), (0,), protect=("train.py", "train_dlfash"),
+                              host="other-node")
+    typo = "--protect %r matches no GPU process on %s: a typo?"
+    assert typo % ("train.py", "other-node") in other.notes  # alone, the host says it
+    fixed_train, fixed_other = fleet_protect_notes([train, other], "--protect",
+                                                   ("train.py", "train_dlfash"))
+    assert not any("'train.py'" in n for n in fixed_other.notes)
+    assert typo % ("train_dlfash", "other-node") in fixed_other.notes
+    assert typo % ("train_dlfash", "train-node") in fixed_train.notes
+    assert fixed_other.targets == other.targets and fixed_train.notes == train.notes
+    # a host's own inventory pattern is that host's: the run's step leaves its note alone
+    inv = make_plan(load("train-node"), (4,), host_protect=("*trian*",))
+    assert fleet_protect_notes([inv, other], "--protect", ()) == [inv, other]

@@ -4,13 +4,13 @@ Notes say what the planner cannot see or did on purpose; they never change a dec
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
 from gpufleet.core import mps, policy
 from gpufleet.core.model import ComputeApp, Snapshot, ledger
 from gpufleet.core.plan.evidence import Evidence
-from gpufleet.core.plan.types import PlanScope, Refusal, Target
+from gpufleet.core.plan.types import Plan, PlanScope, Refusal, Target
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,26 @@ def protect_notes(inp: NoteInputs) -> list[str]:
     for source, pattern in inp.protect:
         if pattern in unmatched:
             unmatched.discard(pattern)  # once, under its first source
-            notes.append(f"{source} {pattern!r} matches no GPU process on {inp.host}: a typo?")
+            notes.append(protect_note(source, pattern, inp.host))
     return notes
+
+
+def protect_note(source: str, pattern: str, host: str) -> str:
+    return f"{source} {pattern!r} matches no GPU process on {host}: a typo?"
+
+
+def fleet_protect_notes(plans: Sequence[Plan], source: str, patterns: Sequence[str]
+                        ) -> list[Plan]:
+    """``plans`` without the "a typo?" note of a run's protect pattern that matched on some
+    other planned host: one pattern is given to every host of a run, and a job it protects on
+    one host says it is no typo. A pattern that matched on no host keeps its note on each."""
+    def unmatched(plan: Plan, pattern: str) -> bool:
+        return any(protect_note(src, pattern, plan.host) in plan.notes
+                   for src in (source, "inventory protect"))
+
+    matched = {p for p in patterns if any(not unmatched(plan, p) for plan in plans)}
+    return [replace(plan, notes=tuple(n for n in plan.notes if n not in {
+        protect_note(source, p, plan.host) for p in matched})) for plan in plans]
 
 
 def host_notes(snapshot: Snapshot) -> list[str]:
