@@ -60,7 +60,6 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     """
     from gpufleet.cli.progress import HostProgress
     from gpufleet.config.selection import parse_gpu_list
-    from gpufleet.core.plan import RELEASE_WAIT_S
     from gpufleet.ops.clean import CleanOptions, HostClean, run_clean
 
     if disable_units and not stop_units:
@@ -73,8 +72,7 @@ def clean(app: AppContext, hosts, groups, tags, all_, gpus: str, dry_run: bool, 
     opts = CleanOptions(gpus=gpus, grace_s=grace_s, timeout_s=timeout_s, tolerance_mib=tolerance_mib,
                         protect=tuple(protect), include_spanning=include_spanning, stop_units=stop_units,
                         disable_units=disable_units, shm=shm, reset=reset, audit_log=audit_log,
-                        owners=tuple(owners), settle_s=settle_s,
-                        release_wait_s=RELEASE_WAIT_S)
+                        owners=tuple(owners), settle_s=settle_s)
     phase: list[HostProgress] = []  # the progress line (stderr, terminal only) of the fan-out now
 
     def progress(items: Sequence[Any], label: str) -> HostProgress:

@@ -29,7 +29,7 @@ from gpufleet.core import mps
 from gpufleet.core.cancel import cancel_unanswered, cancel_undelivered, cancelled_reason
 from gpufleet.core.hostlock import lock_failure
 from gpufleet.core.model import HostResult, Snapshot, parse_snapshot
-from gpufleet.core.plan import Plan, make_plan, release_floors, to_request
+from gpufleet.core.plan import RELEASE_WAIT_S, Plan, make_plan, release_floors, to_request
 from gpufleet.core.plan.notes import fleet_protect_notes
 from gpufleet.core.results import Failure, HostOutcome
 from gpufleet.errors import SnapshotError, UsageError, first_line, kind_of
@@ -61,9 +61,10 @@ class CleanOptions:
     job_uid: Optional[int] = None  # a Slurm job's user: nobody else's process is signalled
     smi_timeout_s: float = 10.0  # the after-snapshot's nvidia-smi bound
     idle_s: float = 3600.0  # the agent waits this long for the clean request after its plan
-    # How long the memory wait gives memory nothing signalled can free (plan.release_floors);
-    # None: the whole timeout (a Slurm epilog runs while the driver frees the job's memory).
-    release_wait_s: Optional[float] = None
+    # How long the memory wait gives memory nothing signalled can free (plan.release_floors):
+    # every clean (the CLI, a runbook's step, top's) stops waiting on it after that; None: the
+    # whole timeout (a Slurm epilog runs while the driver still frees the ended job's memory).
+    release_wait_s: Optional[float] = RELEASE_WAIT_S
     audit_extra: tuple[tuple[str, Any], ...] = ()  # more audit keys (a Slurm job id, its user)
     owners: tuple[str, ...] = ()  # owners the operator names (PID or unit): planned first
     settle_s: Optional[float] = None  # None: the plan's default (plan/owners.py)

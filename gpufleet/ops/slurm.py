@@ -132,7 +132,7 @@ def run_epilog(env: Mapping[str, str], opts: SlurmOptions) -> SlurmOutcome:
         gpus=_job_gpus_text(job, host), grace_s=budget.grace_s, timeout_s=budget.timeout_s,
         tolerance_mib=opts.tolerance_mib, protect=opts.protect, audit_log=audit_path(opts),
         operator=f"slurm-epilog job {job.job_id} user {job.who}", job_uid=job.uid,
-        smi_timeout_s=budget.smi_s,
+        smi_timeout_s=budget.smi_s, release_wait_s=None,  # the ended job's memory may still be freed
         audit_extra=(("job_id", job.job_id), ("job_user", job.user), ("job_uid", job.uid)))
     try:
         run = run_clean([host], clean_opts, forks=1, confirm=_act_unless_free)

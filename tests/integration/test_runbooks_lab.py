@@ -363,3 +363,24 @@ def test_validation_error_names_file_line_and_step_and_contacts_nobody(lab: Any,
         "(did you mean 'grace'?) (keys: name, kind, timeout, continue_on_failure, gpus, grace, "
         "tolerance_mib, protect, include_spanning, stop_units, disable_units, shm, reset)")
     assert ssh_logins(host) == logins
+
+
+def test_a_clean_step_does_not_wait_its_timeout_for_memory_nothing_can_free(
+        lab: Any, make_host: Any, tmp_path: Path) -> None:
+    """5000 MiB no process explains (a driver's, another PID namespace's): the step's clean
+    signals nothing and ends once the release window has passed, as `gpufleet clean` does,
+    not after its 30 s timeout; it fails and says why."""
+    host = make_host("rb-ghost", gpus=1, ghost_mib={0: 5000})
+    inv = lab.inventory_yaml([host])
+    book = tmp_path / "free.yaml"
+    book.write_text("steps:\n  - {name: free, kind: clean, grace: 1, timeout: 30}\n")
+
+    started = time.monotonic()
+    res = gpufleet(inv, "run", str(book), "--host", host.name, "--yes", "--json")
+    took = time.monotonic() - started
+
+    assert res.returncode == 1, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert outcomes(doc, host.name) == ["failed"]
+    assert "5000 MiB no process here explains" in step(doc, host.name, "free")["detail"]
+    assert took < 20, took  # the whole run; the step's timeout alone is 30 s
