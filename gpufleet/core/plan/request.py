@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from gpufleet.core import policy
-from gpufleet.core.model import Snapshot, ledger
+from gpufleet.core.ledger import ledger
+from gpufleet.core.model import Snapshot
 from gpufleet.core.plan.types import EVIDENCE_SMI, Plan, Target
 from gpufleet.errors import UsageError
 
