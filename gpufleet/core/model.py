@@ -4,29 +4,9 @@ The remote agent (gpufleet/remote/agent.py) prints one JSON document per exec; t
 turns it into frozen values the pure core works with. "Not available" is ``None`` here and
 "n/a" on screen, never an error: WSL2 and containers report far less than bare metal.
 
-Agent snapshot document (version 1), the contract between agent and controller::
-
-    {"agent_version": 1,
-     "facts": {"hostname", "kernel", "driver_version", "cuda_version", "is_root", "uid",
-               "user", "can_read_all_fds", "in_container", "container", "wsl2",
-               "nvidia_smi", "python", "agent_pid", "agent_starttime"},
-     "nvidia_smi": {"ok": bool, "error": str|null, "exit_code": int|null, "seconds": float},
-     "gpus": [{"index", "uuid", "name", "pci_bus_id", "minor", "memory_used_mib",
-               "memory_total_mib", "memory_free_mib", "memory_reserved_mib",
-               "utilization_pct", "persistence_mode", "temperature_c", "power_w",
-               "nvml_errors": {reading: error}}],
-     "compute_apps": [{"pid", "process_name", "used_mib", "gpu_uuid"}],
-     "holders": [{"pid", "devices": ["/dev/nvidia0", "/dev/nvidiactl", ...],
-                  "mapped": ["/dev/nvidia0", ...] | null}],
-     "holders_vanished": [pid],
-     "fd_unreadable": [{"pid", "comm", "reason"}],
-     "processes": {"<pid>": {"pid", "ppid", "starttime", "state", "uid", "user", "comm",
-                   "cmdline", "exe", "exe_root", "cgroup", "unit", "user_unit",
-                   "user_unit_uid", "container", "container_restart",
-                   "container_name", "session", "pgid",
-                   "kernel_thread", "wchan", "relation", "fds_readable", "threads",
-                   "live_threads", "stuck_threads": [{"tid", "wchan"}]}},
-     "warnings": [str]}
+The agent's snapshot document (version 1), the contract between agent and controller, is
+docs/protocol.md "The snapshot reply" (tests/unit/test_protocol_doc.py holds it to what the
+agent writes). Notes on some of its fields:
 
 ``relation`` is "self", "ancestor", "session" (same session id as the agent) or null.
 ``fds_readable`` (added later; older agents omit it): false when the agent was refused the

@@ -1,4 +1,4 @@
-"""The agent's clean request from a plan (docs/DESIGN.md "Request"); pure data, sent as JSON
+"""The agent's clean request from a plan (docs/protocol.md "Requests"); pure data, sent as JSON
 on stdin."""
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def to_request(
     poll_s: float = 0.1,
     deadline_s: Optional[float] = None,
 ) -> dict[str, Any]:
-    """The agent's clean request (docs/DESIGN.md "Request"); pure data, sent as JSON on stdin.
+    """The agent's clean request (docs/protocol.md "Requests"); pure data, sent as JSON on stdin.
 
     The deadline leaves the agent time for the after-snapshot once the memory wait ends.
     """
