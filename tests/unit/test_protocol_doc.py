@@ -1,8 +1,11 @@
-"""docs/protocol.md's snapshot tables against snapshots the real agent makes, so the document
-cannot drift: every key the agent writes is documented, every key documented "always" (or
-"NVML", with NVML as the reader) is there, and "NVML" keys are absent when nvidia-smi read
+"""docs/protocol.md against the real agent and controller, so the document cannot drift.
+
+The snapshot tables: every key the agent writes is documented, every key documented "always"
+(or "NVML", with NVML as the reader) is there, and "NVML" keys are absent when nvidia-smi read
 the GPUs. The agent's own snapshot code runs here against the lab's fake libnvidia-ml.so.1 and
-fake nvidia-smi, as tests/unit/test_agent_nvml.py does (no lab, no root).
+fake nvidia-smi, as tests/unit/test_agent_nvml.py does (no lab, no root). The requests table:
+every key the controller's request builders send is documented, and every documented key is
+one the agent's source reads.
 """
 from __future__ import annotations
 
@@ -149,3 +152,35 @@ def test_the_doc_is_what_the_agent_writes(fake_nvml_library: Path, fake_smi: str
     smi = via_smi(fake_smi)
     assert smi["facts"]["gpu_source"] == "nvidia-smi" and smi["gpus"]
     assert problems(smi, nvml=False) == []
+
+
+# ------------------------------------------------------------------ requests
+
+
+def documented_requests() -> set[str]:
+    text = DOC.read_text()
+    body = text[text.index("## Requests"):]
+    body = body[:body.index("\n## ", 1)]
+    return {name for line in body.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([^`]+)`", line.split(" | ")[0])}
+
+
+def test_every_request_key_the_controller_sends_is_documented_and_read_by_the_agent() -> None:
+    from gpufleet.config.inventory import Host
+    from gpufleet.core.model import parse_snapshot
+    from gpufleet.core.plan import make_plan
+    from gpufleet.ops.clean import CleanOptions, clean_request
+    from gpufleet.ops.collect import snapshot_request
+    from gpufleet.ops.live import watch_request
+
+    host = Host(name="h")
+    before = parse_snapshot(__import__("json").loads(
+        (DOC.parents[1] / "tests" / "fixtures" / "scenarios" / "unit-vllm.json").read_text()))
+    sent = set(snapshot_request(host)) | set(watch_request(host, 2.0, hold_first_s=5.0))
+    sent |= set(clean_request(host, make_plan(before, stop_units=True),
+                              CleanOptions(release_wait_s=2.0), before))
+    sent |= {"stay", "idle_s"}  # a conversation's first snapshot (ops/clean.py, transport/conversation.py)
+    documented = documented_requests()
+    assert sent - documented == set()
+    agent = "".join(p.read_text() for p in (DOC.parents[1] / "gpufleet" / "remote").glob("*.py"))
+    assert {k for k in documented if f'"{k}"' not in agent} == set()
