@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Protocol, Sequence
 
 from gpufleet.core import policy
-from gpufleet.core.model import GpuInfo, HostResult, Snapshot, ledger
+from gpufleet.core.ledger import ledger
+from gpufleet.core.model import GpuInfo, HostResult, Snapshot
 from gpufleet.errors import COMMAND, INTERNAL
 
 MIB = 1 << 20

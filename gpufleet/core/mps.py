@@ -10,12 +10,12 @@ nvidia-cuda-mps-control`` waits while any client is connected and returns at onc
 the daemon's children are its servers, the clients are not.
 
 So the daemon and its servers are infrastructure (gpufleet.core.policy protects them on their
-executables' evidence), the clients are targets like any process, and the servers' memory is
-expected on their GPUs while MPS runs (``expected_server_mib``: the memory ledger and the
-after-clean threshold count it). Where NVML lists only the server (some drivers and
-containers do), its row also holds its clients' memory; the daemon's own lists (the agent asks
-it: ``get_server_list``, ``get_client_list``; ``Snapshot.mps``) say who its clients are, taken
-as a claim: only processes with NVIDIA device files open count (``listed_clients``); the
+executables' evidence, read in gpufleet.core.evidence), the clients are targets like any
+process, and the servers' memory is expected on their GPUs while MPS runs
+(``expected_server_mib``: the memory ledger, core/ledger.py, and the after-clean threshold
+count it). Where NVML lists only the server (some drivers and containers do), its row also
+holds its clients' memory; the daemon's own lists (the agent asks it: ``get_server_list``,
+``get_client_list``; ``Snapshot.mps``) say who its clients are, taken as a claim: only processes with NVIDIA device files open count (``listed_clients``); the
 server's own share is then the measured one (``MEASURED_SERVER_MIB``).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import shlex
 from typing import Optional
 
-from gpufleet.core import policy
+from gpufleet.core import evidence
 from gpufleet.core.gpus import format_gpu_indices
 from gpufleet.core.model import Holder, MpsDaemon, Snapshot
 
@@ -39,14 +39,14 @@ DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
 
 def daemons(snapshot: Snapshot) -> tuple[int, ...]:
     """PIDs of the MPS control daemons here, on their executables' evidence."""
-    return tuple(sorted(p.pid for p in snapshot.processes.values() if policy.is_mps_daemon(p)))
+    return tuple(sorted(p.pid for p in snapshot.processes.values() if evidence.is_mps_daemon(p)))
 
 
 def servers(snapshot: Snapshot) -> frozenset[int]:
-    """PIDs NVML lists that are MPS servers on evidence (policy.mps_server)."""
+    """PIDs NVML lists that are MPS servers on evidence (evidence.mps_server)."""
     return frozenset(pid for pid in snapshot.listed_pids()
                      if pid in snapshot.processes
-                     and policy.mps_server(snapshot.processes[pid], snapshot.processes))
+                     and evidence.mps_server(snapshot.processes[pid], snapshot.processes))
 
 
 def _answer(snapshot: Snapshot, daemon: int) -> Optional[MpsDaemon]:
@@ -56,18 +56,18 @@ def _answer(snapshot: Snapshot, daemon: int) -> Optional[MpsDaemon]:
 
 def listed_clients(snapshot: Snapshot) -> dict[int, tuple[int, ...]]:
     """server PID -> its clients as a verified daemon lists them: a server only if it is one
-    on evidence (policy.mps_server), a client only if it has NVIDIA device files open and,
+    on evidence (evidence.mps_server), a client only if it has NVIDIA device files open and,
     where its maps are readable, a CUDA context (nvidia-uvm mapped: recorded for the client
     on the H200). The list is the daemon's claim, and a PID can be reused by the time it is
     read: a monitor it names stays a GPU client."""
     holding = {h.pid for h in snapshot.holders
-               if policy.maps_kind(h.mapped, snapshot.facts.wsl2) != policy.MAPS_CLIENT}
+               if evidence.maps_kind(h.mapped, snapshot.facts.wsl2) != evidence.MAPS_CLIENT}
     out: dict[int, tuple[int, ...]] = {}
     for pid in daemons(snapshot):
         answer = _answer(snapshot, pid)
         for server in (answer.servers or ()) if answer is not None else ():
             proc = snapshot.processes.get(server.pid)
-            if proc is None or not policy.mps_server(proc, snapshot.processes):
+            if proc is None or not evidence.mps_server(proc, snapshot.processes):
                 continue
             out[server.pid] = tuple(sorted(
                 c for c in set(server.clients)
@@ -129,7 +129,7 @@ def _quit_command(snapshot: Snapshot, daemon: int) -> str:
     directory when the agent read and trusted it, and its own binary."""
     proc = snapshot.processes[daemon]
     binary = proc.exe[:-len(" (deleted)")] if proc.exe and proc.exe.endswith(" (deleted)") \
-        else (proc.exe or policy.MPS_CONTROL)
+        else (proc.exe or evidence.MPS_CONTROL)
     answer = _answer(snapshot, daemon)
     if answer is not None and answer.pipe_dir is not None and answer.pipe_dir_trusted:
         env = "CUDA_MPS_PIPE_DIRECTORY=" + shlex.quote(answer.pipe_dir) + " "

@@ -8,11 +8,14 @@ target. Every refusal is a short reason an operator can read in a table.
 from __future__ import annotations
 
 import fnmatch
-import re
 import os
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
+from gpufleet.core import mps
+from gpufleet.core.evidence import (MAPS_CLIENT, MAPS_CUDA, MPS_CONTROL, MPS_SERVER,
+                                    exe_basename, is_mps_daemon, maps_kind, mps_server)
+from gpufleet.core.ledger import ledger
 from gpufleet.core.model import COMM_MAX, Holder, ProcessInfo, Snapshot
 
 # Kinds of refusal; render/verdict group by them, the reason text is for people.
@@ -46,8 +49,6 @@ PROTECTED_DAEMONS: Mapping[str, str] = {
     "nvidia-cuda-mps-control": "CUDA MPS control daemon",
     "nvidia-cuda-mps-server": "CUDA MPS server",
 }
-MPS_CONTROL = "nvidia-cuda-mps-control"
-MPS_SERVER = "nvidia-cuda-mps-server"
 
 # OpenSSH >= 9.8 splits the daemon into sshd-session / sshd-auth; all of them are sshd.
 SSHD_COMMS = frozenset({"sshd", "sshd-session", "sshd-auth"})
@@ -126,15 +127,6 @@ EXE_NAMES: Mapping[str, frozenset[str]] = {"X": frozenset({"Xorg"}),
                                            "Xorg": frozenset({"Xorg"})}
 
 
-def exe_basename(proc: ProcessInfo) -> Optional[str]:
-    """The executable's file name, when that file is root's and no one else may write it (the
-    agent's exe evidence); None otherwise or when not known."""
-    if not proc.exe_root or not proc.exe:
-        return None
-    path = proc.exe[:-len(" (deleted)")] if proc.exe.endswith(" (deleted)") else proc.exe
-    return os.path.basename(path)
-
-
 def runs_as(proc: ProcessInfo, name: str, exe_names: frozenset[str]) -> Optional[bool]:
     """Whether a process that carries a protected ``name`` really is that program: True when
     its executable is root's binary of that name, False when the evidence says otherwise (a
@@ -182,22 +174,6 @@ def protected_daemon(proc: ProcessInfo) -> Optional[str]:
         if runs_as(proc, name, EXE_NAMES.get(name, frozenset({name}))) is not False:
             return name
     return None
-
-
-def is_mps_daemon(proc: ProcessInfo) -> bool:
-    """The CUDA MPS control daemon on evidence alone: its executable is root's
-    nvidia-cuda-mps-control (a name proves nothing here: it may only add protection)."""
-    return exe_basename(proc) == MPS_CONTROL
-
-
-def mps_server(proc: ProcessInfo, processes: Mapping[int, ProcessInfo]) -> bool:
-    """A CUDA MPS server on evidence: it runs root's nvidia-cuda-mps-server, or it is a child
-    of a verified control daemon (the daemon's only children are its servers; a server runs
-    as the user of its first client, so its owner proves nothing)."""
-    if exe_basename(proc) == MPS_SERVER:
-        return True
-    parent = processes.get(proc.ppid) if proc.ppid is not None else None
-    return parent is not None and parent.pid != proc.pid and is_mps_daemon(parent)
 
 
 def false_claim(proc: ProcessInfo) -> Optional[str]:
@@ -474,13 +450,6 @@ CLIENT_NAMES = frozenset({
     "nvtop", "nvitop", "gpustat", "nvidia-smi", "nvidia_gpu_exporter", "dcgm-exporter", "dcgmi",
 })
 
-MAPS_CUDA = "cuda"  # maps /dev/nvidia-uvm: a CUDA context
-MAPS_CLIENT = "client"  # maps readable, and no nvidia-uvm mapped (nvidiaN alone: cuInit only)
-MAPS_UNKNOWN = "unknown"  # not available (older agent, unreadable), or uninformative (WSL2)
-
-_CUDA_MAPS = re.compile(r"^/dev/nvidia-uvm$")
-
-
 @dataclass(frozen=True)
 class HolderRole:
     """What an unlisted device-file holder is: a memory holder (may be a target) or a client."""
@@ -512,16 +481,6 @@ def _client_by_name(proc: ProcessInfo) -> Optional[str]:
     return None
 
 
-def maps_kind(mapped: Optional[tuple[str, ...]], wsl2: bool) -> str:
-    """What the holder's mapped NVIDIA device files say. On WSL2 a mapping-free holder proves
-    nothing (the recordings do not show what CUDA maps there), so it stays unknown."""
-    if mapped is None:
-        return MAPS_UNKNOWN
-    if any(_CUDA_MAPS.match(m) for m in mapped):
-        return MAPS_CUDA
-    return MAPS_UNKNOWN if wsl2 else MAPS_CLIENT
-
-
 def listing_gap(snapshot: Snapshot) -> Optional[str]:
     """Why nvidia-smi's process list may miss memory holders here, or None when it cannot."""
     facts = snapshot.facts
@@ -544,8 +503,6 @@ def unexplained_mib(snapshot: Snapshot, gpus: tuple[int, ...], threshold_mib: in
     visible here accounts for -- unattributed, plus what nvidia-smi lists for PIDs not in this
     /proc. None value = unknown (not available); only GPUs above the threshold (or unknown)
     are in the result; an empty dict means no memory is unexplained."""
-    from gpufleet.core.model import ledger
-
     rows = {r.index: r for r in ledger(snapshot)}
     wanted = gpus or tuple(rows)
     out: dict[int, Optional[int]] = {}
@@ -562,7 +519,7 @@ def unexplained_mib(snapshot: Snapshot, gpus: tuple[int, ...], threshold_mib: in
         for app in snapshot.apps_on(i):
             if app.pid not in snapshot.processes:
                 hidden = None if hidden is None or app.used_mib is None else hidden + app.used_mib
-        # the driver's own share for the listed processes explains itself (model.ledger)
+        # the driver's own share for the listed processes explains itself (core/ledger.py)
         if hidden is None or hidden > threshold_mib + row.driver_allowance_mib:
             out[i] = hidden
     return out
@@ -654,8 +611,6 @@ def _mps_client_reason(snapshot: Snapshot, pid: int) -> Optional[str]:
     row (the verified daemon's own list, core/mps.py), or None."""
     if not snapshot.mps:
         return None
-    from gpufleet.core import mps  # core/mps builds on this module's evidence rules
-
     server = mps.unlisted_clients(snapshot).get(pid)
     if server is None:
         return None

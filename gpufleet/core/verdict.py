@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from gpufleet.core import policy
+from gpufleet.core import evidence, policy
 from gpufleet.core.hostlock import lock_failure
-from gpufleet.core.model import ProcessInfo, Snapshot, SnapshotError, ledger, parse_snapshot
+from gpufleet.core.ledger import ledger
+from gpufleet.core.model import ProcessInfo, Snapshot, SnapshotError, parse_snapshot
 from gpufleet.core.plan import Plan, Refusal, Target
 
 CLEAN = "clean"
@@ -301,7 +302,7 @@ def _holds_there(why: _Why, s: Survivor, index: int, unexplained: Optional[Unatt
     holder = next((h for h in why.after.holders if h.pid == s.pid), None)
     if holder is None or holder.mapped is None:
         return True
-    if policy.maps_kind(holder.mapped, why.after.facts.wsl2) == policy.MAPS_CLIENT:
+    if evidence.maps_kind(holder.mapped, why.after.facts.wsl2) == evidence.MAPS_CLIENT:
         return False
     mapped = why.after.device_gpu_indices(holder.mapped)
     return index in mapped if mapped else True

@@ -22,7 +22,7 @@ While a conversation's clean runs, its stdin is still read (``CancelWatch``): a 
 document says what was sent and what was not (``cancelled``); an EOF changes nothing (a
 dropped session must not cut the sequence short).
 
-Request keys beyond docs/DESIGN.md, for tests and odd hosts: ``systemctl`` (path),
+Request keys for tests and odd hosts (docs/protocol.md lists every key): ``systemctl`` (path),
 ``shm_dir`` (default /dev/shm), ``shm_min_age_s`` (default 10), ``lock_wait_s`` (default
 timeout_s), ``default_threshold_mib`` (default 64), ``cuda_version`` (default true),
 ``wait_floor_mib`` ({"index": MiB} held by processes the plan does not signal: the memory

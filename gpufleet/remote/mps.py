@@ -41,7 +41,7 @@ def mps_daemons(processes):
 
 
 def mps_report(processes, deadline, proc=PROC):
-    """The document's ``mps``: one entry per verified daemon (gpufleet/core/model.py)."""
+    """The document's ``mps``: one entry per verified daemon (docs/protocol.md)."""
     return [mps_ask_daemon(pid, processes[str(pid)], deadline, proc)
             for pid in mps_daemons(processes)]
 

@@ -1,6 +1,6 @@
 """The snapshot mode: one document with what this host knows about its GPUs.
 
-A piece of the remote agent: the document of gpufleet/core/model.py; every failure is a value
+A piece of the remote agent: the snapshot document (docs/protocol.md); every failure is a value
 in it.
 """
 import os
@@ -98,7 +98,7 @@ def gpu_query_argv(smi, fields):
 
 
 def snapshot(req, deadline, proc=PROC):
-    """The snapshot document of gpufleet/core/model.py; every failure is a value in it."""
+    """The snapshot document (docs/protocol.md); every failure is a value in it."""
     t0 = time.monotonic()
     ctx = self_context(proc)
     warnings = ctx["warnings"]

@@ -15,7 +15,7 @@ With ``hold_first_s`` in the request the agent waits, after its first snapshot, 
 ``go`` (at most that long): the controller sends it once every host has answered, so the hosts
 that answered first do not refresh while others still connect on the same CPUs.
 
-Each line is the snapshot document of gpufleet/core/model.py plus ``watch_seq`` (0, 1, ...);
+Each line is the snapshot document (docs/protocol.md) plus ``watch_seq`` (0, 1, ...);
 the last line, when stdout still takes it, is ``{"mode": "watch_end", "reason": ...}``.
 """
 import _thread

@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 
 from gpufleet.core import health, mps, policy
 from gpufleet.core.health import OK, RANK, UNKNOWN, GpuHealth, HostHealth
-from gpufleet.core.model import GpuInfo, GpuLedger, HostResult, Snapshot, driver_allowance_mib, ledger
+from gpufleet.core.ledger import GpuLedger, driver_allowance_mib, ledger
+from gpufleet.core.model import GpuInfo, HostResult, Snapshot
 from gpufleet.render.table import render_table
 from gpufleet.render.common import (NA, column_room, cut, error_cell, fmt_mib,  # noqa: F401
                                     short_gpu_name, terminal_safe, to_json)

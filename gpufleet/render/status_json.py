@@ -12,7 +12,8 @@ from typing import Any, Iterable, Optional, Sequence
 from gpufleet.core import health, policy
 from gpufleet.core.health import GpuHealth
 from gpufleet.core.live import STALE, LiveHost
-from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS, GpuInfo, GpuLedger, HostResult, Snapshot, ledger
+from gpufleet.core.ledger import GpuLedger, ledger
+from gpufleet.core.model import HEALTH_BOOL_KEYS, HEALTH_INT_KEYS, GpuInfo, HostResult, Snapshot
 from gpufleet.core.results import Failure
 from gpufleet.errors import COMMAND, TIMEOUT
 

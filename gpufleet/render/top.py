@@ -17,7 +17,8 @@ from typing import Mapping, Optional, Sequence
 from gpufleet.core import health, policy
 from gpufleet.core.gpus import format_gpu_ranges
 from gpufleet.core.live import DOWN, STALE, UP, LiveHost
-from gpufleet.core.model import Snapshot, ledger
+from gpufleet.core.ledger import ledger
+from gpufleet.core.model import Snapshot
 from gpufleet.render.command import command_summary, process_cells
 from gpufleet.render.common import fmt_pair, short_gpu_name, terminal_safe
 from gpufleet.render.health import health_summary

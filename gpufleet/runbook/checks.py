@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from gpufleet.core import policy
-from gpufleet.core.model import Snapshot, ledger
+from gpufleet.core.ledger import ledger
+from gpufleet.core.model import Snapshot
 from gpufleet.errors import StepFailed
 from gpufleet.core.gpus import format_gpu_ranges as format_gpu_list
 

@@ -1,6 +1,6 @@
 """The driver keeps a few MiB per process outside nvidia-smi's per-process numbers.
 
-Measured on H200s (gpufleet/core/model.py cites the captures): memory.used = sum of the listed
+Measured on H200s (gpufleet/core/ledger.py cites the captures): memory.used = sum of the listed
 used_memory + about 2 MiB + 6 MiB per process. Past ~10 processes on a GPU that alone used to
 exceed the 64 MiB tolerance, so status flagged `!`, the clean plan said memory was attributed
 to no process and a runbook's `unexpected_unattributed_mib: {max: 0}` failed, with nothing
@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from gpufleet.runbook import run as runner
-from gpufleet.core.model import HostResult, driver_allowance_mib, ledger, parse_snapshot
+from gpufleet.core.ledger import driver_allowance_mib, ledger
+from gpufleet.core.model import HostResult, parse_snapshot
 from gpufleet.core.plan import make_plan
 from gpufleet.render.status import status_document, status_table
 from gpufleet.runbook.load import parse_runbook
@@ -57,7 +58,7 @@ def unattributed_cell(snap: Any) -> str:
 
 
 def test_allowance_bounds_every_capture() -> None:
-    measured = {1: 9, 2: 15, 3: 20, 4: 26}  # the captures cited in gpufleet/core/model.py
+    measured = {1: 9, 2: 15, 3: 20, 4: 26}  # the captures cited in gpufleet/core/ledger.py
     for n, mib in measured.items():
         assert mib <= driver_allowance_mib(n) <= mib + 2, n
     assert driver_allowance_mib(0) == 0

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from gpufleet.core import policy
-from gpufleet.core.model import ProcessInfo, Snapshot, driver_allowance_mib, ledger, parse_snapshot
+from gpufleet.core.ledger import driver_allowance_mib, ledger
+from gpufleet.core.model import ProcessInfo, Snapshot, parse_snapshot
 from gpufleet.core.plan import make_plan
 from gpufleet.core.verdict import CLEAN, DIRTY, make_verdict
 from gpufleet.ops.clean import wait_floors

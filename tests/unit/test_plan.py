@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from gpufleet.core import plan as planmod
 from gpufleet.core import policy
 from gpufleet.errors import UsageError
-from gpufleet.core.model import Snapshot, driver_allowance_mib, parse_snapshot
+from gpufleet.core.ledger import driver_allowance_mib
+from gpufleet.core.model import Snapshot, parse_snapshot
 from gpufleet.core.plan import Plan, UnitStop, make_plan, to_request
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"

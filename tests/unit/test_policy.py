@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpufleet.core import policy
+from gpufleet.core import evidence, policy
 from gpufleet.core.model import ProcessInfo, Snapshot, parse_snapshot
 from gpufleet.core.policy import PolicyContext, refusal_reason, signal_refusal
 
@@ -530,9 +530,9 @@ def test_recorded_h200_maps_tell_clients_from_cuda_processes() -> None:
         m = re.search(r"pid=(\d+) fds=(\[.*?\]) maps=(\[.*?\])$", line)
         assert m, line
         seen[int(m.group(1))] = (ast.literal_eval(m.group(2)), ast.literal_eval(m.group(3)))
-    assert {policy.maps_kind(tuple(maps), False) for pid, (_, maps) in seen.items()
-            if pid != 436} == {policy.MAPS_CLIENT}
-    assert policy.maps_kind(tuple(seen[436][1]), False) == policy.MAPS_CUDA
+    assert {evidence.maps_kind(tuple(maps), False) for pid, (_, maps) in seen.items()
+            if pid != 436} == {evidence.MAPS_CLIENT}
+    assert evidence.maps_kind(tuple(seen[436][1]), False) == evidence.MAPS_CUDA
     pid, name, mib = [x.strip() for x in lines[4].replace(" MiB", "").split(",")]
     doc = _doc("basic", STATUS)
     uuid = doc["gpus"][0]["uuid"]
@@ -612,11 +612,11 @@ def test_recorded_probe3_only_a_mapped_nvidia_uvm_is_a_cuda_context() -> None:
     """A cuInit-only process maps /dev/nvidia0 and /dev/nvidiactl, holds no memory and is not
     listed: a mapped nvidiaN alone is not a CUDA context; a mapped nvidia-uvm is (recorded)."""
     seen, rows, doc = _probe3()
-    kinds = {pid: policy.maps_kind(tuple(maps), False) for pid, (_, maps) in seen.items()}
+    kinds = {pid: evidence.maps_kind(tuple(maps), False) for pid, (_, maps) in seen.items()}
     listed = {int(r[0]) for r in rows}
     assert listed == {440, 461}  # the two CUDA processes with a context
-    assert {p for p, k in kinds.items() if k == policy.MAPS_CUDA} == listed
-    assert seen[464][1] == ["/dev/nvidia0", "/dev/nvidiactl"] and kinds[464] == policy.MAPS_CLIENT
+    assert {p for p, k in kinds.items() if k == evidence.MAPS_CUDA} == listed
+    assert seen[464][1] == ["/dev/nvidia0", "/dev/nvidiactl"] and kinds[464] == evidence.MAPS_CLIENT
     roles = policy.holder_roles(parse_snapshot(doc), 64)
     assert set(roles) == {438, 464, 466}  # NVML client (nvidiactl), cuInit only, smi loop
     assert all(r.role == policy.ROLE_CLIENT for r in roles.values()), roles

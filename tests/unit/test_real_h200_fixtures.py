@@ -21,7 +21,8 @@ import pytest
 
 from gpufleet.ops.clean import HostClean
 from gpufleet.core.fit import fit_report, need_from_options, parse_gpus
-from gpufleet.core.model import HostResult, ledger, parse_snapshot
+from gpufleet.core.ledger import ledger
+from gpufleet.core.model import HostResult, parse_snapshot
 from gpufleet.core.plan import make_plan, to_request
 from gpufleet.remote import agent
 from gpufleet.core.hostwarnings import host_warnings

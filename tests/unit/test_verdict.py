@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufleet.core import verdict as V
-from gpufleet.core.model import driver_allowance_mib, parse_snapshot
+from gpufleet.core.ledger import driver_allowance_mib
+from gpufleet.core.model import parse_snapshot
 from gpufleet.core.plan import make_plan
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"

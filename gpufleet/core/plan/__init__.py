@@ -48,7 +48,8 @@ from typing import Iterable, Optional
 
 from gpufleet.core import mps, policy
 from gpufleet.core.gpus import format_gpu_indices
-from gpufleet.core.model import Snapshot, driver_allowance_mib
+from gpufleet.core.ledger import driver_allowance_mib
+from gpufleet.core.model import Snapshot
 from gpufleet.core.plan.evidence import gather_evidence, resolve_scope
 from gpufleet.core.plan.families import (
     Rules,
@@ -167,7 +168,7 @@ def refuse_untrusted(rules: Rules, untrusted: dict[int, policy.ListingCheck]) ->
 def after_thresholds(snapshot: Snapshot, scope: tuple[int, ...], threshold: int,
                      targets: tuple[Target, ...]) -> dict[int, int]:
     """What may stay on each GPU after the clean: the threshold, the driver's own share for
-    the listed processes the plan does not signal (model.driver_allowance_mib), and the
+    the listed processes the plan does not signal (ledger.driver_allowance_mib), and the
     memory of CUDA MPS servers, expected while MPS runs (core/mps.py)."""
     signalled = {t.pid for t in targets}
     servers = mps.expected_server_mib(snapshot)

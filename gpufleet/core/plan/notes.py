@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from gpufleet.core import mps, policy
-from gpufleet.core.model import ComputeApp, Snapshot, ledger
+from gpufleet.core.ledger import ledger
+from gpufleet.core.model import ComputeApp, Snapshot
 from gpufleet.core.plan.evidence import Evidence
 from gpufleet.core.plan.types import Plan, PlanScope, Refusal, Target
 

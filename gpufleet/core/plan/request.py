@@ -1,11 +1,12 @@
-"""The agent's clean request from a plan (docs/DESIGN.md "Request"); pure data, sent as JSON
+"""The agent's clean request from a plan (docs/protocol.md "Requests"); pure data, sent as JSON
 on stdin."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from gpufleet.core import policy
-from gpufleet.core.model import Snapshot, ledger
+from gpufleet.core.ledger import ledger
+from gpufleet.core.model import Snapshot
 from gpufleet.core.plan.types import EVIDENCE_SMI, Plan, Target
 from gpufleet.errors import UsageError
 
@@ -42,7 +43,7 @@ def to_request(
     poll_s: float = 0.1,
     deadline_s: Optional[float] = None,
 ) -> dict[str, Any]:
-    """The agent's clean request (docs/DESIGN.md "Request"); pure data, sent as JSON on stdin.
+    """The agent's clean request (docs/protocol.md "Requests"); pure data, sent as JSON on stdin.
 
     The deadline leaves the agent time for the after-snapshot once the memory wait ends.
     """
