@@ -23,6 +23,9 @@ def reset_refusal(is_root, in_container, wsl2, holder_pids):
 
 
 def reset_gpus(req, scope, snap, deadline, res):
+    """``nvidia-smi --gpu-reset -i N`` for each GPU in scope that reset_refusal allows, judged
+    on ``snap`` (a snapshot taken after the memory wait); one entry per GPU in res["reset"].
+    Whether any reset was attempted (then the clean takes a new snapshot after)."""
     facts = snap.get("facts") or {}
     smi = facts.get("nvidia_smi")
     by_index = dict((g["index"], g) for g in snap.get("gpus") or ())

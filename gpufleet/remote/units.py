@@ -23,6 +23,9 @@ def valid_unit(name):
 
 
 def stop_units(units, req, deadline, reserve, res):
+    """``systemctl stop`` (and ``disable`` when asked) each unit of the request, in order; one
+    entry per unit in res["units_stopped"], its failure a value. ``reserve``: time kept back
+    from the deadline for the rest of the clean."""
     systemctl = req.get("systemctl") or which("systemctl", SYSTEMCTL_FALLBACKS)
     for u in units:
         name = u.get("unit") if isinstance(u, dict) else None
