@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, Mapping, Optional
 
-#: Where the agent keeps its own record of every signal (remote/clean.py Auditor), under the
+#: Where the agent keeps its own record of every signal (remote/audit.py Auditor), under the
 #: home directory of the user it runs as.
 HOST_RECORD = "~/.local/state/gpufleet/agent-audit.jsonl"
 

@@ -328,7 +328,7 @@ def never_signal_reason(proc: ProcessInfo, ctx: PolicyContext) -> Optional[str]:
 
 
 def gpu_reset_blockers(snapshot: Snapshot, index: int) -> list[str]:
-    """Why `--reset` would not reset GPU ``index`` here, the agent's own rule (remote/clean.py
+    """Why `--reset` would not reset GPU ``index`` here, the agent's own rule (remote/reset.py
     reset_refusal): root, the host itself (not a container), not WSL2, and no process with its
     /dev/nvidiaN open -- in words that name no process (a monitor's open files block a reset,
     yet it holds no memory)."""

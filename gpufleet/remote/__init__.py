@@ -29,7 +29,8 @@ from typing import Any, Callable, Generic, List, Mapping, Sequence, Tuple, TypeV
 #: The agent's pieces in dependency order: a piece imports only pieces before it (its
 #: default arguments are evaluated when the joined source runs, top to bottom).
 AGENT_PIECES = ("parse", "jobs", "procfs", "owners", "nvml", "kmsg", "mps", "snapshot", "settle",
-                "lock", "clean", "watch", "main")
+                "lock", "audit", "signals", "pidfd", "units", "memwait", "shm", "reset",
+                "survivors", "clean", "watch", "main")
 #: The comment that marks an import of another piece; the joiner drops those statements.
 JOINED_MARK = "# joined"
 

@@ -4,11 +4,12 @@ A piece of the remote agent: nvidia-smi can hang in D state when the driver is w
 it cannot even be reaped), and reading /proc/PID/cmdline or maps of a D-state process can
 block; everything here gives up in time and says so.
 """
-import _thread  # not threading: it loads functools and collections (~4 ms of every start)
 import os
+import signal
+import threading
 import time
 
-from .parse import first_line, signal  # joined
+from .parse import first_line  # joined
 
 SMI_FALLBACKS = (
     "/usr/bin/nvidia-smi",
@@ -57,28 +58,13 @@ def run_bounded(fn, timeout):
     return (True, value if ok else None)
 
 
-class Flag(object):
-    """threading.Event's set and wait, on one of _thread's locks (one thread sets it once)."""
-
-    def __init__(self):
-        self._lock = _thread.allocate_lock()
-        self._lock.acquire()
-        self._set = False
-
-    def is_set(self):
-        return self._set
-
-    def set(self):
-        if not self._set:
-            self._set = True
-            self._lock.release()
-
-    def wait(self, timeout):
-        """True once set; False after ``timeout`` seconds without it."""
-        if self._lock.acquire(True, max(0.0, min(float(timeout), _thread.TIMEOUT_MAX))):
-            self._lock.release()
-            return True
-        return False
+def start_daemon(name, fn, *args):
+    """fn(*args) on a daemon thread: one blocked in the kernel (a read of a D-state process,
+    a wedged driver) is left running, and never keeps the agent from ending."""
+    thread = threading.Thread(target=fn, args=args, name=name)
+    thread.daemon = True
+    thread.start()
+    return thread
 
 
 class Background(object):
@@ -87,9 +73,9 @@ class Background(object):
     init and queries wait on the driver (~13 ms of each on a real H200)."""
 
     def __init__(self, fn):
-        self._done = Flag()
+        self._done = threading.Event()
         self._box = []
-        _thread.start_new_thread(self._run, (fn,))
+        start_daemon("gpufleet-background", self._run, fn)
 
     def _run(self, fn):
         try:
@@ -104,8 +90,7 @@ class Background(object):
         return self._done.wait(timeout)
 
     def result(self):
-        while not self.wait(_thread.TIMEOUT_MAX):
-            pass
+        self._done.wait()
         ok, value = self._box[0]
         if not ok:
             raise value

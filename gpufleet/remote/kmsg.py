@@ -13,11 +13,11 @@ is an Xid: a process name quoted inside one (``name=...``) cannot make a second 
 """
 import errno
 import os
+import re
 import stat
 import time
 
 from .jobs import run_cmd, which  # joined
-from .parse import LazyRe  # joined
 
 KMSG = "/dev/kmsg"
 XID_MARK = b"NVRM: Xid"
@@ -28,12 +28,12 @@ LOG_CMD_TIMEOUT_S = 3.0
 MESSAGE_MAX = 300
 #: NVIDIA's format, from the driver's nvErrorLog: "NVRM: Xid (PCI:0000:18:00): 79, ..."; with
 #: MIG "(PCI:0000:01:00 GPU-I:05)"; drivers before R450 print no "PCI:" ("(0000:03:00)").
-XID_RE = LazyRe(r"^NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})"
+XID_RE = re.compile(r"^NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})"
                 r"(?:\.[0-9A-Fa-f])?(?: [^)]*)?\): ([0-9]+)\b,?\s*(.*)$")
 #: ``dmesg``: "[12345.678901] message"; ``journalctl -o short-monotonic``:
 #: "[  123.456789] host kernel: message".
-DMESG_RE = LazyRe(r"^\[\s*([0-9]+\.[0-9]+)\] (.*)$")
-JOURNAL_RE = LazyRe(r"^\[\s*([0-9]+\.[0-9]+)\] \S+ kernel: (.*)$")
+DMESG_RE = re.compile(r"^\[\s*([0-9]+\.[0-9]+)\] (.*)$")
+JOURNAL_RE = re.compile(r"^\[\s*([0-9]+\.[0-9]+)\] \S+ kernel: (.*)$")
 
 
 def kmsg_records(data):
@@ -114,8 +114,8 @@ def fold_xids(records):
     found = {}
     order = []
     for facility, secs, msg in records:
-        if facility != 0 or not msg.startswith("NVRM: Xid ("):
-            continue  # not the kernel's (a process wrote it), or not an Xid: no pattern (no re)
+        if facility != 0:
+            continue  # not the kernel's: a process wrote it
         m = XID_RE.match(msg)
         if not m:
             continue

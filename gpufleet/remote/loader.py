@@ -23,6 +23,7 @@ instead of the default, for tests and odd hosts). Standard library only, Python 
 (and it must run on 3.5 far enough for the agent's "Python too old" document).
 """
 import errno
+import json
 import marshal
 import os
 import stat
@@ -45,43 +46,11 @@ _FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
-class _JsonContext(object):
-    """What json's C scanner reads from a JSONDecoder (json.loads' defaults). The loader and
-    the agent read JSON through it rather than ``import json``, which loads re (and enum): ~5
-    ms of every start. (The agent has its own, parse.json_loads: the loader is not joined.)"""
-    strict = True
-    object_hook = None
-    object_pairs_hook = None
-    parse_float = float
-    parse_int = int
-    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"),
-                      "NaN": float("nan")}.__getitem__
-    memo = {}  # type: dict
-
-
-def loads(text):
-    """One JSON document (str); ValueError otherwise."""
-    try:
-        import _json
-    except ImportError:  # pragma: no cover - a Python built without it
-        import json
-
-        return json.loads(text)
-    body = text.strip(" \t\n\r")
-    try:
-        value, end = _json.make_scanner(_JsonContext())(body, 0)
-    except StopIteration:
-        raise ValueError("not a JSON document") from None
-    if end != len(body):
-        raise ValueError("extra data after the JSON document")
-    return value
-
-
 def cache_options(raw):
     """(enabled, directory or None) from the request bytes; a request that is not a JSON
     object leaves the cache on (the agent reports the bad request itself)."""
     try:
-        req = loads(raw.decode("utf-8")) if raw.strip() else {}
+        req = json.loads(raw.decode("utf-8")) if raw.strip() else {}
     except ValueError:
         return True, None
     if not isinstance(req, dict):

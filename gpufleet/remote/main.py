@@ -33,14 +33,16 @@ nvml | nvidia-smi: the inventory's), ``nvml_library`` (a path: load that libnvid
 compiled agent) and ``agent_cache_dir`` (that directory instead of the default), both read by
 remote/loader.py before the agent runs.
 """
-import _thread
+import json
 import os
+import signal
 import sys
+import threading
 import time
 
 from .clean import clean  # joined
-from .jobs import Deadline, Flag  # joined
-from .parse import AGENT_VERSION, json_dumps, json_loads, signal  # joined
+from .jobs import Deadline, start_daemon  # joined
+from .parse import AGENT_VERSION  # joined
 from .snapshot import AGENT_CACHE_FACTS, GPU_SOURCES, snapshot  # joined
 from .watch import watch  # joined
 
@@ -71,7 +73,7 @@ def parse_request(raw):
     """Request bytes -> dict with defaults; ValueError on anything malformed."""
     if isinstance(raw, bytes):
         raw = raw.decode("utf-8")
-    req = json_loads(raw) if raw.strip() else {"mode": "snapshot"}
+    req = json.loads(raw) if raw.strip() else {"mode": "snapshot"}
     if not isinstance(req, dict):
         raise ValueError("request is not a JSON object")
     if req.get("mode", "snapshot") not in ("snapshot", "clean", "watch"):
@@ -119,7 +121,7 @@ def emit(doc):
         return
     _EMITTED.append(doc)
     try:
-        sys.stdout.write(json_dumps(doc) + "\n")
+        sys.stdout.write(json.dumps(doc) + "\n")
         sys.stdout.flush()
     except (OSError, IOError, ValueError):
         pass  # the session is gone; the audit file has the record
@@ -229,11 +231,11 @@ class NextRequest(object):
     the idle bound wins is decided under one lock: a frame that comes later is never acted on."""
 
     def __init__(self, stream):
-        self.lock = _thread.allocate_lock()
-        self.done = Flag()
+        self.lock = threading.Lock()
+        self.done = threading.Event()
         self.result = None
         self.abandoned = False
-        _thread.start_new_thread(self._read, (stream,))
+        start_daemon("gpufleet-next", self._read, stream)
 
     def _read(self, stream):
         try:
@@ -247,7 +249,7 @@ class NextRequest(object):
 
     def take(self, idle_s):
         """read_frame's (body, why), or (None, "idle: ...") when nothing came within idle_s."""
-        self.done.wait(idle_s)
+        self.done.wait(min(idle_s, threading.TIMEOUT_MAX))
         with self.lock:
             if self.result is None:
                 self.abandoned = True
@@ -263,10 +265,10 @@ class CancelWatch(object):
     read whole, so no other thread reads stdin then."""
 
     def __init__(self, stream):
-        self.flag = Flag()
+        self.flag = threading.Event()
         self.at = None
         self.fd, self._wake = os.pipe()
-        _thread.start_new_thread(self._read, (stream,))
+        start_daemon("gpufleet-cancel", self._read, stream)
 
     def is_set(self):
         return self.flag.is_set()

@@ -15,10 +15,10 @@ daemon's binary run as /proc/self/fd/N with the pipe directory given through /pr
 a socket's (107 bytes) fails, as a value like any other failure.
 """
 import os
+import signal
 import stat
 
 from .jobs import read_bytes  # joined
-from .parse import signal  # joined
 from .procfs import PROC, read_stat  # joined
 
 MPS_CONTROL = "nvidia-cuda-mps-control"

@@ -4,35 +4,11 @@ A piece of the remote agent (docs/DESIGN.md, "Running the agent"): standard libr
 Python 3.6+. Small pure functions, so the unit tests can feed them recorded nvidia-smi output
 (tests/fixtures/recorded/).
 """
-try:  # signal.py wraps these in enums: importing it loads enum and functools (~3 ms a start)
-    import _signal as signal  # type: ignore[import-not-found]  # noqa: F401
-except ImportError:  # pragma: no cover - a Python without it
-    import signal  # type: ignore[no-redef]  # noqa: F401 (other pieces take it from here)
-try:  # json's C half: json itself imports re, and re enum (~5-8 ms of a start: bench/README.md)
-    import _json
-except ImportError:  # pragma: no cover - a Python built without it
-    _json = None  # type: ignore[assignment]
+import re
 
 AGENT_VERSION = 1
 CMDLINE_MAX = 4096
 PF_KTHREAD = 0x00200000
-
-
-class LazyRe(object):
-    """A regular expression compiled on first use: most of the agent's patterns serve one path
-    (nvidia-smi output, a clean, the kernel log fallbacks), and compiling them all cost every
-    start ~3 ms. After the first use a method is a plain instance attribute (no indirection)."""
-
-    def __init__(self, pattern, flags=0):
-        self.pattern = pattern
-        self._flags = flags
-
-    def __getattr__(self, name):
-        import re  # here: a snapshot through NVML never needs a pattern (re costs ~5 ms)
-
-        value = getattr(re.compile(self.pattern, self._flags), name)
-        self.__dict__[name] = value
-        return value
 
 
 GPU_FIELDS = (
@@ -96,87 +72,34 @@ CLOCKS_EVENT_REASONS = (
     (0x100, "display_clock_setting"),
 )
 
-_DIGITS = frozenset("0123456789")
-_HEX = frozenset("0123456789abcdefABCDEF")
-_LOWER_HEX = frozenset("0123456789abcdef")
-#: NVIDIA device files besides /dev/nvidiaN and /dev/nvidia-caps/* (dxg: WSL2's GPU)
-_DEVICE_NAMES = frozenset(("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "dxg"))
-INVALID_FIELD_RE = LazyRe(r'Field "([^"]+)" is not a valid field to query')
-Q_HEADER_RE = LazyRe(r"^GPU\s+([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*$")
-Q_KV_RE = LazyRe(r"^\s*([^:]+?)\s*:\s*(.*?)\s*$")
-CUDA_RE = LazyRe(r"CUDA Version\s*:\s*([0-9][0-9.]*)")
-DRIVER_RE = LazyRe(r"Driver Version\s*:\s*([0-9][0-9.]*)")
+#: The patterns are compiled when the agent starts (one exec per host: a few each).
+#: fullmatch, not ``^...$``: ``$`` also matches before a final newline, and a file named
+#: "/dev/nvidia0\n" is not the device.
+DEVICE_RE = re.compile(
+    r"/dev/(?:nvidia[0-9]+|nvidiactl|nvidia-uvm|nvidia-uvm-tools|nvidia-caps/[^/]+|dxg)")
+GPU_DEVICE_RE = re.compile(r"/dev/nvidia([0-9]+)")
+#: A number as nvidia-smi prints it (already stripped): "81559", "81559 MiB", "35 %", "-1".
+INT_RE = re.compile(r"(-?[0-9]+)(?:\s*(?:MiB|%))?")
+#: A PID column: ASCII digits only (str.isdigit would take other scripts' digits too).
+PID_RE = re.compile(r"[0-9]+")
+BUS_RE = re.compile(r"\s*([0-9A-Fa-f]+):([0-9A-Fa-f]+):([0-9A-Fa-f]+)\.([0-9A-Fa-f]+)\s*")
+INVALID_FIELD_RE = re.compile(r'Field "([^"]+)" is not a valid field to query')
+Q_HEADER_RE = re.compile(r"^GPU\s+([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*$")
+Q_KV_RE = re.compile(r"^\s*([^:]+?)\s*:\s*(.*?)\s*$")
+CUDA_RE = re.compile(r"CUDA Version\s*:\s*([0-9][0-9.]*)")
+DRIVER_RE = re.compile(r"Driver Version\s*:\s*([0-9][0-9.]*)")
 
 
 def gpu_minor(path):
-    """N of ``/dev/nvidiaN`` (ASCII digits), else None. String tests, not patterns: the
-    agent's hot paths (every fd link, every cgroup line) must not import re."""
-    if path.startswith("/dev/nvidia"):
-        digits = path[11:]
-        if digits and _DIGITS.issuperset(digits):
-            return int(digits)
-    return None
+    """N of ``/dev/nvidiaN`` (ASCII digits), else None."""
+    m = GPU_DEVICE_RE.fullmatch(path)
+    return int(m.group(1)) if m else None
 
 
 def is_device_path(path):
     """An NVIDIA device file: /dev/nvidiaN, nvidiactl, nvidia-uvm(-tools), nvidia-caps/NAME,
     dxg (WSL2)."""
-    if not path.startswith("/dev/"):
-        return False
-    name = path[5:]
-    if name in _DEVICE_NAMES:
-        return True
-    if name.startswith("nvidia-caps/"):
-        return len(name) > 12 and "/" not in name[12:]
-    return gpu_minor(path) is not None
-
-
-def json_loads(text):
-    """json.loads for requests (str or UTF-8 bytes) through json's C scanner, without importing
-    json (and re with it); ValueError on anything that is not one JSON document."""
-    if isinstance(text, bytes):
-        text = text.decode("utf-8")
-    if _json is None:  # pragma: no cover - a Python built without it
-        import json
-
-        return json.loads(text)
-    body = text.strip(" \t\n\r")
-    try:
-        value, end = _json.make_scanner(_JsonContext())(body, 0)
-    except StopIteration:
-        raise ValueError("not a JSON document") from None
-    if end != len(body):
-        raise ValueError("extra data after the JSON document")
-    return value
-
-
-class _JsonContext(object):
-    """What json's C scanner reads from a JSONDecoder (the defaults of json.loads)."""
-    strict = True
-    object_hook = None
-    object_pairs_hook = None
-    parse_float = float
-    parse_int = int
-    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"),
-                      "NaN": float("nan")}.__getitem__
-    memo = {}  # type: dict
-
-
-def _not_serializable(obj):
-    raise TypeError("Object of type %s is not JSON serializable" % type(obj).__name__)
-
-
-def json_dumps(obj, compact=False):
-    """json.dumps(obj) (compact: separators "," and ":") through json's C encoder; the same
-    text as json.dumps gives."""
-    if _json is None:  # pragma: no cover - a Python built without it
-        import json
-
-        return json.dumps(obj, separators=(",", ":") if compact else None)
-    seps = (":", ",") if compact else (": ", ", ")
-    encode = _json.make_encoder({}, _not_serializable, _json.encode_basestring_ascii, None,
-                                seps[0], seps[1], False, False, True)
-    return "".join(encode(obj, 0))
+    return DEVICE_RE.fullmatch(path) is not None
 
 
 class ParseError(ValueError):
@@ -200,15 +123,10 @@ def parse_int(value):
     v = na(value)
     if v is None:
         return None
-    text = v  # INT_RE's "-?[0-9]+", then spaces and MiB or %, read without a pattern (hot)
-    for unit in ("MiB", "%"):
-        if text.endswith(unit):
-            text = text[:-len(unit)].rstrip()
-            break
-    digits = text[1:] if text.startswith("-") else text
-    if not digits or not _DIGITS.issuperset(digits):
+    m = INT_RE.fullmatch(v)
+    if not m:
         raise ParseError("not a number: %r" % v[:40])
-    return int(text)
+    return int(m.group(1))
 
 
 def parse_bool(value):
@@ -340,7 +258,7 @@ def _app_row(line):
     if len(parts) != len(APP_FIELDS):
         return None
     pid_s, used_s, uuid = parts
-    if na(pid_s) is not None and not (pid_s and _DIGITS.issuperset(pid_s)):
+    if na(pid_s) is not None and not PID_RE.fullmatch(pid_s):
         return None
     try:
         used = parse_int(used_s)
@@ -356,14 +274,10 @@ def normalize_bus_id(value):
     """00000000:00:06.0 (nvidia-smi) and 0000:00:06.0 (/proc/driver) -> 0000:00:06.0."""
     if not value:
         return None
-    parts = value.strip().split(":")
-    if len(parts) != 3:
+    m = BUS_RE.fullmatch(value)
+    if not m:
         return None
-    dev, dot, fn = parts[2].partition(".")
-    groups = (parts[0], parts[1], dev, fn)
-    if not dot or not all(g and _HEX.issuperset(g) for g in groups):
-        return None
-    d, b, s, f = (int(g, 16) for g in groups)
+    d, b, s, f = (int(g, 16) for g in m.groups())
     return "%04x:%02x:%02x.%x" % (d, b, s, f)
 
 
@@ -565,57 +479,20 @@ def parse_systemctl_show(text):
     return out
 
 
-def _run_end(text, start, chars):
-    """Where the run of ``chars`` (None: any but "/") that starts at ``start`` ends."""
-    if chars is None:
-        end = text.find("/", start)
-        return len(text) if end < 0 else end
-    end = start
-    while end < len(text) and text[end] in chars:
-        end += 1
-    return end
-
-
-def _ident_after(text, find, marks, chars, min_len, suffix=""):
-    """The run of ``chars`` (at least ``min_len`` long, then ``suffix``) right after one of
-    ``marks`` (tried in order) at the first place ``find`` (their common start) is found where
-    one fits: a pattern search's first match (``docker-([0-9a-f]{12,})\\.scope`` is "docker-",
-    ("docker-",), hex, 12, ".scope")."""
-    at = text.find(find)
-    while at >= 0:
-        for mark in marks:
-            if text.startswith(mark, at):
-                start = at + len(mark)
-                end = _run_end(text, start, chars)
-                if end - start >= min_len and text.startswith(suffix, end):
-                    return text[start:end]
-        at = text.find(find, at + 1)
-    return None
-
-
-#: (what to find, the marks that may start there (in the pattern's order), characters of the
-#: id (None: up to the next "/"), its least length, what must follow, kind), in order.
-_CONTAINER_MARKS = (
-    ("docker-", ("docker-",), _LOWER_HEX, 12, ".scope", "docker"),
-    ("/docker/", ("/docker/",), _LOWER_HEX, 12, "", "docker"),
-    ("libpod-", ("libpod-conmon-", "libpod-"), _LOWER_HEX, 12, "", "podman"),
-    ("cri-containerd-", ("cri-containerd-",), _LOWER_HEX, 12, ".scope", "containerd"),
-    ("/containerd/", ("/containerd/",), None, 1, "", "containerd"),
-    ("crio-", ("crio-conmon-", "crio-"), _LOWER_HEX, 12, ".scope", "crio"),
-    ("/lxc.payload", ("/lxc.payload.", "/lxc.payload/"), None, 1, "", "lxc"),
-    ("/lxc/", ("/lxc/",), None, 1, "", "lxc"),
+#: (pattern, kind), tried in order on the part of a cgroup path a runtime made (runtime_part);
+#: group 1 is the id (cut to 12 characters but for lxc's names).
+CONTAINER_PATTERNS = (
+    (re.compile(r"docker-([0-9a-f]{12,})\.scope"), "docker"),
+    (re.compile(r"/docker/([0-9a-f]{12,})"), "docker"),
+    (re.compile(r"libpod-(?:conmon-)?([0-9a-f]{12,})"), "podman"),
+    (re.compile(r"cri-containerd-([0-9a-f]{12,})\.scope"), "containerd"),
+    (re.compile(r"/containerd/([^/]+)"), "containerd"),
+    (re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,})\.scope"), "crio"),
+    (re.compile(r"/lxc\.payload[./]([^/]+)"), "lxc"),
+    (re.compile(r"/lxc/([^/]+)"), "lxc"),
 )
-
-
-def _hex64(text):
-    """The first 64 lower-case hex digits in a row in ``text`` (a pod's container id), or None."""
-    start = 0
-    for i, ch in enumerate(text):
-        if ch not in _LOWER_HEX:
-            start = i + 1
-        elif i + 1 - start == 64:
-            return text[start:i + 1]
-    return None
+#: A pod's container id: 64 lower-case hex digits in a row.
+HEX64_RE = re.compile(r"[0-9a-f]{64}")
 
 
 #: Top-level cgroups of the runtimes' cgroupfs drivers (only root creates them).
@@ -648,15 +525,14 @@ def container_of(path):
         return None
     comps = [c for c in path.split("/") if c]
     if comps and comps[0] in ("kubepods", "kubepods.slice"):
-        ident = _hex64(comps[-1]) or _hex64(path)
-        return "k8s:" + ident[:12] if ident else "kubepods"
+        m = HEX64_RE.search(comps[-1]) or HEX64_RE.search(path)
+        return "k8s:" + m.group(0)[:12] if m else "kubepods"
     path = runtime_part(path)
-    for find, marks, chars, min_len, suffix, kind in _CONTAINER_MARKS:
-        ident = _ident_after(path, find, marks, chars, min_len, suffix)
-        if ident:
-            if kind != "lxc":
-                ident = ident[:12]
-            return kind + ":" + ident
+    for regex, kind in CONTAINER_PATTERNS:
+        m = regex.search(path)
+        if m:
+            ident = m.group(1)
+            return kind + ":" + (ident if kind == "lxc" else ident[:12])
     return None
 
 

@@ -5,6 +5,7 @@ is refused is reported with its true reason, never guessed.
 """
 import os
 import pwd
+import re
 
 from .jobs import read_bytes, read_bytes_bounded, read_text  # joined
 from .parse import (  # joined
@@ -25,6 +26,8 @@ from .parse import (  # joined
 
 PROC = "/proc"
 DEV = "/dev"
+#: podman's /run/.containerenv: the container's name on a line ``name="..."``.
+CONTAINERENV_NAME_RE = re.compile(r'^name="([^"]*)"', re.M)
 
 
 def device_target(target):
@@ -371,9 +374,7 @@ def container_facts(proc=PROC):
         name = name or "docker"
     if os.path.exists("/run/.containerenv"):
         inside = True
-        import re  # only in a podman container
-
-        m = re.search(r'^name="([^"]*)"', read_text("/run/.containerenv") or "", re.M)
+        m = CONTAINERENV_NAME_RE.search(read_text("/run/.containerenv") or "")
         name = name or ("podman:" + m.group(1) if m and m.group(1) else "podman")
     env1 = read_bytes(proc + "/1/environ") or b""
     for item in env1.split(b"\0"):

@@ -18,13 +18,14 @@ that answered first do not refresh while others still connect on the same CPUs.
 Each line is the snapshot document (docs/protocol.md) plus ``watch_seq`` (0, 1, ...);
 the last line, when stdout still takes it, is ``{"mode": "watch_end", "reason": ...}``.
 """
-import _thread
+import json
 import os
 import sys
+import threading
 import time
 
-from .jobs import Deadline, Flag  # joined
-from .parse import AGENT_VERSION, json_dumps  # joined
+from .jobs import Deadline, start_daemon  # joined
+from .parse import AGENT_VERSION  # joined
 from .snapshot import snapshot  # joined
 
 #: The watchdog's grace after the agent decided to stop (or a snapshot's deadline passed)
@@ -41,9 +42,9 @@ class KeepAlive(object):
         self.keepalive_s = keepalive_s
         self.last = time.monotonic()
         self.closed = False
-        self.wake = Flag()  # _thread's locks: threading would cost every start ~4 ms
-        self.go = Flag()
-        _thread.start_new_thread(self._read, ())
+        self.wake = threading.Event()
+        self.go = threading.Event()
+        start_daemon("gpufleet-keepalive", self._read)
 
     def _read(self):
         try:
@@ -110,7 +111,7 @@ def watch_snapshot(req, deadline, cache):
 def _write_line(out, doc):
     """False when stdout is gone."""
     try:
-        out.write((json_dumps(doc, compact=True) + "\n").encode("utf-8"))
+        out.write((json.dumps(doc, separators=(",", ":")) + "\n").encode("utf-8"))
         out.flush()
         return True
     except (OSError, IOError, ValueError):
@@ -136,7 +137,7 @@ def watch(req, stdin=None, out=None):
     out = out if out is not None else sys.stdout.buffer
     keepalive = KeepAlive(stdin, req["keepalive_s"])
     state = WatchState()
-    _thread.start_new_thread(watchdog, (state, keepalive, req["deadline_s"]))
+    start_daemon("gpufleet-watchdog", watchdog, state, keepalive, req["deadline_s"])
     cache = {}
     seq = 0
     reason = None
@@ -162,7 +163,8 @@ def watch(req, stdin=None, out=None):
             return "stdout closed"
         if seq == 1 and req.get("hold_first_s"):
             hold_first(keepalive, req["hold_first_s"])
-        keepalive.wake.wait(max(0.0, req["interval_s"] - (time.monotonic() - started)))
+        left = req["interval_s"] - (time.monotonic() - started)
+        keepalive.wake.wait(max(0.0, min(left, threading.TIMEOUT_MAX)))
         reason = keepalive.gone()
     state.stop_since = state.stop_since or time.monotonic()
     _write_line(out, {"agent_version": AGENT_VERSION, "mode": "watch_end", "reason": reason})

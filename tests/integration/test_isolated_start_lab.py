@@ -6,10 +6,10 @@ prints junk on stdout when it runs:
 
 * the SSH session's environment (``~/.ssh/environment``, ``PermitUserEnvironment yes``):
   ``PYTHONPATH`` = a directory with a ``sitecustomize.py``, and a ``json.py`` and a
-  ``ctypes.py`` that shadow the standard library's (and raise: the wait_http probe imports
-  json, the agent ctypes for NVML; it reads JSON through ``_json``), ``PYTHONSTARTUP`` = a
-  file (interactive sessions only: it cannot fire under ``-c`` either way, so it is set but
-  not claimed);
+  ``ctypes.py`` that shadow the standard library's (and raise: the loader, the agent and the
+  wait_http probe import json, the agent ctypes for NVML), ``PYTHONSTARTUP`` = a file
+  (interactive sessions only: it cannot fire under ``-c`` either way, so it is set but not
+  claimed);
 * the system site directory (``/usr/lib/python3/dist-packages``, an overlay inside the host):
   a ``.pth`` line that runs code;
 * root's user site (``~/.local/lib/python3.X/site-packages``, the host's private /root): a
@@ -144,8 +144,8 @@ def test_the_traps_broke_the_unflagged_command(trapped: Any) -> None:
     res = ssh_bytes(trapped, old, encode_request({"mode": "snapshot"}))
     out = res.stdout.decode("utf-8", "replace")
     assert "TRAPPED-" in out, (res.returncode, out, res.stderr)
-    assert res.returncode != 0 and "shadowed ctypes" in res.stderr.decode(), res.stderr
-    assert {"pth", "sitecustomize", "usercustomize", "ctypes"} <= set(marks(trapped))
+    assert res.returncode != 0 and "shadowed json" in res.stderr.decode(), res.stderr
+    assert {"pth", "sitecustomize", "usercustomize", "json"} <= set(marks(trapped))
     assert "startup" not in marks(trapped)  # PYTHONSTARTUP is for interactive sessions only
 
 

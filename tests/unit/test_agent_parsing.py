@@ -256,6 +256,49 @@ def test_normalize_bus_id():
     assert agent.normalize_bus_id(None) is None
 
 
+@pytest.mark.parametrize("value, bus", [
+    (" 0000:AB:1f.7 ", "0000:ab:1f.7"),  # spaces around, upper-case hex
+    ("0000:18:00.0\n", "0000:18:00.0"),
+    ("00000000:00:06", None),  # no function
+    ("0000:18:00.0.1", None),
+    ("GPU 0000:18:00.0", None),  # a -q header is not a bus id
+    ("0000:\u0663:00.0", None),  # a digit of another script is no hex digit
+    ("", None),
+])
+def test_bus_id_edges(value, bus):
+    assert agent.normalize_bus_id(value) == bus
+
+
+@pytest.mark.parametrize("value, number", [
+    ("81559", 81559), ("81559 MiB", 81559), ("81559MiB", 81559), ("35 %", 35), ("-1", -1),
+    ("  7  ", 7), ("7\n", 7), ("[N/A]", None), ("N/A", None), ("", None),
+])
+def test_numbers_nvidia_smi_prints(value, number):
+    assert agent.parse_int(value) == number
+
+
+@pytest.mark.parametrize("value", ["12 W", "1.5", "- 1", "\u0663", "0x10", "7 MiB MiB"])
+def test_what_is_not_a_number_raises(value):
+    with pytest.raises(agent.ParseError):
+        agent.parse_int(value)
+
+
+@pytest.mark.parametrize("path, device, minor", [
+    ("/dev/nvidia0", True, 0), ("/dev/nvidia17", True, 17), ("/dev/nvidiactl", True, None),
+    ("/dev/nvidia-uvm", True, None), ("/dev/nvidia-uvm-tools", True, None),
+    ("/dev/nvidia-caps/nvidia-cap1", True, None), ("/dev/dxg", True, None),
+    ("/dev/nvidia", False, None), ("/dev/nvidia-caps/", False, None),
+    ("/dev/nvidia-caps/a/b", False, None), ("/dev/nvidia0x", False, None),
+    ("/dev/nvidia\u0663", False, None),  # a digit of another script
+    ("/dev/null", False, None), ("/dev/shm/nvidia0", False, None),
+    # a file named with a final newline is not the device (a pattern's "$" would match)
+    ("/dev/nvidia0\n", False, None),
+])
+def test_device_files(path, device, minor):
+    assert agent.is_device_path(path) is device
+    assert agent.gpu_minor(path) == minor
+
+
 def uncat_a(text: str) -> str:
     """Undo `cat -A` (^I = tab, $ = end of line) for the recorded information file."""
     return "".join(line[:-1].replace("^I", "\t") + "\n" for line in text.splitlines())
@@ -405,6 +448,29 @@ def test_cgroup_claims_stop_at_the_user_manager():
     assert claims == [("ci.service", "/system.slice/ci.service"),
                       ("cron.service", "/system.slice/ci.service/payload/cron.service")]
     assert user is None
+
+
+HEX64 = "0123456789abcdef" * 4
+
+
+@pytest.mark.parametrize("path, container", [
+    ("/system.slice/docker-" + HEX64 + ".scope", "docker:0123456789ab"),
+    ("/docker/" + HEX64, "docker:0123456789ab"),
+    ("/machine.slice/libpod-conmon-0123456789abcdef.scope", "podman:0123456789ab"),
+    ("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/"
+     "cri-containerd-" + HEX64 + ".scope", "k8s:0123456789ab"),
+    ("/kubepods/besteffort/pod1/" + HEX64, "k8s:0123456789ab"),
+    ("/kubepods/besteffort/pod1", "kubepods"),
+    ("/system.slice/containerd.service/k8s.io/abc", None),
+    ("/containerd/default/web", "containerd:default"),
+    ("/lxc.payload.web/system.slice", "lxc:web"),
+    ("/lxc/web", "lxc:web"),
+    ("/user.slice/user-1000.slice/session-2.scope", None),
+    ("/docker-123.scope", None),  # an id shorter than 12 hex digits
+    ("", None),
+])
+def test_container_of_cgroup_paths(path, container):
+    assert agent.container_of(path) == container
 
 
 @pytest.mark.parametrize("path", [
@@ -574,7 +640,8 @@ def test_parse_request_defaults_and_errors():
         (55.0, 10.0, 60.0, 0.1)
     assert agent.parse_request(b"")["mode"] == "snapshot"
     for bad in [b"[1]", b'{"mode": "rm"}', b'{"deadline_s": "x"}', b'{"deadline_s": -1}',
-                b'{"mode": "clean", "targets": 5}', b'{"nvidia_smi": 3}', b"{nope"]:
+                b'{"mode": "clean", "targets": 5}', b'{"nvidia_smi": 3}', b"{nope",
+                b"{", b'{"a": 1} x', b'{"a": 1}{}', b'{"a": }', b"[1,]", b"\xff{}"]:
         with pytest.raises(ValueError):
             agent.parse_request(bad)
 

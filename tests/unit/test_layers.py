@@ -161,19 +161,13 @@ def test_every_remote_file_is_checked() -> None:
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:
-    """Names a piece defines at its top level: functions, classes, assignments, and a module
-    it chooses in a top-level try (``import _signal as signal``, else ``import signal``: other
-    pieces take it from there)."""
+    """Names a piece defines at its top level: functions, classes, assignments."""
     names = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.Try):
-            for inner in node.body + [n for h in node.handlers for n in h.body]:
-                if isinstance(inner, ast.Import):
-                    names.update((a.asname or a.name).split(".")[0] for a in inner.names)
     return names
 
 

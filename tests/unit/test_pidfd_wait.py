@@ -1,4 +1,4 @@
-"""The clean's exit wait (agent piece gpufleet/remote/clean.py: wait_exit): pidfds where the
+"""The clean's exit wait (agent piece gpufleet/remote/pidfd.py: wait_exit): pidfds where the
 kernel has them, polling otherwise, identity (pid, starttime) first, bounds kept.
 
 Real child processes of this test, ended by their own PIDs. Latencies (signal -> the wait

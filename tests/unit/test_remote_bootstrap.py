@@ -40,10 +40,9 @@ def test_argv_is_exactly_the_design():
 
 
 # Every public function and class of gpufleet/remote/agent.py before it was split into pieces
-# (the pieces each hold one concern), and its public constants: the joined payload still defines them all (but the
-# patterns of the snapshot's hot paths, DEVICE_RE, GPU_DEVICE_RE, BUS_RE and INT_RE, which are
-# string tests now: tests/unit/test_agent_string_parsers.py; and DEFAULT_LOCK, the lock in /tmp
-# that any user could hold: remote/lock.py's names below replace it).
+# (the pieces each hold one concern), and its public constants: the joined payload still defines them all (but
+# DEFAULT_LOCK, the lock in /tmp that any user could hold: remote/lock.py's names below
+# replace it).
 SINGLE_FILE_FUNCTIONS = (
     "AgentDeadline", "Auditor", "CmdResult", "Deadline", "Job", "ParseError", "acquire_lock",
     "ancestors_of", "attach_minors", "check_complete", "classify_survivor", "clean", "clean_shm",
@@ -60,8 +59,8 @@ SINGLE_FILE_FUNCTIONS = (
     "user_name", "valid_unit", "wait_exit", "wait_memory", "which",
 )
 SINGLE_FILE_CONSTANTS = (
-    "AGENT_VERSION", "APP_FIELDS", "CMDLINE_MAX", "CUDA_RE", "DEV",
-    "DRIVER_RE", "GPU_FIELDS", "GPU_KEYS", "INT_FIELDS",
+    "AGENT_VERSION", "APP_FIELDS", "BUS_RE", "CMDLINE_MAX", "CUDA_RE", "DEV", "DEVICE_RE",
+    "DRIVER_RE", "GPU_DEVICE_RE", "GPU_FIELDS", "GPU_KEYS", "INT_FIELDS", "INT_RE",
     "INVALID_FIELD_RE", "MAPS_LIMIT", "MAPS_TIMEOUT_S", "OPTIONAL_GPU_FIELDS", "PF_KTHREAD",
     "PROC", "Q_HEADER_RE", "Q_KV_RE", "REQUIRED_GPU_FIELDS", "SHM_LEFTOVER_RE", "SMI_FALLBACKS",
     "SYSTEMCTL_FALLBACKS", "UNIT_RE",
