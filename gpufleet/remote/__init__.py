@@ -156,12 +156,9 @@ def loader_source() -> bytes:
 
 @once
 def agent_key() -> str:
-    """The agent source's hash, the host's cache key: BLAKE2b-128, hex (~0.2 ms once per
-    process; ``_blake2`` directly, as ``import hashlib`` loads OpenSSL first, ~4 ms)."""
-    try:
-        from _blake2 import blake2b
-    except ImportError:  # pragma: no cover - a Python built without it
-        from hashlib import blake2b
+    """The agent source's hash, the host's cache key: BLAKE2b-128, hex (once per process)."""
+    from hashlib import blake2b
+
     return blake2b(agent_source(), digest_size=16).hexdigest()
 
 

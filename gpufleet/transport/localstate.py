@@ -19,10 +19,7 @@ def cache_dir(*parts: str) -> str:
 
 
 def hashed_name(text: str, digest_size: int) -> str:
-    """A file name for ``text``: BLAKE2b of its UTF-8, hex (``_blake2`` directly: ``import
-    hashlib`` loads OpenSSL first, ~4 ms)."""
-    try:
-        from _blake2 import blake2b
-    except ImportError:  # pragma: no cover - a Python built without it
-        from hashlib import blake2b
+    """A file name for ``text``: BLAKE2b of its UTF-8, hex."""
+    from hashlib import blake2b
+
     return blake2b(text.encode("utf-8", "surrogateescape"), digest_size=digest_size).hexdigest()

@@ -180,10 +180,8 @@ def _expand(text: str, tokens: dict[str, str]) -> str:
 
 def _tokens(alias: str, hostname: str, port: str, user: str, jump: str) -> dict[str, str]:
     local = socket.gethostname()
-    try:  # the builtin module: ``import hashlib`` loads OpenSSL first (~4 ms of a start)
-        from _sha1 import sha1  # type: ignore[import-not-found]
-    except ImportError:  # pragma: no cover - a Python built without it
-        from hashlib import sha1
+    from hashlib import sha1
+
     conn_hash = sha1(f"{local}{hostname}{port}{user}{jump}".encode()).hexdigest()
     return {"%": "%", "h": hostname, "p": port, "r": user, "n": alias, "u": getpass.getuser(),
             "d": os.path.expanduser("~"), "i": str(os.getuid()), "l": local,

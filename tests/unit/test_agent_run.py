@@ -686,11 +686,11 @@ def test_clean_memory_verdict_waits_for_memory(tmp_path, children):
     stub = Stub(tmp_path / "stub", apps=[gpu_app(target, 1000), gpu_app(other, 500)])
     t0 = time.monotonic()
     doc = run_agent(clean_request(tmp_path, stub, [
-        {"pid": target.pid, "starttime": starttime(target.pid), "wave": 0}], timeout_s=1.0),
+        {"pid": target.pid, "starttime": starttime(target.pid), "wave": 0}], timeout_s=2.0),
         env=agent_env(tmp_path))
-    assert time.monotonic() - t0 < 10
-    mw = doc["memory_wait"]
-    assert mw["ok"] is False and mw["polls"] > 2 and 0.8 <= mw["seconds"] <= 5
+    assert time.monotonic() - t0 < 12
+    mw = doc["memory_wait"]  # (the wait may end a poll before its timeout)
+    assert mw["ok"] is False and mw["polls"] > 2 and 1.0 <= mw["seconds"] <= 6
     assert mw["used_mib"] == {"0": 500} and "GPU 0" in mw["error"]
     assert target.wait(timeout=5) == -signal.SIGTERM and other.poll() is None
 
@@ -710,9 +710,10 @@ def test_clean_memory_nothing_signalled_can_free_ends_the_wait_after_the_release
     assert mw["ok"] is False and mw["held_by_others"] is True and 0.3 <= mw["seconds"] < 2
     assert mw["error"] == "GPU 0 still above threshold: nothing signalled can free it"
     # more memory than the floor explains: that can still come back, so it is waited for
-    doc = run_agent(clean_request(tmp_path, stub, [], timeout_s=1.0, release_wait_s=0.3,
+    # (waited well past the release window; the wait may end a poll before its timeout)
+    doc = run_agent(clean_request(tmp_path, stub, [], timeout_s=2.0, release_wait_s=0.3,
                                   release_floor_mib={"0": 100}), env=agent_env(tmp_path))
-    assert doc["memory_wait"]["seconds"] >= 0.9 and "held_by_others" not in doc["memory_wait"]
+    assert doc["memory_wait"]["seconds"] >= 1.0 and "held_by_others" not in doc["memory_wait"]
     assert other.poll() is None
 
 
