@@ -1,4 +1,5 @@
-"""The connections kept between commands, listed and closed (`gpufleet disconnect`).
+"""The connections kept between commands, listed (each named by its host: the inventory's, else
+the label written beside its socket) and closed (`gpufleet disconnect`).
 
 Internal to gpufleet.transport; where the sockets are and how they are named is
 gpufleet.transport.kept's.
@@ -38,7 +39,8 @@ def socket_of(host: Any) -> Optional[str]:
     """Where ``host``'s kept connection is (whether or not one is up, whatever its
     ``ssh_persist`` now): None for a host not reached through OpenSSH."""
     ssh = sshconfig.ssh_client()
-    if getattr(host, "connection", "ssh") != "ssh" or ssh is None or not sshconfig.openssh_wanted(host):
+    if getattr(host, "connection", "ssh") != "ssh" or ssh is None \
+            or not sshconfig.openssh_wanted(host):
         return None
     target = sshtarget.target_for(dataclasses.replace(host, ssh_persist=1.0), ssh)
     return target.kept if target is not None else None

@@ -9,17 +9,20 @@ GIL. paramiko (gpufleet.transport.paramikossh) stays the fallback: no ``ssh`` on
 not pass gpufleet's options to the jump's own ``ssh``, so a hop's host key could not be held
 to gpufleet's policy).
 
-What gpufleet asks of ssh, and why (gpufleet.transport.sshtarget builds the argv): never
-prompt (BatchMode), public keys only, no pty, no escape character, no forwarding, no master of
-the user's own (a user's ControlMaster/ControlPath is never joined: its options are not
-gpufleet's; gpufleet's own, kept between commands with ``ssh_persist``, is
-gpufleet.transport.kept's), host keys checked strictly against the same files gpufleet reads (gpufleet's accept-new is done here: a first-seen
-key is fetched, checked by gpufleet.transport.hostkeys, recorded, then the run is retried, so
-a key of another type than the one known is refused as with paramiko), errors only on stderr.
+What gpufleet asks of ssh, and why (gpufleet.transport.sshtarget builds the argv): never prompt
+(BatchMode), public keys only, no pty, no escape character, no forwarding, no master of the
+user's own (a user's ControlMaster/ControlPath is never joined: its options are not gpufleet's;
+gpufleet's own, kept between commands with ``ssh_persist``, is gpufleet.transport.kept's), host
+keys checked strictly against the same files gpufleet reads (gpufleet's accept-new is done here:
+a first-seen key is fetched, checked by gpufleet.transport.hostkeys, recorded, then the run is
+retried, so a key of another type than the one known is refused as with paramiko), errors only
+on stderr.
 
 ssh tells its own failures from the command's by exit status 255 and a line on stderr; those
 lines are turned into the same kinds and one-line messages as the paramiko path's, here and
-nowhere else (``ssh_failure``).
+nowhere else (``ssh_failure``). With -v (the logger ``gpufleet.transport``) each run and
+resident stream says how its ``ssh`` reached the host: through the kept master (an ``ssh``
+joining it), one that becomes it, one of its own past a master that hangs, or plain.
 """
 from __future__ import annotations
 

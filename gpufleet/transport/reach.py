@@ -2,7 +2,8 @@
 reaches it. THE place that decides it; every other module only implements a way.
 
 A way's module is imported when a host of its kind opens: a run whose hosts are all local
-never imports the SSH stack (tests/integration/test_startup_imports.py).
+never imports the SSH stack (tests/integration/test_startup_imports.py). With -v each host's
+way is said on stderr (the logger ``gpufleet.transport``, gpufleet.cli.enable_verbose).
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def open_session(host: Host, dial: Optional[Dialled] = None, keep: bool = False)
     """Open the host's session (connects now over SSH); never raises for host failures.
 
     ``dial``: the host's pre-dialled paramiko connection; None: the one a pre-dial in progress
-    holds for it (``with predial(hosts, forks):``, gpufleet.transport.dial), else dialled here. ``keep``: the caller runs several commands on it (OpenSSH then keeps a
-    master for them; a paramiko session always keeps its connection).
+    holds for it (``with predial(hosts, forks):``, gpufleet.transport.dial), else dialled here.
+    ``keep``: the caller runs several commands on it (OpenSSH then keeps a master for them; a
+    paramiko session always keeps its connection).
     """
     return WAYS[getattr(host, "connection", "ssh") or "ssh"](host, dial, keep)
