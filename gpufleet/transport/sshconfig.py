@@ -324,9 +324,7 @@ def openssh_wanted(host: Any) -> bool:
     """This SSH host goes through OpenSSH's client unless ``ssh_client: paramiko`` or no
     ``ssh`` on PATH (a ProxyJump / ProxyCommand is decided when its session opens)."""
     choice = getattr(host, "ssh_client", "auto") or "auto"
-    if choice == "paramiko":
-        return False
-    return choice == "openssh" or ssh_client() is not None
+    return choice != "paramiko" and (choice == "openssh" or ssh_client() is not None)
 
 
 def resolve(alias: str, port: Optional[int] = None, user: Optional[str] = None) -> Resolved:
