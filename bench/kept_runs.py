@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """One command over SSH three ways, on one lab host: a fresh connection per run, an ``ssh``
-client joining a kept master (``-o ControlPath``), and gpufleet's own mux client joining the
-same master (gpufleet/transport/mux.py: no process); wall and this side's CPU per run.
+client joining a kept master (``-o ControlPath``), and what gpufleet does through a kept
+master (``ssh -O check`` bounded by the connect timeout, then that client); wall and this
+side's CPU per run.
 
     sudo python3 bench/kept_runs.py [--runs 40] [--command true]
 
-The CPU column is the controller's: the bench's own process for the mux client, its children
-for the ``ssh`` runs (the master's share, encrypting, is not in either and is the same for both
+The CPU column is the controller's: its children, the ``ssh`` processes (the master's share, encrypting, is not in either and is the same for both
 kept ways). Also `status --json` of the host with and without ``ssh_persist``, alternated.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--command", default="true")
     a = ap.parse_args()
-    from gpufleet.transport import mux
+    from gpufleet.transport import sshcontrol
 
     work = Path(tempfile.mkdtemp(prefix="gfbench-kept-"))
     (work / "home").mkdir()
@@ -72,17 +72,17 @@ def main() -> int:
             r = subprocess.run(argv + ["--", a.command], capture_output=True, timeout=30)
             assert r.returncode == 0, r.stderr
 
-        def mux_run() -> None:
-            r = mux.run(sock, a.command, (), b"", 30, 10)
-            assert r.exit_code == 0, r
+        def checked_run() -> None:
+            assert sshcontrol.check(sock, 10).pid is not None
+            ssh_run(client)
 
         rows.append(("a fresh connection (ssh)",) + timed(a.runs, lambda: ssh_run(fresh),
                                                           resource.RUSAGE_CHILDREN))
         rows.append(("ssh -o ControlPath: a client of the kept master",)
                     + timed(a.runs, lambda: ssh_run(client), resource.RUSAGE_CHILDREN))
-        rows.append(("gpufleet's mux client (no process)",)
-                    + timed(a.runs, mux_run, resource.RUSAGE_SELF))
-        mux.terminate(sock)
+        rows.append(("gpufleet: ssh -O check, then ssh -o ControlPath",)
+                    + timed(a.runs, checked_run, resource.RUSAGE_CHILDREN))
+        sshcontrol.stop(sock)
 
         env = dict(os.environ, HOME=str(work / "home"), PYTHONPATH=str(REPO))
         invs = {k: lab.inventory_yaml([h], path=work / ("fleet-%s.yaml" % k), **extra)

@@ -22,7 +22,7 @@ def hosts(app: AppContext, hosts, groups, tags, all_, as_json: bool) -> int:
             for h in selected]}))
         return 0
     rows = [
-        [h.name, h.address if h.connection != "local" else "(local)", h.port or "-", h.user or "-",
+        [h.name, h.address if h.connection == "ssh" else f"({h.connection})", h.port or "-", h.user or "-",
          ",".join(h.tags) or "-", ",".join(h.groups) or "-"]
         for h in selected
     ]

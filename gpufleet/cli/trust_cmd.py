@@ -29,13 +29,13 @@ def trust(app: AppContext, names, path: Optional[str], yes: bool) -> int:
     failed = False
     # Every TCP connect starts now (transport.predial): a dead host among many costs one
     # connect_timeout in all, not one more for each host after it.
-    with predial(hosts, app.forks, openssh_too=True) as dials:
+    with predial(hosts, app.forks, openssh_too=True):
         for host in hosts:
-            if host.is_local:
-                click.echo(f"{host.name}: connection: local, no host key")
+            if host.connection != "ssh":
+                click.echo(f"{host.name}: connection: {host.connection}, no host key")
                 continue
             try:
-                fetched = fetch_host_key(host, dials.take(host))
+                fetched = fetch_host_key(host)
                 click.echo(f"{host.name}: {fetched[0]} {fetched[1]}")
                 if not yes:
                     if not sys.stdin.isatty():

@@ -38,7 +38,7 @@ IMPLICIT_HINT = (
 )
 
 HOST_KEY_POLICIES = ("strict", "accept-new")
-CONNECTIONS = ("ssh", "local")
+CONNECTIONS = ("ssh", "local", "exec")
 #: Where the agent reads GPUs (docs/inventory.md): NVML with nvidia-smi as the fallback, NVML
 #: only (an error when it is missing), or nvidia-smi only.
 GPU_SOURCES = ("auto", "nvml", "nvidia-smi")
@@ -72,6 +72,8 @@ class Host:
     connect_timeout: float = 10.0
     command_timeout: float = 60.0
     connection: str = "ssh"
+    #: connection: exec: the local argv that reaches the host's shell (docs/inventory.md)
+    exec: tuple[str, ...] = ()
     sudo: bool = False
     python: str = "python3"
     nvidia_smi: Optional[str] = None
@@ -345,6 +347,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "connect_timeout": _shared(validators.timeout, one_message=True),
     "command_timeout": _shared(validators.timeout, one_message=True),
     "connection": _shared(validators.choice(CONNECTIONS)),
+    "exec": _shared(validators.exec_prefix),
     "sudo": _shared(validators.boolean),
     "python": _v_python,
     "nvidia_smi": _v_remote_path,
@@ -501,6 +504,9 @@ def _host_values(body: Any, defaults: Mapping[str, Any], hctx: _Ctx, line: int) 
     if merged["connection"] == "ssh" and not own.get("address"):
         hctx.failer(line)("missing 'address' (a host name, IP address or ~/.ssh/config "
                           "alias), or set 'connection: local'")
+    if (merged["connection"] == "exec") != bool(merged["exec"]):
+        hctx.failer(line)("'exec' (the argv that reaches the host, e.g. [docker, exec, -i, "
+                          "CONTAINER]) goes with 'connection: exec', and only with it")
     explicit = frozenset(k for k in (set(defaults) | set(own)) if merged.get(k) is not None
                          or k not in _NULLABLE)
     return dict(merged, address=own.get("address"), explicit=explicit)

@@ -318,6 +318,21 @@ def argv(value: Any, fail: Fail) -> tuple[str, ...]:
     return tuple(out)
 
 
+def exec_prefix(value: Any, fail: Fail) -> tuple[str, ...]:
+    """``connection: exec``'s argv prefix: a non-empty list of strings without control
+    characters (each is one argument of a local command: never shell text)."""
+    if not isinstance(value, list) or not value:
+        fail("expected a non-empty list of strings, e.g. [docker, exec, -i, CONTAINER], "
+             f"got {describe(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            fail(f"[{i}]: expected a string, got {describe(item)} (quote it: '{item}')")
+        if not item or has_control(item):
+            fail(f"[{i}]: {'an empty argument' if not item else 'a control character'}"
+                 " is not allowed")
+    return tuple(value)
+
+
 def shell_command(value: Any, fail: Fail) -> str:
     """Shell text for ``sh -c`` (variables in it were shlex-quoted at load time)."""
     if not isinstance(value, str) or not value.strip():

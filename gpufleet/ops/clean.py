@@ -431,12 +431,12 @@ def _plan_all(hosts: Sequence[Host], opts: CleanOptions,
     a dry run, one-shot plans, each session closed once planned). Every TCP connect starts
     now, outside the forks bound (unreachable hosts cost one connect_timeout in all);
     handshakes and plans stay inside it."""
-    with predial(hosts, fan["forks"]) as dials:
+    with predial(hosts, fan["forks"]):
 
         def plan(h: Host) -> HostClean:
             session: Optional[Session] = None
             try:
-                session = open_session(h, dials.take(h))
+                session = open_session(h)
                 if sessions is None:
                     return plan_host(h, session, opts)
                 planned, conv = plan_conversation(h, session, opts)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from gpufleet.config.inventory import Host
 from gpufleet.errors import AGENT, INTERNAL, SnapshotError, first_line, kind_of
 from gpufleet.ops.fanout import run_hosts
-from gpufleet.transport import AgentReply, Dialled, open_session, predial
+from gpufleet.transport import AgentReply, open_session, predial
 
 if TYPE_CHECKING:  # the snapshot model is imported by the first reply (or cli.prefetch), not
     # before the agents start: a command loads it while it waits for the hosts
@@ -49,12 +49,11 @@ def result_from_reply(host: Host, reply: AgentReply, started: float) -> HostResu
     return HostResult(host=host.name, ok=True, snapshot=snap, seconds=seconds)
 
 
-def snapshot_host(host: Host, dial: Optional[Dialled] = None) -> HostResult:
-    """One SSH connection, one exec: everything the host knows (``dial``: its pre-dialled
-    connection, see transport.predial)."""
+def snapshot_host(host: Host) -> HostResult:
+    """One SSH connection, one exec: everything the host knows."""
     started = time.monotonic()
     try:
-        with open_session(host, dial) as session:
+        with open_session(host) as session:
             reply = session.run_agent(snapshot_request(host), timeout=float(host.command_timeout))
     except Exception as exc:  # a failed host is a value, whatever broke
         from gpufleet.core.model import HostResult
@@ -75,16 +74,15 @@ def snapshot_hosts(hosts: Sequence[Host], forks: int = 32,
     result)`` runs in the host's worker before the host counts as done (the CLI renders the
     host's output there, while other hosts are still answering); its errors are the caller's."""
     def one(h: Host) -> HostResult:
-        result = fn(h) if fn is not None else snapshot_host(h, dials.take(h) if dials else None)
+        result = fn(h) if fn is not None else snapshot_host(h)
         if then is not None:
             then(h, result)
         return result
 
-    dials = None
     if fn is not None:
         out = run_hosts(hosts, one, forks=forks, on_start=on_start, on_result=on_result)
     else:
-        with predial(hosts, forks) as dials:
+        with predial(hosts, forks):
             out = run_hosts(hosts, one, forks=forks, on_start=on_start, on_result=on_result)
     from gpufleet.core.model import HostResult
 

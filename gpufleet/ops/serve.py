@@ -32,7 +32,7 @@ from gpufleet.ops.collect import result_from_reply, snapshot_request
 from gpufleet.ops.export import families_for
 from gpufleet.ops.fanout import run_hosts
 from gpufleet.render.prometheus import CONTENT_TYPE, exposition
-from gpufleet.transport import Dialled, Session, open_session, predial
+from gpufleet.transport import Session, open_session, predial
 
 DEFAULT_LISTEN = "127.0.0.1:9835"
 DEFAULT_MAX_AGE_S = 15.0  # Prometheus's usual scrape interval
@@ -129,13 +129,13 @@ class Fleet:
         session = self.sessions.get(host.name)
         return session is None or session.error is not None
 
-    def _snapshot(self, host: Host, dial: Optional[Dialled]) -> tuple[HostResult, float]:
+    def _snapshot(self, host: Host) -> tuple[HostResult, float]:
         taken = time.time()
         started = time.monotonic()
         try:
             if self._needs_session(host):
                 self.drop(host.name)
-                session = open_session(host, dial, keep=True)
+                session = open_session(host, keep=True)
                 with self._lock:
                     self.sessions[host.name] = session
                     self.opened += 1
@@ -159,9 +159,9 @@ class Fleet:
         """One snapshot of every host over its held session (one exec each)."""
         need = [h for h in self.hosts if self._needs_session(h)]
         taken: dict[str, float] = {}
-        with predial(need, self.forks) as dials:
+        with predial(need, self.forks):
             def one(host: Host) -> HostResult:
-                result, taken[host.name] = self._snapshot(host, dials.take(host))
+                result, taken[host.name] = self._snapshot(host)
                 return result
             out = run_hosts(self.hosts, one, forks=self.forks)
         results = [r if isinstance(r, HostResult) else HostResult(

@@ -212,8 +212,8 @@ def run_runbook(runbook: Runbook, hosts: Sequence[Host], forks: int = 32, operat
     # connect_timeout in all); each host's session, steps and all, stays inside it.
     from gpufleet.transport import open_session as default_open, predial
 
-    with predial(hosts, forks) as dials:
-        return run_hosts(hosts, lambda h: run(h, lambda host: default_open(host, dials.take(host), keep=True)),
+    with predial(hosts, forks):
+        return run_hosts(hosts, lambda h: run(h, lambda host: default_open(host, keep=True)),
                          forks=forks, make_error=make_error, **callbacks)
 
 

@@ -1,12 +1,14 @@
-"""The transport: run the agent or an argv on one Host, over SSH or locally (the public face).
+"""The transport: run the agent or an argv on one Host, over SSH, locally, or through an exec
+prefix (the public face).
 
-session: one connection per host reused by several runs; connection: ssh_config, ProxyJump,
-host keys, dialling; dial: pre-dialling (every TCP connect at once); keyscan: the key
-exchange alone (`gpufleet trust`); auth: public-key auth only; hostkeys: strict / accept-new;
-run: one bounded raw run on an exec channel or a local subprocess; stream: a resident run
-read line by line (the agent's watch mode); conversation: one agent process answering several
-requests over one exec (`clean`'s plan and act). Other packages import
-from here only, and no module imports another's private names.
+session: THE interface of a host's session; reach: THE table from a host's ``connection`` to
+the module that reaches it (local, execprefix, openssh, paramikossh); reply: what a run gave
+and why it failed, the same for every way; stream: a command read line by line, or to its end
+(every one-shot run); conversation: one agent process answering several requests over one exec
+(`clean`'s plan and act); sshtarget/sshconfig: what ``ssh`` is told (``ssh -G`` decides where);
+kept/keptlist/sshcontrol: connections kept between commands (``ssh -S``, ``ssh -O``);
+connection/dial/keyscan/auth/hostkeys/tcp: the paramiko path. Other packages import from here
+only, and no module imports another's private names.
 
 Lazy: a name is imported from its module when first asked for (PEP 562), and session, run and
 dial import the SSH stack (paramiko, fabric, invoke: ~0.3 s) only when a host is reached over
@@ -24,18 +26,14 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from gpufleet.transport.connection import MAX_HOPS, connection_for, transport_error
     from gpufleet.transport.conversation import Conversation
     from gpufleet.transport.dial import Dialled, Predial, predial
-    from gpufleet.transport.kept import Kept, close_kept, kept_connections
+    from gpufleet.transport.keptlist import Kept, close_kept, kept_connections
     from gpufleet.transport.keyscan import TrustResult, fetch_host_key, trust
     from gpufleet.transport.run import FIRST_START, INLINE_STDIN, KILL_AFTER_S, STDERR_KEEP
-    from gpufleet.transport.session import (
-        AgentReply,
-        ArgvResult,
-        LocalSession,
-        Session,
-        SshSession,
-        deadline_for,
-        open_session,
-    )
+    from gpufleet.transport.local import LocalSession
+    from gpufleet.transport.paramikossh import SshSession
+    from gpufleet.transport.reach import open_session
+    from gpufleet.transport.reply import AgentReply, ArgvResult, deadline_for
+    from gpufleet.transport.session import Session
     from gpufleet.transport.stream import Stream
 
 #: public name -> the module that defines it
@@ -44,11 +42,11 @@ _HOME = {
     "Conversation": "conversation",
     "Dialled": "dial", "Predial": "dial", "predial": "dial",
     "TrustResult": "keyscan", "fetch_host_key": "keyscan", "trust": "keyscan",
-    "Kept": "kept", "close_kept": "kept", "kept_connections": "kept",
+    "Kept": "keptlist", "close_kept": "keptlist", "kept_connections": "keptlist",
     "FIRST_START": "run", "INLINE_STDIN": "run", "KILL_AFTER_S": "run", "STDERR_KEEP": "run",
-    "AgentReply": "session", "ArgvResult": "session", "LocalSession": "session",
-    "Session": "session", "SshSession": "session", "deadline_for": "session",
-    "open_session": "session", "Stream": "stream",
+    "AgentReply": "reply", "ArgvResult": "reply", "deadline_for": "reply",
+    "LocalSession": "local", "Session": "session", "SshSession": "paramikossh",
+    "open_session": "reach", "Stream": "stream",
 }
 
 __all__ = [  # _HOME's names and TransportError (tests/integration/test_startup_imports.py)

@@ -25,11 +25,9 @@ What gpufleet changes in fabric's defaults, and why:
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +43,7 @@ from gpufleet.transport import hostkeys, sshconfig
 from gpufleet.transport.sshconfig import settings_value as _settings_value
 from gpufleet.transport.sshconfig import ssh_alias
 from gpufleet.transport.auth import BatchAuth
+from gpufleet.transport.tcp import dial_tcp
 
 # paramiko logs connect failures with tracebacks from its own threads; they are values here.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
@@ -55,64 +54,6 @@ MAX_HOPS = 8
 # in hardened configs), counted from the accept.
 PREDIAL_FRESH_S = 20.0
 
-
-# --------------------------------------------------------------------------- dialling
-
-
-def _resolve(host: str, port: int, timeout: float) -> list:
-    """getaddrinfo bounded by ``timeout`` (it has no timeout of its own)."""
-    try:
-        ipaddress.ip_address(host.split("%", 1)[0])
-        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
-    except ValueError:
-        pass
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def work() -> None:
-        try:
-            box["infos"] = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
-        except BaseException as exc:
-            box["exc"] = exc
-        done.set()
-
-    threading.Thread(target=work, name="gpufleet-dns", daemon=True).start()
-    if not done.wait(timeout):
-        raise TransportError(f"DNS lookup of {host} timed out after {timeout:g}s",
-                             kind=errors.TIMEOUT)
-    if "exc" in box:
-        exc = box["exc"]
-        reason = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else str(exc)
-        raise TransportError(f"cannot resolve {host}: {reason}", kind=errors.DNS)
-    return box["infos"]
-
-
-def dial_tcp(host: str, port: int, timeout: float) -> socket.socket:
-    """TCP connect to every address of ``host`` in turn, all within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-    infos = _resolve(host, port, timeout)
-    last: Optional[OSError] = None
-    for family, socktype, proto, _name, addr in infos:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        sock = socket.socket(family, socktype, proto)
-        sock.settimeout(remaining)
-        try:
-            sock.connect(addr)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-    if last is None or isinstance(last, socket.timeout):
-        raise TransportError(f"connect to {where} timed out after {timeout:g}s",
-                             kind=errors.TIMEOUT)
-    if isinstance(last, ConnectionRefusedError):
-        raise TransportError(f"connection refused by {where}", kind=errors.REFUSED)
-    reason = last.strerror or str(last)
-    raise TransportError(f"cannot connect to {where}: {reason}", kind=errors.NETWORK)
 
 # --------------------------------------------------------------------------- connection
 
@@ -201,6 +142,9 @@ class HostConnection(Connection):
             f"{self.original_host} ({self.key_name})")
 
     def get_gateway(self):
+        # Why fabric's own is overridden: it builds hops in reverse of OpenSSH's order, gives
+        # each AutoAddPolicy, and parses ssh_config itself; each hop here is resolved by
+        # ``ssh -G`` and held to the target's host key policy and timeouts.
         jump = self.ssh_config.get("proxyjump")
         if jump is None:
             return super().get_gateway()  # ProxyCommand string, or none
@@ -230,6 +174,9 @@ class HostConnection(Connection):
         return prev
 
     def open_gateway(self):
+        # Why: fabric's opens the direct-tcpip channel with no timeout (paramiko's hour) and
+        # lets a hop's failure out as the target's; here it is bounded and named "via jump
+        # host H" with its own kind.
         if not isinstance(self.gateway, HostConnection):
             return super().open_gateway()
         gw = self.gateway
@@ -253,6 +200,10 @@ class HostConnection(Connection):
                 kind=errors.PROXY) from None
 
     def open(self):
+        # Why: fabric dials with no bound on DNS and no pre-dialled socket, and lets paramiko's
+        # host key and auth exceptions out; here the known keys are preloaded (the server
+        # offers a known type), the socket is the pre-dial's or dial_tcp's (DNS + connect
+        # bounded), and a refused key or auth is gpufleet's one-line failure with its kind.
         if self.is_connected:
             return None
         name = self.key_name
@@ -313,6 +264,7 @@ class HostConnection(Connection):
         self.transport = None
 
     def close(self):
+        # Why: a pre-dialled socket never used and the hops' connections are ours to close.
         try:
             super().close()
             self.client.close()

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from gpufleet import errors
 from gpufleet.errors import TransportError
 from gpufleet.transport.run import RawRun
-from gpufleet.transport.session import AgentReply, agent_reply, with_deadline
+from gpufleet.transport.reply import AgentReply, agent_reply, with_deadline
 from gpufleet.transport.stream import Stream, transport_error
 
 if TYPE_CHECKING:

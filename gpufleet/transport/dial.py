@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
+from gpufleet.transport import sshconfig
 
 if TYPE_CHECKING:  # imported by the dials themselves: a local host never loads the SSH stack
     from gpufleet.transport.connection import HostConnection
@@ -86,12 +87,10 @@ class Predial:
         self._lock = threading.Lock()
         self._closed = False
         self._dials: dict[str, _Dial] = {}
-        from gpufleet.transport.openssh import wanted as openssh_wanted
-
         for host in hosts:
-            if getattr(host, "connection", "ssh") == "local":
+            if getattr(host, "connection", "ssh") != "ssh":
                 continue
-            if openssh_too or not openssh_wanted(host):
+            if openssh_too or not sshconfig.openssh_wanted(host):
                 self._dials.setdefault(str(host.name), _Dial(host))
         self._queue = collections.deque(self._dials.values())
         n = len(self._queue)
@@ -102,6 +101,8 @@ class Predial:
         if count <= 0:  # no descriptors to spare: every host dials in its worker, as before
             self._queue.clear()
             self._dials.clear()
+        with _ACTIVE_LOCK:
+            _ACTIVE.append(self)
         try:
             for i in range(count):
                 threading.Thread(target=self._run, name=f"gpufleet-dial-{i}", daemon=True).start()
@@ -126,6 +127,9 @@ class Predial:
     def close(self) -> None:
         """Give up every dial nobody took: queued ones never start, done ones are closed,
         running ones close their socket when they end. Never blocks."""
+        with _ACTIVE_LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
         with self._lock:
             self._closed = True
             queued = list(self._queue)
@@ -194,12 +198,31 @@ class Predial:
                 conn.close()
 
 
+#: The pre-dials in progress: a session that opens takes its host's dial from them (``pending``),
+#: so a command names its hosts once (``with predial(hosts, forks):``) and passes nothing on.
+_ACTIVE: list[Predial] = []
+_ACTIVE_LOCK = threading.Lock()
+
+
+def pending(host: Host) -> Optional[Dialled]:
+    """This host's dial from a pre-dial in progress, taken (its owner is now the caller); None:
+    none was started for it (the caller dials)."""
+    with _ACTIVE_LOCK:
+        active = list(_ACTIVE)
+    for started in reversed(active):
+        dial = started.take(host)
+        if dial is not None:
+            return dial
+    return None
+
+
 def dial_host(host: Host) -> Optional[HostConnection]:
     """One host's connection with its socket connected (not yet SSH), as open() would dial.
 
     None when ssh_config cannot be applied: the worker builds it again and reports that.
     """
-    from gpufleet.transport.connection import connection_for, dial_tcp
+    from gpufleet.transport.connection import connection_for
+    from gpufleet.transport.tcp import dial_tcp
 
     try:
         conn = connection_for(host)

@@ -1,13 +1,15 @@
-"""SSH connections kept between commands (``ssh_persist``): where their sockets live, and
-how they are listed and closed.
+"""SSH connections kept between commands (``ssh_persist``): where their sockets live, and the
+label beside each that names its host.
 
-Internal to gpufleet.transport (gpufleet.transport.openssh asks for a host's socket; `gpufleet
-disconnect` lists and closes them). With ``ssh_persist: SECONDS`` a host's first ``ssh`` of a
-command becomes an OpenSSH master (``ControlMaster=auto``, ``ControlPersist=SECONDS``) that
-stays after the command for that long once idle, so the next command's runs skip the TCP
-connect, the key exchange and the authentication (gpufleet.transport.mux talks to it). Off
-by default: those masters are processes left behind the CLI (one per host, ~5 MB each), and an
-open authenticated connection is a thing an operator should choose to keep.
+Internal to gpufleet.transport (gpufleet.transport.sshtarget asks for a host's socket and
+writes its label; gpufleet.transport.keptlist lists and closes them for `gpufleet
+disconnect`). With ``ssh_persist: SECONDS`` a host's first ``ssh`` of a command becomes an
+OpenSSH master (``ControlMaster=auto``, ``ControlPersist=SECONDS``) that stays after the
+command for that long once idle, so the next command's runs skip the TCP connect, the key
+exchange and the authentication (each run's own ``ssh -S`` joins it:
+gpufleet.transport.openssh). Off by default: those masters are processes left behind the CLI
+(one per host, ~5 MB each), and an open authenticated connection is a thing an operator should
+choose to keep.
 
 The sockets are in one directory of this user's, mode 0700 (``$XDG_RUNTIME_DIR/gpufleet-ssh``,
 else ``$XDG_CACHE_HOME/gpufleet/ssh``, else ``~/.cache/gpufleet/ssh``); a directory that is not
@@ -18,16 +20,12 @@ ssh_config gives another name, so an old master is never joined for a new destin
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-from gpufleet.errors import TransportError
-from gpufleet.transport import mux
 from gpufleet.transport.localstate import cache_dir, hashed_name
 
 SOCKET_MAX = 100  # sun_path is 108 bytes; a longer directory means no kept connections
@@ -72,12 +70,14 @@ def _ready_directory() -> Optional[str]:
     if problem is None and len(os.path.join(path, "x" * 2 * NAME_BYTES).encode()) > SOCKET_MAX:
         problem = f"{path} is too long for a socket path"
     if problem is not None:
-        _warn(problem)
+        warn_off(problem)
         return None
     return path
 
 
-def _warn(problem: str) -> None:
+def warn_off(problem: str) -> None:
+    """Say once per run why kept connections are off (sshtarget too: a socket path ssh would
+    expand)."""
     if _warned.is_set():
         return
     _warned.set()
@@ -154,53 +154,3 @@ def prune_labels() -> None:
                 os.unlink(full)
             except OSError:
                 pass
-
-
-@dataclass(frozen=True)
-class Kept:
-    """One kept connection: the inventory host it is for (None: found in the directory),
-    its socket, its master's PID (None: no master answers there), and the label written
-    beside it when it was made (the host's name and destination)."""
-
-    host: Optional[str]
-    path: str
-    pid: Optional[int]
-    label: Optional[str] = None
-
-    @property
-    def name(self) -> str:
-        """How an operator knows it: the inventory host, else its label, else the socket."""
-        return self.host or self.label or self.path
-
-
-def socket_of(host: Any) -> Optional[str]:
-    """Where ``host``'s kept connection is (whether or not one is up, whatever its
-    ``ssh_persist`` now): None for a host not reached through OpenSSH."""
-    from gpufleet.transport import openssh, sshconfig, sshtarget
-
-    ssh = sshconfig.ssh_client()
-    if getattr(host, "is_local", False) or ssh is None or not openssh.wanted(host):
-        return None
-    target = sshtarget.target_for(dataclasses.replace(host, ssh_persist=1.0), ssh)
-    return target.kept if target is not None else None
-
-
-def kept_connections(hosts: Optional[Sequence[Any]] = None) -> list[Kept]:
-    """The kept connections of ``hosts`` (None: every socket in the directory)."""
-    if hosts is None:
-        return [Kept(None, path, mux.alive(path), label_of(path)) for path in sockets()]
-    found = []
-    for host in hosts:
-        try:
-            path = socket_of(host)
-        except TransportError:  # ssh -G refuses the host now: no socket can be named for it
-            continue  # (one kept from before is still closed by a run without a selection)
-        if path is not None and os.path.exists(path):
-            found.append(Kept(host.name, path, mux.alive(path)))
-    return found
-
-
-def close_kept(path: str) -> Optional[int]:
-    """Ask the master at ``path`` to end (gpufleet.transport.mux.terminate); its PID, or None
-    when none was there (a stale socket is removed by the refused connect)."""
-    return mux.terminate(path)

@@ -17,8 +17,9 @@ from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
 from gpufleet.transport import hostkeys
-from gpufleet.transport.connection import connection_for, dial_tcp, transport_error
-from gpufleet.transport.dial import Dialled, connection_from_dial
+from gpufleet.transport.connection import connection_for, transport_error
+from gpufleet.transport.tcp import dial_tcp
+from gpufleet.transport.dial import Dialled, connection_from_dial, pending
 
 
 def fetch_host_key(host: Host, dial: Optional[Dialled] = None
@@ -27,13 +28,13 @@ def fetch_host_key(host: Host, dial: Optional[Dialled] = None
 
     Uses the same route as a real connection (ssh_config, ProxyJump: jump hops must pass the
     host key policy); only the key exchange is done, no authentication. Known key types for
-    the name are asked for first. ``dial``: the host's :func:`predial` Future (its TCP
-    connect started with the command). Raises TransportError / HostKeyError.
+    the name are asked for first. ``dial``: the host's :func:`predial` Future, else the one
+    a pre-dial in progress holds (its TCP connect started with the command). Raises TransportError / HostKeyError.
     """
-    if getattr(host, "connection", "ssh") == "local":
-        raise TransportError(f"{host.name} uses connection: local; it has no SSH host key",
+    if getattr(host, "connection", "ssh") != "ssh":
+        raise TransportError(f"{host.name} uses connection: {host.connection}; it has no SSH host key",
                              kind=errors.SSHCONFIG)
-    conn = connection_from_dial(dial) or connection_for(host)
+    conn = connection_from_dial(dial if dial is not None else pending(host)) or connection_for(host)
     sock = None
     transport = None
     try:

@@ -36,7 +36,8 @@ def _path(host: Any) -> str:
     ident = repr((getattr(host, "name", ""), getattr(host, "connection", "ssh"),
                   getattr(host, "address", None), getattr(host, "port", None),
                   getattr(host, "user", None), getattr(host, "python", "python3"),
-                  bool(getattr(host, "sudo", False))))
+                  bool(getattr(host, "sudo", False)))
+                 + ((tuple(host.exec),) if getattr(host, "exec", ()) else ()))
     return os.path.join(directory(), hashed_name(ident, 16))
 
 

@@ -4,22 +4,25 @@ Internal to gpufleet.transport (sessions come from ``open_session``). Why: ``ssh
 decides where gpufleet connects; running ``ssh`` itself connects exactly there, does the key
 exchange and the channel in C (paramiko's import alone is ~150 ms, its handshake ~20 ms of
 Python per host), and one process per host spreads a fleet over every core instead of one
-GIL. paramiko (gpufleet.transport.session.SshSession) stays the fallback: no ``ssh`` on PATH,
+GIL. paramiko (gpufleet.transport.paramikossh) stays the fallback: no ``ssh`` on PATH,
 ``ssh_client: paramiko``, and hosts reached through ProxyJump / ProxyCommand (OpenSSH would
 not pass gpufleet's options to the jump's own ``ssh``, so a hop's host key could not be held
 to gpufleet's policy).
 
-What gpufleet asks of ssh, and why (gpufleet.transport.sshtarget builds the argv): never
-prompt (BatchMode), public keys only, no pty, no escape character, no forwarding, no master of
-the user's own (a user's ControlMaster/ControlPath is never joined: its options are not
-gpufleet's; gpufleet's own, kept between commands with ``ssh_persist``, is
-gpufleet.transport.kept's), host keys checked strictly against the same files gpufleet reads (gpufleet's accept-new is done here: a first-seen
-key is fetched, checked by gpufleet.transport.hostkeys, recorded, then the run is retried, so
-a key of another type than the one known is refused as with paramiko), errors only on stderr.
+What gpufleet asks of ssh, and why (gpufleet.transport.sshtarget builds the argv): never prompt
+(BatchMode), public keys only, no pty, no escape character, no forwarding, no master of the
+user's own (a user's ControlMaster/ControlPath is never joined: its options are not gpufleet's;
+gpufleet's own, kept between commands with ``ssh_persist``, is gpufleet.transport.kept's), host
+keys checked strictly against the same files gpufleet reads (gpufleet's accept-new is done here:
+a first-seen key is fetched, checked by gpufleet.transport.hostkeys, recorded, then the run is
+retried, so a key of another type than the one known is refused as with paramiko), errors only
+on stderr.
 
 ssh tells its own failures from the command's by exit status 255 and a line on stderr; those
 lines are turned into the same kinds and one-line messages as the paramiko path's, here and
-nowhere else (``ssh_failure``).
+nowhere else (``ssh_failure``). With -v (the logger ``gpufleet.transport``) each run and
+resident stream says how its ``ssh`` reached the host: through the kept master (an ``ssh``
+joining it), one that becomes it, one of its own past a master that hangs, or plain.
 """
 from __future__ import annotations
 
@@ -29,30 +32,23 @@ import os
 import re
 import shlex
 import time
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
 from gpufleet.errors import SshConfigError, TransportError
-from gpufleet.transport import mux, sshconfig
-from gpufleet.transport.run import RawRun, run_local
-from gpufleet.transport.session import Session, remote_timeout
+from gpufleet.transport import sshconfig, sshcontrol
+from gpufleet.transport.reply import remote_timeout
+from gpufleet.transport.run import RawRun
+from gpufleet.transport.session import Session
+from gpufleet.transport.sshconfig import log
 from gpufleet.transport.sshmaster import Master
 from gpufleet.transport.sshtarget import Target, target_for
 from gpufleet.transport.stream import ProcessStream, Stream
 
-T = TypeVar("T")
 
 __all__ = ["OpensshSession", "OpensshStream", "Target", "hostkey_refusal", "open_session",
-           "ssh_failure", "target_for", "wanted"]
-
-
-def wanted(host: Host) -> bool:
-    """This SSH host goes through OpenSSH unless its ssh_config says jump (decided on open)."""
-    choice = getattr(host, "ssh_client", "auto") or "auto"
-    if choice == "paramiko":
-        return False
-    return choice == "openssh" or sshconfig.ssh_client() is not None
+           "ssh_failure", "target_for"]
 
 
 # --------------------------------------------------------------------------- ssh's failures
@@ -128,8 +124,6 @@ def _connect_timed_out(target: Target) -> TransportError:
 def ssh_failure(raw: RawRun, target: Target) -> Optional[TransportError]:
     """ssh's own failure in this run (exit 255 and its line on stderr), with the paramiko
     path's kind and wording; None: the command itself ran (whatever its status)."""
-    if raw.lost is not None:
-        return raw.lost
     if raw.timed_out or raw.exit_code != 255:
         return None
     lines = [ln.strip() for ln in raw.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
@@ -224,36 +218,28 @@ class OpensshSession(Session):
             else self.target.argv
         return list(ssh) + [_remote_command(argv)]
 
-    def _joined(self, argv: Sequence[str], join: Callable[[str, str], T]
-                ) -> tuple[Optional[T], list[str]]:
-        """``join(socket, command)`` through the kept master when one takes the session (no
-        ``ssh`` process): (its value, ...); else (None, the ``ssh`` argv to run instead: one
-        that connects and becomes the kept master, or one on its own connection when the
-        master is there but does not serve)."""
+    def _kept_command(self, argv: Sequence[str]) -> tuple[list[str], str]:
+        """The ``ssh`` argv of a run, and how it reaches the host in words (-v): with a kept
+        connection, one that joins its master, or becomes it where none is up
+        (ControlMaster=auto replaces a stale socket); one on a connection of its own when a
+        master holds the socket but does not answer within the connect timeout
+        (gpufleet.transport.sshcontrol says why it is asked first)."""
         target = self.target
         assert target is not None
         if target.kept is not None:
-            try:
-                return join(target.kept, _remote_command(argv)), []
-            except mux.NoMaster as exc:
-                if exc.bypass:
-                    return None, list(target.alone) + [_remote_command(argv)]
-        return None, self._command(argv)
-
-    def _kept_run(self, argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
-        target = self.target
-        assert target is not None
-        started = time.monotonic()
-        got, command = self._joined(argv, lambda path, text: mux.run(
-            path, text, target.env, stdin, timeout, target.connect_timeout))
-        raw = got if got is not None else run_local(command, stdin, timeout)
-        if sshconfig.log.isEnabledFor(logging.DEBUG):
-            how = f"through the kept master {target.kept} (no ssh process)" if got is not None \
-                else "with an ssh process"
-            sshconfig.log.debug("%s: run %s: exit %s after %.3fs%s", self.host.name, how,
-                                raw.exit_code, time.monotonic() - started,
-                                " (timed out)" if raw.timed_out else "")
-        return raw
+            master = sshcontrol.check(target.kept, target.connect_timeout)
+            if master.hung:
+                return list(target.alone) + [_remote_command(argv)], (
+                    f"with an ssh process of its own (the kept master {target.kept} does not "
+                    "answer)")
+            if master.pid is not None:
+                return self._command(argv), (f"through the kept master {target.kept} (its ssh "
+                                             f"joins master pid {master.pid}, no handshake)")
+            return self._command(argv), (f"with an ssh process that becomes the kept master "
+                                         f"{target.kept}")
+        through = self._master is not None and self._master.up
+        return self._command(argv), "with an ssh process" + (
+            " through this command's master" if through else "")
 
     def _attempt(self, run: Callable[[], RawRun], master: bool = False) -> RawRun:
         """``run`` once (twice when gpufleet's accept-new recorded a first-seen key); ssh's
@@ -282,8 +268,8 @@ class OpensshSession(Session):
         bound = self.target.connect_timeout * 2 + 5  # connect, then key exchange and auth
         started = time.monotonic()
         raw = self._master.start(self.target.base, self.target.dest, bound)
-        sshconfig.log.debug("%s: master for this command's runs: exit %s after %.3fs",
-                            self.host.name, raw.exit_code, time.monotonic() - started)
+        log.debug("%s: master for this command's runs: exit %s after %.3fs",
+                  self.host.name, raw.exit_code, time.monotonic() - started)
         return raw
 
     def connect(self) -> None:
@@ -302,20 +288,18 @@ class OpensshSession(Session):
         self.connect()
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        return self._attempt(lambda: self._kept_run(argv, stdin, timeout))
+        return self._attempt(lambda: super(OpensshSession, self)._run(argv, stdin, timeout))
 
     def _stream(self, argv: Sequence[str], head: bytes, timeout: float,
                 as_run: bool = False) -> Stream:
         if self.error is not None or self.target is None:
             raise TransportError(self.error or "not connected", kind=self.error_kind or errors.CLOSED)
-        target = self.target
-        got, command = self._joined(argv, lambda path, text: mux.MuxStream(
-            path, text, target.env, head, min(target.connect_timeout, timeout), as_run=as_run))
-        sshconfig.log.debug("%s: resident run %s", self.host.name,
-                            f"through the kept master {target.kept} (no ssh process)"
-                            if got is not None else "with an ssh process")
-        return got if got is not None else OpensshStream(command, head, target, as_run=as_run,
-                                                         host=self.host)
+        started = time.monotonic()
+        command, how = self._kept_command(argv)
+        if not as_run:
+            log.debug("%s: resident run %s", self.host.name, how)
+        return OpensshStream(command, head, self.target, as_run=as_run, host=self.host, how=how,
+                             started=started)
 
     def _first_run(self, start: Callable[[], RawRun]) -> RawRun:
         """A conversation's start is this host's run: ssh's own failures raised with their
@@ -345,13 +329,25 @@ class OpensshStream(ProcessStream):
     verification failed." (`top`, `status --watch`)."""
 
     def __init__(self, argv: Sequence[str], head: bytes, target: Target, as_run: bool = False,
-                 host: Optional[Host] = None):
+                 host: Optional[Host] = None, how: str = "", started: Optional[float] = None):
         self.target = target
+        self.host = host
         # a conversation's start (as_run) is a run: OpensshSession._attempt records a
         # first-seen key and retries it; only a resident stream (top, --watch) says it here
-        self.host = None if as_run else host
+        self._says_hostkey = host is not None and not as_run
         self._refused: Optional[TransportError] = None  # the host key's verdict, fetched once
+        self.how = how  # -v: how its ssh reaches the host (OpensshSession._kept_command)
+        self._started = time.monotonic() if started is None else started
         super().__init__(argv, head, as_run=as_run)
+
+    def run_to_end(self, timeout: float) -> RawRun:
+        """A one-shot run (Stream.run_to_end); -v says how it went."""
+        raw = super().run_to_end(timeout)
+        if self.host is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: run %s: exit %s after %.3fs%s", self.host.name, self.how,
+                      raw.exit_code, time.monotonic() - self._started,
+                      " (timed out)" if raw.timed_out else "")
+        return raw
 
     def _ended_error(self) -> TransportError:
         if self._refused is not None:
@@ -360,7 +356,8 @@ class OpensshStream(ProcessStream):
         self._drain_err()  # ssh's line may still be unread when its stdout's end was seen
         raw = RawRun(code, b"", bytes(self._err))
         failure = ssh_failure(raw, self.target)
-        if failure is not None and failure.kind == errors.HOSTKEY and self.host is not None:
+        if failure is not None and failure.kind == errors.HOSTKEY and self._says_hostkey \
+                and self.host is not None:
             refusal, recorded = hostkey_refusal(self.host, self.target)
             self._refused = refusal or failure if not recorded else TransportError(
                 "first-seen host key recorded (accept-new); reconnecting", kind=errors.CLOSED)

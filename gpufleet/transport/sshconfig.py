@@ -318,6 +318,13 @@ def ssh_client() -> Optional[str]:
     return shutil.which("ssh")
 
 
+def openssh_wanted(host: Any) -> bool:
+    """This SSH host goes through OpenSSH's client unless ``ssh_client: paramiko`` or no
+    ``ssh`` on PATH (a ProxyJump / ProxyCommand is decided when its session opens)."""
+    choice = getattr(host, "ssh_client", "auto") or "auto"
+    return choice != "paramiko" and (choice == "openssh" or ssh_client() is not None)
+
+
 def resolve(alias: str, port: Optional[int] = None, user: Optional[str] = None) -> Resolved:
     """Where and how ``ssh [-p PORT] [-l USER] ALIAS`` connects; cached per run.
 

@@ -65,7 +65,6 @@ class Target:
     keys: tuple[tuple[str, bool], ...]  # (identity file, named explicitly): auth messages
     kept: Optional[str] = None  # the kept master's socket (ssh_persist), None: not kept
     persist_s: int = 0  # ControlPersist: how long a kept master stays idle
-    env: tuple[str, ...] = ()  # NAME=value that ssh would send (SendEnv matches, SetEnv)
 
 
 def _float(value: Any) -> Optional[float]:
@@ -129,22 +128,6 @@ def _paths_plain(host: Host, values: dict) -> bool:
     return not any(p and _UNSAFE_PATH.search(os.path.expanduser(str(p))) for p in paths)
 
 
-def _glob_re(pattern: str) -> re.Pattern:
-    """ssh's match_pattern: ``*`` and ``?`` only, the rest literal."""
-    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c)
-                              for c in pattern) + r"\Z", re.S)
-
-
-def session_env(values: dict, environ: Optional[dict] = None) -> tuple[str, ...]:
-    """The ``NAME=value`` strings ssh sends with a session: the environment's variables whose
-    names match a SendEnv pattern (in the environment's order), then SetEnv's; what a run
-    through a kept master has to send itself (mux.c ``mux_client_request_session``)."""
-    env = os.environ if environ is None else environ
-    patterns = [_glob_re(p) for p in values.get("sendenv", []) or [] if p and not p.startswith("-")]
-    sent = [f"{k}={v}" for k, v in env.items() if "=" not in k and any(p.match(k) for p in patterns)]
-    return tuple(sent + [str(v) for v in values.get("setenv", []) or []])
-
-
 def _persist_s(host: Host) -> int:
     value = getattr(host, "ssh_persist", 0) or 0
     return int(math.ceil(float(value))) if value > 0 else 0
@@ -155,7 +138,7 @@ def _kept_socket(argv: Sequence[str], dest: Sequence[str], where: str, key_name:
     """The kept master's socket for this exact connection (None: not kept in this run)."""
     path = kept.socket_for([*argv, *dest, where, key_name, user])
     if path is not None and _UNSAFE_PATH.search(path):
-        kept._warn(f"{os.path.dirname(path)} holds characters ssh would expand")
+        kept.warn_off(f"{os.path.dirname(path)} holds characters ssh would expand")
         return None
     return path
 
@@ -220,5 +203,4 @@ def target_for(host: Host, ssh: str) -> Optional[Target]:
         kept.write_label(socket_path, f"{host.name} ({login + '@' if login else ''}{where})")
     _log_target(host, argv + list(dest), where, key_name, policy, socket_path)
     return Target(tuple(argv), dest, where, key_name, login, ct, policy, tuple(keys),
-                  kept=socket_path, persist_s=persist if socket_path else 0,
-                  env=session_env(values) if socket_path else ())
+                  kept=socket_path, persist_s=persist if socket_path else 0)

@@ -1,10 +1,12 @@
-"""A streaming run: one resident command, its stdout read line by line, its stdin kept open.
+"""A command's stream: its stdout read line by line with its stdin kept open (a resident
+agent), or read to its end (``run_to_end``: THE one-shot run, every way's ``Session._run``).
 
 Internal to gpufleet.transport (sessions open streams: ``Session.stream_agent``). The agent's
 watch mode (gpufleet/remote/watch.py) prints a line per interval and ends itself when stdin
 closes or keep-alives stop, so :meth:`Stream.close` only has to close stdin (and the channel).
-Over SSH the stream is an exec channel on the host's existing connection; locally a
-subprocess in its own session (its process group is ended on close if it lingers). Every
+Over paramiko the stream is an exec channel on the host's existing connection; otherwise a
+process (``ssh``, the local agent, an exec prefix) in its own session (its process group is
+ended on close if it lingers). Every
 failure is a TransportError with a kind, from ``connection.transport_error`` (the one place
 lower-level errors get their kind).
 """
@@ -14,15 +16,13 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.errors import TransportError
-from gpufleet.transport.run import FIRST_START, KILL_AFTER_S, STDERR_KEEP, RawRun
-
-if TYPE_CHECKING:  # a local stream must not import the SSH stack (transport/__init__.py)
-    import paramiko
+from gpufleet.transport.run import KILL_AFTER_S, STDERR_KEEP, RawRun, start_process
 
 
 def transport_error(exc: BaseException) -> TransportError:
@@ -37,6 +37,7 @@ def transport_error(exc: BaseException) -> TransportError:
     return classify(exc)
 
 
+PIPE_INLINE = 1 << 16  # a pipe's buffer: a larger head is written by a thread
 MAX_LINE = 64 << 20  # a snapshot line longer than this is not one: the stream is broken
 
 
@@ -65,6 +66,66 @@ class Stream:
 
     def close(self) -> None:
         raise NotImplementedError
+
+    _feeding: Optional[threading.Lock] = None  # set while a thread writes the head
+    _fed = True
+    _eof_wanted = False
+
+    def _feed_later(self, head: bytes) -> None:
+        """The head written by a thread: a command that writes before it reads (more than a
+        pipe or an SSH window holds) must not wait on us while we wait on it."""
+        self._feeding, self._fed = threading.Lock(), False
+        threading.Thread(target=self._feed, args=(head,), daemon=True,
+                         name="gpufleet-stdin").start()
+
+    def _feed(self, head: bytes) -> None:
+        try:
+            self._write_head(head)
+        except Exception:
+            pass  # the command stopped reading; its exit status tells the rest
+        assert self._feeding is not None
+        with self._feeding:
+            self._fed, eof = True, self._eof_wanted
+        if eof:
+            self._close_input()
+
+    def _write_head(self, head: bytes) -> None:
+        self.send(head)
+
+    def _close_input(self) -> None:
+        raise NotImplementedError
+
+    def end_input(self) -> None:
+        """No more input: the command sees EOF once its head is written (a one-shot run)."""
+        if self._feeding is not None:
+            with self._feeding:
+                self._eof_wanted = True
+                if not self._fed:
+                    return  # the feeding thread ends the input once the head is written
+        self._close_input()
+
+    def kill(self) -> None:
+        """End the command now (a one-shot run past its timeout)."""
+        raise NotImplementedError
+
+    def run_to_end(self, timeout: float) -> RawRun:
+        """THE one-shot run: the command's input ended, its output read to its end (exit
+        status, stdout, stderr); at ``timeout`` it is ended and the run is ``timed_out``.
+        Every way's run is its stream read this way; the stream is closed after."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        try:
+            self.end_input()
+            while not self.ended:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.kill()
+                    return RawRun(None, bytes(self._buf), bytes(self._err[-STDERR_KEEP:]),
+                                  timed_out=True)
+                if self._wait(left):
+                    self._take()
+            return self.ended_run()
+        finally:
+            self.close()
 
     def readline(self, timeout: float) -> Optional[bytes]:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -131,87 +192,9 @@ class Stream:
             del self._err[: len(self._err) - STDERR_KEEP]
 
 
-class ChannelStream(Stream):
-    """An exec channel on the host's open SSH connection."""
-
-    def __init__(self, transport: paramiko.Transport, command: str, head: bytes,
-                 timeout: float, as_run: bool = False):
-        """``as_run``: a head the command did not take in (it ended at once) is left to its
-        exit status and stderr, as a one-shot run reports it (a conversation's start)."""
-        super().__init__()
-        self.chan: Optional[paramiko.Channel] = None
-        sending = False
-        try:
-            self.chan = transport.open_session(timeout=max(0.1, timeout))
-            self.chan.settimeout(max(0.1, timeout))
-            self.chan.exec_command(command)
-            sending = True
-            self.chan.sendall(head)
-            self.chan.settimeout(None)
-        except Exception as exc:
-            if as_run and sending and self.chan is not None:
-                self.chan.settimeout(None)
-                return
-            if self.chan is not None:
-                self.chan.close()
-            self.chan = None
-            failed = transport_error(exc)
-            raise TransportError(f"stream refused: {failed}", kind=failed.kind) from None
-
-    def _wait(self, timeout: float) -> bool:
-        assert self.chan is not None
-        if self.chan.recv_ready() or self.chan.recv_stderr_ready() or self.chan.closed:
-            return True
-        select.select([self.chan.fileno()], [], [], timeout)
-        return True
-
-    def _read(self) -> Optional[bytes]:
-        assert self.chan is not None
-        while self.chan.recv_stderr_ready():
-            self._keep_err(self.chan.recv_stderr(65536))
-        if self.chan.recv_ready():
-            return self.chan.recv(65536) or None
-        if self.chan.closed or self.chan.eof_received:
-            return None
-        return b""
-
-    def _exit_code(self) -> Optional[int]:
-        if self.chan is not None and self.chan.status_event.wait(1.0):
-            code = self.chan.exit_status
-            return None if code == -1 else code
-        return None
-
-    def _drain_err(self) -> None:
-        if self.chan is not None:
-            while self.chan.recv_stderr_ready():
-                self._keep_err(self.chan.recv_stderr(65536))
-
-    def send(self, data: bytes) -> None:
-        assert self.chan is not None
-        try:
-            self.chan.settimeout(5.0)
-            self.chan.sendall(data)
-        except Exception as exc:
-            raise TransportError(f"connection lost: {transport_error(exc)}",
-                                 kind=errors.CLOSED) from None
-
-    def close(self) -> None:
-        """stdin closed = EOF for the agent (it ends); then the channel."""
-        if self.chan is None:
-            return
-        try:
-            self.chan.shutdown_write()
-        except Exception:
-            pass
-        try:
-            self.chan.close()
-        except Exception:
-            pass
-
-
 class PipeStream(Stream):
     """Lines from a command's stdout pipe, its stderr pipe kept (the last lines name a
-    failure): a local process, or a session through a kept OpenSSH master (transport/mux)."""
+    failure): a local process, or an ``ssh`` process (gpufleet.transport.openssh)."""
 
     def _pipes(self) -> tuple[Optional[int], Optional[int]]:
         """(stdout, stderr) descriptors, non-blocking; None once closed."""
@@ -221,7 +204,11 @@ class PipeStream(Stream):
 
     def _send_head(self, head: bytes, as_run: bool) -> None:
         """The command's first input; one that ended before taking it is its end's error,
-        unless ``as_run`` (a conversation's start) leaves that to its exit status and stderr."""
+        unless ``as_run`` (a run, a conversation's start) leaves that to its exit status and
+        stderr. A head larger than a pipe is written by a thread (``_feed_later``)."""
+        if as_run and len(head) > PIPE_INLINE:
+            self._feed_later(head)
+            return
         try:
             self.send(head)
         except TransportError:
@@ -269,14 +256,11 @@ class ProcessStream(PipeStream):
         take in (it ended at once) is left to its exit status and stderr."""
         super().__init__()
         try:
-            self.proc = subprocess.Popen(
-                list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, close_fds=True, cwd="/")
+            self.proc = start_process(argv)
         except OSError as exc:
             if as_run:
                 raise
             raise TransportError(f"{argv[0]}: {exc.strerror or exc}", kind=errors.COMMAND) from None
-        FIRST_START.set()
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         os.set_blocking(self.proc.stdout.fileno(), False)
         os.set_blocking(self.proc.stderr.fileno(), False)
@@ -301,6 +285,17 @@ class ProcessStream(PipeStream):
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise TransportError(f"agent gone: {why}", kind=errors.CLOSED) from None
 
+    def _close_input(self) -> None:
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def kill(self) -> None:
+        """Its process group ended now: TERM, then KILL (the group we started)."""
+        self._end_group((signal.SIGTERM, signal.SIGKILL))
+
     def close(self) -> None:
         """stdin closed: the agent ends itself; its process group is ended if it lingers."""
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
@@ -309,10 +304,15 @@ class ProcessStream(PipeStream):
                     pipe.close()
             except OSError:
                 pass
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        self._end_group((None, signal.SIGTERM, signal.SIGKILL))
+
+    def _end_group(self, signals: Sequence[Optional[signal.Signals]]) -> None:
+        """Wait for the process, each signal (None: none) sent to its group (the one we
+        started: start_new_session) before the next wait of ``KILL_AFTER_S``."""
+        for sig in signals:
             if sig is not None:
                 try:
-                    os.killpg(self.proc.pid, sig)  # the group we started (start_new_session)
+                    os.killpg(self.proc.pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
             try:
@@ -329,3 +329,15 @@ def read_some(fd: int) -> Optional[bytes]:
     except BlockingIOError:
         return b""
     return data or None
+
+
+def run_process(argv: Sequence[str], stdin: bytes, timeout: float) -> RawRun:
+    """One local process as a one-shot run (no shell, its group ended at the timeout); one
+    that cannot start is 127 / 126 with the shell's words, as a host reports it."""
+    try:
+        stream = ProcessStream(argv, stdin, as_run=True)
+    except FileNotFoundError:
+        return RawRun(127, b"", f"{argv[0]}: not found".encode())
+    except PermissionError:
+        return RawRun(126, b"", f"{argv[0]}: Permission denied".encode())
+    return stream.run_to_end(timeout)

@@ -2,9 +2,10 @@
 
 A host's first ``ssh`` becomes an OpenSSH master (ControlMaster=auto, ControlPersist) whose
 socket is in gpufleet's private directory; the next command's runs and streams go through it
-over OpenSSH's multiplexing protocol (gpufleet/transport/mux.py), with no ``ssh`` process and
-no new connection: counted where it happens, in each host's sshd log at VERBOSE ("Accepted
-publickey" per connection, "Starting session: command" per exec). Every master a test
+(each an ``ssh`` client of the master, after ``ssh -O check`` says it answers: a hung master is
+passed by within the connect timeout), with no new connection: counted where it happens, in
+each host's sshd log at VERBOSE ("Accepted publickey" per connection, "Starting session:
+command" per exec). Every master a test
 started is ended through its control socket (`gpufleet disconnect`, or the fixture after
 the test); a master stopped with SIGSTOP is one whose PID its master reported.
 """
@@ -33,7 +34,7 @@ FAST = ("--grace", "1", "--timeout", "15")
 def kept_dir(monkeypatch: Any, home: Path) -> Iterator[Path]:
     """A short private XDG_RUNTIME_DIR (a socket path has 108 bytes), HOME for in-process
     calls; every master left there is asked to end after the test."""
-    from gpufleet.transport import kept
+    from gpufleet.transport import kept, keptlist
 
     runtime = Path(tempfile.mkdtemp(prefix="gfk-", dir="/tmp"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
@@ -42,8 +43,8 @@ def kept_dir(monkeypatch: Any, home: Path) -> Iterator[Path]:
     try:
         yield runtime / "gpufleet-ssh"
     finally:
-        for found in kept.kept_connections():
-            kept.close_kept(found.path)
+        for found in keptlist.kept_connections():
+            keptlist.close_kept(found.path)
         for _ in range(50):  # each master ends once its connection is closed
             if not kept.sockets():
                 break
@@ -59,10 +60,10 @@ def host(make_host: Any) -> Any:
 
 def master_pid(host: Any) -> Any:
     from gpufleet.config.inventory import load_inventory
-    from gpufleet.transport import kept, mux
+    from gpufleet.transport import keptlist, sshcontrol
 
-    path = kept.socket_of(load_inventory(host.inventory).get(host.name))
-    return path, (mux.alive(path) if path else None)
+    path = keptlist.socket_of(load_inventory(host.inventory).get(host.name))
+    return path, (sshcontrol.check(path, 5).pid if path else None)
 
 
 def status(home: Path, inv: Path, host: Any) -> dict:
@@ -88,6 +89,25 @@ def test_the_next_command_joins_the_kept_connection(kept_dir: Path, host: Any, l
         assert [p["pid"] for p in again["gpus"][0]["processes"]] == [host.holder]
         assert again["gpus"][0]["processes"] == first["gpus"][0]["processes"]
     assert master_pid(host)[1] == pid
+
+
+def test_verbose_says_how_each_run_reached_the_host(kept_dir: Path, host: Any, lab: Any,
+                                                   home: Path) -> None:
+    """-v: the first command's run is the ``ssh`` that becomes the kept master; the next
+    command's joins it (the master's PID named); stdout is the same document as without -v."""
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    first = run_gpufleet(home, inv, "-v", "status", "--json")
+    assert first.rc == 0, str(first)
+    path, pid = master_pid(host)
+    assert pid is not None
+    assert (f"gpufleet: {host.name}: run with an ssh process that becomes the kept master "
+            f"{path}: exit 0 after ") in first.stderr, first.stderr
+    again = run_gpufleet(home, inv, "-v", "status", "--json")
+    assert again.rc == 0, str(again)
+    assert (f"gpufleet: {host.name}: run through the kept master {path} (its ssh joins master "
+            f"pid {pid}, no handshake): exit 0 after ") in again.stderr, again.stderr
+    for run in (first, again):
+        assert [p["pid"] for p in run.host(host.name)["gpus"][0]["processes"]] == [host.holder]
 
 
 def test_clean_plans_and_acts_over_the_kept_connection(kept_dir: Path, host: Any, lab: Any,
@@ -182,8 +202,12 @@ def test_a_master_that_does_not_answer_is_bypassed(kept_dir: Path, host: Any, la
     try:
         mark = log_mark(host)
         started = time.monotonic()
-        row = status(home, inv, host)
+        run = run_gpufleet(home, inv, "-v", "status", "--json")
         took = time.monotonic() - started
+        assert run.rc == 0, str(run)
+        row = run.host(host.name)
+        assert (f"{host.name}: run with an ssh process of its own (the kept master {path} does "
+                "not answer)") in run.stderr, run.stderr
         assert [p["pid"] for p in row["gpus"][0]["processes"]] == [host.holder]
         assert sessions_since(host, mark) == (1, 1)  # a connection of its own
         assert took < 15, took  # the kept one's 2 s, not the command timeout
@@ -210,7 +234,7 @@ def test_a_lost_connection_is_the_host_down_not_a_hang(kept_dir: Path, host: Any
 def test_runs_through_the_master_give_what_ssh_gives(kept_dir: Path, host: Any, lab: Any,
                                                      home: Path) -> None:
     """Exit status, stdout, stderr, stdin of any size, SendEnv, and the timeout: the first run
-    (ssh, which becomes the master) and the second (the mux protocol) alike."""
+    (ssh, which becomes the master) and the second (an ssh client of that master) alike."""
     from gpufleet.config.inventory import load_inventory
     from gpufleet.transport import TransportError, open_session
     from gpufleet.transport.openssh import OpensshSession

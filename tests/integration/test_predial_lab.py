@@ -1,5 +1,5 @@
 """More hosts than --forks, some unreachable: every host's TCP connect starts at once, outside
-the forks bound (gpufleet.transport.connection.Predial), so the unreachable hosts cost one
+the forks bound (gpufleet.transport.dial.Predial), so the unreachable hosts cost one
 connect_timeout in all, not one per round of --forks (bench/README.md, "Targets missed" 3).
 
 The timing bound is structural, not a performance goal: the hosts are ordered so that the

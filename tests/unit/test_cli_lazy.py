@@ -143,15 +143,15 @@ def test_prefetch_calls_a_function_and_the_agent_payload_it_warms_is_the_one_sen
 
 def test_a_prefetch_after_the_first_start_waits_for_the_first_command_process() -> None:
     """``after_first_start``: nothing is imported until a run has started its process
-    (transport.FIRST_START, set by run_local and by a stream's start); with no process at all
+    (transport.FIRST_START, set by run.start_process); with no process at all
     it still imports after PREFETCH_WAIT_S."""
     code = ("import sys, time\nfrom gpufleet.cli import prefetch, PREFETCH_WAIT_S\n"
             "from gpufleet.transport import FIRST_START\n"
-            "from gpufleet.transport.run import run_local\n"
+            "from gpufleet.transport.stream import run_process\n"
             "t = prefetch('json.tool', after_first_start=True)\n"
             "time.sleep(PREFETCH_WAIT_S / 3)\n"
             "print(FIRST_START.is_set(), 'json.tool' in sys.modules)\n"
-            "print(run_local(['true'], b'', 10).exit_code)\n"
+            "print(run_process(['true'], b'', 10).exit_code)\n"
             "t.join(10)\n"
             "print(FIRST_START.is_set(), 'json.tool' in sys.modules)\n")
     res = _python(code)

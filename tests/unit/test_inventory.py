@@ -158,7 +158,8 @@ def test_example_file_uses_only_documentation_addresses():
 def test_documentation_example_is_valid():
     doc = (REPO / "docs" / "inventory.md").read_text()
     block = re.search(r"```yaml\n(.*?)```", doc, re.S).group(1)
-    assert parse_inventory(block).names == ("bigmama", "train-node", "blackwell", "workstation")
+    assert parse_inventory(block).names == ("bigmama", "train-node", "blackwell", "workstation",
+                                            "in-a-container")
 
 
 # --------------------------------------------------------------------------- lookup
@@ -430,7 +431,7 @@ BAD = [
     ("hosts:\n  a: {address: a, connect_timeout: }\n", ":2: hosts.a.connect_timeout: expected a positive number of seconds (at most 86400), got nothing (null)"),
     ("hosts:\n  a: {address: a, host_key_policy: accept_new}\n", ":2: hosts.a.host_key_policy: invalid value 'accept_new': expected 'strict' or 'accept-new' (did you mean 'accept-new'?)"),
     ("hosts:\n  a: {address: a, host_key_policy: 1}\n", ":2: hosts.a.host_key_policy: expected 'strict' or 'accept-new', got the integer 1"),
-    ("hosts:\n  a: {address: a, connection: sssh}\n", ":2: hosts.a.connection: invalid value 'sssh': expected 'ssh' or 'local' (did you mean 'ssh'?)"),
+    ("hosts:\n  a: {address: a, connection: sssh}\n", ":2: hosts.a.connection: invalid value 'sssh': expected 'ssh' or 'local' or 'exec' (did you mean 'ssh'?)"),
     ("hosts:\n  a: {address: a, sudo: 'true'}\n", ":2: hosts.a.sudo: expected true or false, got the string 'true'"),
     ("hosts:\n  a: {address: a, sudo: 1}\n", ":2: hosts.a.sudo: expected true or false, got the integer 1"),
     ("hosts:\n  a: {address: a, unattributed_mib: -1}\n", ":2: hosts.a.unattributed_mib: expected a whole number of MiB >= 0, got the integer -1"),
@@ -824,3 +825,25 @@ def test_a_found_inventory_others_could_write_is_refused(tmp_path: Path) -> None
     with pytest.raises(InventoryError, match="owned by uid 65534"):
         find_inventory(env={}, cwd=cwd, home=home)
     assert find_inventory(str(fleet), env={}, cwd=cwd, home=home) == fleet  # named: theirs
+
+
+def test_exec_connection_takes_an_argv_prefix():
+    inv = parse("hosts: {c: {connection: exec, exec: [docker, exec, -i, gpu-box]}}")
+    host = inv.hosts[0]
+    assert (host.connection, host.exec, host.address) == (
+        "exec", ("docker", "exec", "-i", "gpu-box"), None)
+
+
+@pytest.mark.parametrize("body, words", [
+    ("{connection: exec}", "goes with 'connection: exec'"),
+    ("{address: a, exec: [docker, exec, -i, c]}", "goes with 'connection: exec'"),
+    ("{connection: local, exec: [nsenter]}", "goes with 'connection: exec'"),
+    ("{connection: exec, exec: []}", "non-empty list of strings"),
+    ("{connection: exec, exec: docker}", "non-empty list of strings"),
+    ("{connection: exec, exec: [nsenter, -t, 1234]}", "quote it"),
+    ("{connection: exec, exec: [docker, '']}", "an empty argument"),
+    ("{connection: exec, exec: [\"docker\\x1b\"]}", "a control character"),
+])
+def test_exec_is_validated(body, words):
+    message = error_of(f"hosts: {{c: {body}}}")
+    assert words in message, message

@@ -113,10 +113,10 @@ def test_jump_hosts_keep_the_paramiko_path(tmp_path, monkeypatch):
 def test_wanted_follows_the_setting_and_the_client(monkeypatch):
     from gpufleet.transport import sshconfig
 
-    assert not openssh.wanted(Host(name="h", ssh_client="paramiko"))
+    assert not sshconfig.openssh_wanted(Host(name="h", ssh_client="paramiko"))
     monkeypatch.setattr(sshconfig, "ssh_client", lambda: None)
-    assert not openssh.wanted(Host(name="h"))
-    assert openssh.wanted(Host(name="h", ssh_client="openssh"))
+    assert not sshconfig.openssh_wanted(Host(name="h"))
+    assert sshconfig.openssh_wanted(Host(name="h", ssh_client="openssh"))
 
 
 def test_curve25519_first_unless_ssh_config_chooses(tmp_path, monkeypatch):

@@ -269,3 +269,21 @@ def test_openssh_hosts_are_left_to_ssh_unless_asked(home: Any) -> None:
         assert all(dials.take(h) is None for h in hosts)
     with predialling.predial(hosts, forks=1, openssh_too=True) as dials:
         assert all(dials.take(h) is not None for h in hosts)
+
+
+def test_a_session_takes_its_dial_from_the_predial_in_progress(listeners) -> None:
+    """Callers name their hosts once (``with predial(...)``) and pass nothing on: the host's
+    dial is found by the transport while that predial is open, once, and never after it."""
+    (ls,) = listeners(1)
+    h = host("h0", port_of(ls))
+    other = host("h1", port_of(ls))
+    with Predial([h]):
+        dial = predialling.pending(h)
+        assert dial is not None and dial.result(timeout=10).predialed
+        assert predialling.pending(h) is None  # taken once
+        assert predialling.pending(other) is None  # not one of its hosts
+        dial.result().close()
+    with Predial([h]):
+        pass
+    assert predialling.pending(h) is None  # closed: nothing is handed out
+    accept(ls).close()
