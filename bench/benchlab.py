@@ -176,8 +176,10 @@ class Measured:
 
 def measure(argv: Sequence[str], cg: Cgroup, hosts_cg: Optional[Cgroup] = None,
             wire_cg: Optional[Cgroup] = None, timeout: float = 600,
-            env: Optional[dict] = None) -> Measured:
-    """Run one tool to its end; wall time and the CPU of each side."""
+            env: Optional[dict] = None, keep: bool = False) -> Measured:
+    """Run one tool to its end; wall time and the CPU of each side. What it left running in
+    its cgroup (ssh ControlPersist masters) is ended, unless ``keep``: a warm-up run whose
+    masters the next, timed, run of the same command uses (that one ends them)."""
     others = [c.usage_s() if c else None for c in (hosts_cg, wire_cg)]
     before = cg.usage_s()
     t0 = time.monotonic()
@@ -189,7 +191,8 @@ def measure(argv: Sequence[str], cg: Cgroup, hosts_cg: Optional[Cgroup] = None,
         proc.kill()
         so, se = proc.communicate()
     wall = time.monotonic() - t0
-    cg.end_leftovers()
+    if not keep:
+        cg.end_leftovers()
     after = cg.usage_s()
     cpu = (after - before) if before is not None and after is not None else None
     diffs = []

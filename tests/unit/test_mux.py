@@ -141,6 +141,18 @@ def test_a_directory_too_long_for_a_socket_keeps_nothing(tmp_path: Path, monkeyp
     assert "too long for a socket path" in capsys.readouterr().err
 
 
+def test_the_defaults_directory_too_long_keeps_nothing_quietly(tmp_path: Path, monkeypatch: Any,
+                                                               capsys: Any) -> None:
+    """ssh_persist left at its default (on): a HOME too deep for a socket path is no reason
+    to warn on every command; nothing is kept, as with ``ssh_persist: 0``."""
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
+    kept._warned.clear()
+    assert kept.socket_for(["ssh", "--", "h"], quiet_long=True) is None
+    assert capsys.readouterr().err == ""
+
+
 @contextlib.contextmanager
 def listening(path: str) -> Iterator[None]:
     """A socket at ``path`` that accepts and never says anything."""
