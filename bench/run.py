@@ -713,7 +713,7 @@ def warm_table(summ: dict, tools: list) -> list[str]:
          "Cold: every host connected afresh (whatever a run kept is ended after it). Warm: the "
          "timed run follows an untimed run of the same command within its keep window, so it "
          "goes through the masters that one kept: gpufleet's `ssh_persist` (60 s) and "
-         "Ansible's `ControlPersist=60s` (both defaults). " + ", ".join(LABEL[t] for t in others)
+         "Ansible's `ControlPersist=60s` (both defaults). " + " and ".join(LABEL[t] for t in others)
          + " keep no connection: " + ("its" if len(others) == 1 else "their")
          + " warm run is " + ("its" if len(others) == 1 else "their") + " cold one (shown cold). "
          "Wall s, median (min–max); controller CPU s.", ""]
