@@ -584,25 +584,12 @@ def test_kept_openssh_session_logs_in_once_and_ends_its_master(lab, shared, clie
                 time.sleep(0.02)
 
 
-def test_kept_session_to_a_dead_host_fails_on_open(lab, client):
-    """``ssh_persist: 0``: keep=True opens gpufleet's own master at once, so a dead host is
-    the session's error on open."""
-    dead = lab.dead_host("tr-keep-dead")
-    with open_session(inv(lab, dead, connect_timeout=5, ssh_persist=0.0), keep=True) as session:
-        assert session.error == f"connection refused by 127.0.0.1:{dead.port}"
-        assert session.error_kind == "refused"
-
-
-def test_kept_session_over_ssh_persist_to_a_dead_host_fails_on_its_first_run(lab, client):
-    """``ssh_persist`` (the default): OpenSSH's session opens nothing of its own (its first
-    run starts the kept master), so a dead host fails that run, and the error then sticks
-    (the later runs fail at once, as with a session that never connected)."""
-    dead = lab.dead_host("tr-keep-dead2")
-    with open_session(inv(lab, dead, connect_timeout=5), keep=True) as session:
-        if client == "openssh":
-            assert session.error is None
-            with pytest.raises(TransportError) as err:
-                session.run_argv(["true"], timeout=20)
-            assert err.value.kind == "refused"
+@pytest.mark.parametrize("persist", [None, 0.0], ids=["kept-default", "ssh_persist-0"])
+def test_kept_session_to_a_dead_host_fails_on_open(lab, client, persist):
+    """keep=True connects on open: a dead host is the session's error at once, whether
+    OpenSSH opens gpufleet's own master (``ssh_persist: 0``) or the kept one (the default,
+    started by a first run when no socket is there)."""
+    dead = lab.dead_host("tr-keep-dead-%s" % ("kept" if persist is None else "0"))
+    with open_session(inv(lab, dead, connect_timeout=5, ssh_persist=persist), keep=True) as session:
         assert session.error == f"connection refused by 127.0.0.1:{dead.port}"
         assert session.error_kind == "refused"
