@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -343,10 +343,12 @@ class BenchLab:
     # --- inventories --------------------------------------------------------------------------
 
     def gpufleet_inventory(self, hosts: Sequence, path: Path, connect_timeout: float = 5,
-                           key: Optional[Path] = None, known_hosts: Optional[Path] = None) -> Path:
-        extra = {}
+                           key: Optional[Path] = None, known_hosts: Optional[Path] = None,
+                           **more: Any) -> Path:
+        """``more``: further keys for every host (``ssh_persist=0``: fresh connections)."""
+        extra: dict[str, Any] = dict(more)
         if key is not None:
-            extra = {"identity_file": str(key), "known_hosts_file": str(known_hosts)}
+            extra.update(identity_file=str(key), known_hosts_file=str(known_hosts))
         return self.lab.inventory_yaml(list(hosts), path=path, connect_timeout=connect_timeout,
                                        command_timeout=60, **extra)
 

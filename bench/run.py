@@ -207,10 +207,7 @@ class Bench:
         d.mkdir()
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
         ct = "%g" % self.a.connect_timeout
-        if tool == "gpufleet":  # its kept masters' sockets: in the work dir, not the user's
-            runtime = self.work / "xdg"
-            runtime.mkdir(mode=0o700, exist_ok=True)
-            env["XDG_RUNTIME_DIR"] = str(runtime)
+        if tool == "gpufleet":
             inv = self.lab.gpufleet_inventory(hosts, d / "fleet.yaml", self.a.connect_timeout,
                                               key=key, known_hosts=known)
             return [B.tool_path("gpufleet"), "-i", str(inv), "--forks", forks, "status", "--all",
@@ -972,6 +969,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     work = Path(tempfile.mkdtemp(prefix="gfbench-"))
     os.chmod(work, 0o755)
+    # gpufleet keeps its connections (ssh_persist, default 60 s): their sockets in the work dir,
+    # never the user's (every run's environment inherits this)
+    (work / "xdg").mkdir(mode=0o700)
+    os.environ["XDG_RUNTIME_DIR"] = str(work / "xdg")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         bench = Bench(args, work)  # closes what it made if it fails half-way
