@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -176,8 +176,10 @@ class Measured:
 
 def measure(argv: Sequence[str], cg: Cgroup, hosts_cg: Optional[Cgroup] = None,
             wire_cg: Optional[Cgroup] = None, timeout: float = 600,
-            env: Optional[dict] = None) -> Measured:
-    """Run one tool to its end; wall time and the CPU of each side."""
+            env: Optional[dict] = None, keep: bool = False) -> Measured:
+    """Run one tool to its end; wall time and the CPU of each side. What it left running in
+    its cgroup (ssh ControlPersist masters) is ended, unless ``keep``: a warm-up run whose
+    masters the next, timed, run of the same command uses (that one ends them)."""
     others = [c.usage_s() if c else None for c in (hosts_cg, wire_cg)]
     before = cg.usage_s()
     t0 = time.monotonic()
@@ -189,7 +191,8 @@ def measure(argv: Sequence[str], cg: Cgroup, hosts_cg: Optional[Cgroup] = None,
         proc.kill()
         so, se = proc.communicate()
     wall = time.monotonic() - t0
-    cg.end_leftovers()
+    if not keep:
+        cg.end_leftovers()
     after = cg.usage_s()
     cpu = (after - before) if before is not None and after is not None else None
     diffs = []
@@ -340,10 +343,12 @@ class BenchLab:
     # --- inventories --------------------------------------------------------------------------
 
     def gpufleet_inventory(self, hosts: Sequence, path: Path, connect_timeout: float = 5,
-                           key: Optional[Path] = None, known_hosts: Optional[Path] = None) -> Path:
-        extra = {}
+                           key: Optional[Path] = None, known_hosts: Optional[Path] = None,
+                           **more: Any) -> Path:
+        """``more``: further keys for every host (``ssh_persist=0``: fresh connections)."""
+        extra: dict[str, Any] = dict(more)
         if key is not None:
-            extra = {"identity_file": str(key), "known_hosts_file": str(known_hosts)}
+            extra.update(identity_file=str(key), known_hosts_file=str(known_hosts))
         return self.lab.inventory_yaml(list(hosts), path=path, connect_timeout=connect_timeout,
                                        command_timeout=60, **extra)
 

@@ -3,6 +3,7 @@
 
     sudo python3 bench/clean_phases.py                     # 32 lab hosts, delay 2 s, 3 runs
     sudo python3 bench/clean_phases.py --hosts 32 --runs 5 --delay 2
+    sudo python3 bench/clean_phases.py --hosts 32 --runs 5 --floor 0 --persist default
 
 `gpufleet clean --all --gpus all --yes --json` over N lab hosts (8 fake H200s and one holder
 each, as bench/fast_agent.py), run by a small driver that timestamps, inside the CLI process,
@@ -139,9 +140,10 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=32)
     ap.add_argument("--delay", type=float, default=2.0, help="the fake driver's release delay (s)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--persist", type=float, default=0, metavar="SECONDS",
+    ap.add_argument("--persist", default="0", metavar="SECONDS|default",
                     help="also runs over connections kept between commands (the inventory's "
-                         "ssh_persist), alternated with fresh ones: a table each")
+                         "ssh_persist; default: the key left unset, gpufleet's default of "
+                         "60 s), alternated with fresh ones (ssh_persist: 0): a table each")
     ap.add_argument("--floor", type=int, default=3, metavar="ROUNDS",
                     help="rounds of the bare-ssh floor (0: none)")
     a = ap.parse_args()
@@ -152,18 +154,22 @@ def main() -> int:
     try:
         hosts = [lab.add_host("node%03d" % i, gpus=8, gpu_name="NVIDIA H200", total_mib=143771,
                               reserved_mib=616) for i in range(a.hosts)]
-        invs = {"fresh connections": lab.inventory_yaml(hosts, path=work / "fleet.yaml",
-                                                        command_timeout=60)}
-        if a.persist:
-            invs["kept connections"] = lab.inventory_yaml(
-                hosts, path=work / "fleet-kept.yaml", command_timeout=60, ssh_persist=a.persist)
+        invs = {"fresh connections (ssh_persist: 0)": lab.inventory_yaml(
+            hosts, path=work / "fleet.yaml", command_timeout=60, ssh_persist=0)}
+        if a.persist == "default":  # the inventory says nothing: gpufleet's default
+            invs["kept connections (default)"] = lab.inventory_yaml(
+                hosts, path=work / "fleet-kept.yaml", command_timeout=60)
+        elif float(a.persist):
+            invs["kept connections (ssh_persist: %s)" % a.persist] = lab.inventory_yaml(
+                hosts, path=work / "fleet-kept.yaml", command_timeout=60,
+                ssh_persist=float(a.persist))
         for inv in invs.values():  # warm: the hosts' agent caches, the page cache, the masters
             one_run(hosts, inv, env, a.delay, work)
         rows: dict[str, list] = {k: [] for k in invs}
         for _ in range(a.runs):
             for mode, inv in invs.items():  # alternated: the same minutes for both
                 rows[mode].append(one_run(hosts, inv, env, a.delay, work))
-        if a.persist:
+        if len(invs) > 1:
             subprocess.run([sys.executable, "-m", "gpufleet", "disconnect"], env=env,
                            capture_output=True, timeout=60)
         floors = floor_rounds(hosts, a.floor)

@@ -86,7 +86,9 @@ def main() -> int:
                               reserved_mib=616) for i in range(a.hosts)]
         for h in hosts:
             h.spawn_holder(gpus=[0], mib=71680, title="VLLM::Worker_TP0", via="exec")
-        inv = lab.inventory_yaml(hosts, path=work / "fleet.yaml", command_timeout=60)
+        # fresh connections each run, as its ssh processes are counted (kept ones: the default)
+        inv = lab.inventory_yaml(hosts, path=work / "fleet.yaml", command_timeout=60,
+                                 ssh_persist=0)
         forks = str(min(32, a.hosts))
         ssh_g = [["ssh", "-G", "-p", str(h.port), "-l", "root", "--", h.address] for h in hosts]
         fast = [h.ssh_argv()[:1] + ["-o", "KexAlgorithms=curve25519-sha256"] + h.ssh_argv()[1:]

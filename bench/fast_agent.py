@@ -54,8 +54,7 @@ class Bench:
     def inventory(self, hosts: list, source: Optional[str], persist: float = 0) -> Path:
         path = self.work / ("fleet-%d-%s-%g.yaml" % (len(hosts), source or "default", persist))
         extra: dict[str, Any] = {"gpu_source": source} if source else {}
-        if persist:
-            extra["ssh_persist"] = persist
+        extra["ssh_persist"] = persist  # 0: fresh connections (kept ones are the default)
         return self.lab.inventory_yaml(hosts, path=path, command_timeout=60, **extra)
 
     def cli(self, inv: Path, *args: str) -> tuple[float, subprocess.CompletedProcess]:

@@ -3,6 +3,7 @@
 
     sudo python3 bench/run.py            # the full run (~10 min on 2 cores) -> bench/RESULTS-run.md
     sudo python3 bench/run.py --quick    # a short smoke run (~1 min) -> RESULTS-run.md too
+    sudo python3 bench/run.py --warm     # also each tool over the connections it keeps
 
 What and how: bench/README.md. Needs root (namespaces, TUN, cgroups), the test lab's
 prerequisites and `pip install -e '.[bench]'`. Not a test: pytest never collects bench/.
@@ -31,6 +32,10 @@ import benchlab as B  # noqa: E402
 import remote_work  # noqa: E402
 
 TOOLS = ("gpufleet", "pssh", "ansible", "ssh")
+#: Tools that keep their SSH connections between commands by default: gpufleet (ssh_persist,
+#: 60 s) and Ansible (ssh's ControlPersist=60s in its default ssh_args). parallel-ssh and the
+#: ssh loop keep none: their warm run is their cold one.
+KEEPS = ("gpufleet", "ansible", "ansible_pl")
 LABEL = {"gpufleet": "gpufleet status", "pssh": "parallel-ssh", "ansible": "ansible -m shell",
          "ssh": "ssh loop (sequential)", "ansible_pl": "ansible -m shell, pipelining on"}
 
@@ -46,6 +51,10 @@ def floats(text: str) -> list[float]:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small N, one RTT, two runs: a smoke run")
+    ap.add_argument("--warm", action="store_true",
+                    help="also time each tool that keeps connections (gpufleet, Ansible) right "
+                    "after an untimed run of the same command, within its keep window (60 s): its "
+                    "runs go through the masters the untimed one left; cold and warm side by side")
     ap.add_argument("--ns", type=ints, default=[1, 8, 32, 128], help="host counts at the first RTT")
     ap.add_argument("--rtts", type=floats, default=[20.0, 100.0], help="round-trip times, ms")
     ap.add_argument("--ns-far", type=ints, default=[1, 32],
@@ -256,26 +265,37 @@ class Bench:
         ok = out.count("@@procs")
         return ok == n, "%d/%d hosts ok" % (ok, n)
 
-    def run_tool(self, tool: str, n: int, count_sessions: bool) -> dict:
+    def run_tool(self, tool: str, n: int, count_sessions: bool, warm: bool = False) -> dict:
+        """One timed run; ``warm``: right after an untimed run of the same command line and
+        environment (the same inventory, the same ControlPath directory), whose masters are
+        left running for it; what both left is ended after the timed one (every run of the
+        tool ends with nothing of it left: the next cold run is cold)."""
         hosts = self.lab.hosts[:n]
         argv, env = self.argv_env(tool, hosts)
+        if warm:
+            first = B.measure(argv, self.cg_tool, self.cg_hosts, self.cg_wire, env=env,
+                              timeout=900, keep=True)
+            if first.rc != 0:
+                self.say("%s N=%d warm-up run: exit %d" % (tool, n, first.rc))
         marks = self.lab.log_marks(hosts) if count_sessions else None
         m = B.measure(argv, self.cg_tool, self.cg_hosts, self.cg_wire, env=env, timeout=900)
         ok, note = self.check(tool, m, n)
         row = dict(tool=tool, n=n, rtt_ms=self.rtt, wall_s=round(m.wall_s, 4),
                    cpu_s=_r(m.cpu_s), remote_cpu_s=_r(m.remote_cpu_s), wire_cpu_s=_r(m.wire_cpu_s),
                    ok=ok, note=note)
+        if warm:
+            row["mode"] = "warm"
         if marks is not None:
             per = self.lab.sessions_since(hosts, marks)
             conns = sorted(c for c, _ in per.values())
             execs = sorted(e for _, e in per.values())
             row["conns_per_host"] = [conns[0], conns[-1]]
             row["execs_per_host"] = [execs[0], execs[-1]]
-            self.sessions.setdefault(tool, {})[n] = row
+            self.sessions.setdefault(tool + (" warm" if warm else ""), {})[n] = row
         self.runs.append(row)
-        self.say("%-8s N=%-3d RTT=%-3g wall %6.2fs cpu %5.2fs remote %5.2fs %s%s" % (
-            tool, n, self.rtt, m.wall_s, m.cpu_s or -1, m.remote_cpu_s or -1,
-            "ok" if ok else "FAILED ", "" if ok else note))
+        self.say("%-8s N=%-3d RTT=%-3g %s wall %6.2fs cpu %5.2fs remote %5.2fs %s%s" % (
+            tool, n, self.rtt, "warm" if warm else "cold", m.wall_s, m.cpu_s or -1,
+            m.remote_cpu_s or -1, "ok" if ok else "FAILED ", "" if ok else note))
         return row
 
     def real_host(self) -> None:
@@ -355,6 +375,10 @@ class Bench:
                         row = self.run_tool(tool, n, count_sessions=(r == 0))
                         slow[tool] = max(slow.get(tool, 0), row["wall_s"])
                         time.sleep(0.3)
+                        if self.a.warm and tool in KEEPS and not self.late(
+                                "warm status %s N=%d RTT=%g run %d" % (tool, n, rtt, r)):
+                            self.run_tool(tool, n, count_sessions=(r == 0), warm=True)
+                            time.sleep(0.3)
 
     def failures(self) -> None:
         """k dead (refused) + k blackholed (dropped) among N hosts: how long status takes."""
@@ -524,7 +548,8 @@ def summarize(runs: list[dict]) -> dict:
     for r in runs:
         if not r["ok"]:
             continue
-        cells.setdefault((r["rtt_ms"], r["n"], r["tool"]), []).append(r)
+        tool = r["tool"] + (" warm" if r.get("mode") == "warm" else "")
+        cells.setdefault((r["rtt_ms"], r["n"], tool), []).append(r)
     out = {}
     for key, rows in cells.items():
         def stat(field: str, rows: list = rows) -> Optional[list]:
@@ -595,6 +620,7 @@ def write_report(bench: Any, args: argparse.Namespace, command: str, started: st
         L.append("")
         L.append("Failed runs (left out above): " + "; ".join(
             "%s N=%d RTT=%g: %s" % (r["tool"], r["n"], r["rtt_ms"], r["note"]) for r in failed[:8]))
+    L += warm_table(summ, tools)
     L += cpu_per_host_table(summ, tools)
     L += real_host_table(getattr(bench, "real_rows", []), tools)
     pl = sorted(k for k in summ if k[2] == "ansible_pl")
@@ -614,12 +640,15 @@ def write_report(bench: Any, args: argparse.Namespace, command: str, started: st
     L.append("")
     L.append("| tool | connections/host | execs/host |")
     L.append("|---|---|---|")
-    for t in tools + (["ansible_pl"] if "ansible_pl" in bench.sessions else []):
+    names = tools + (["ansible_pl"] if "ansible_pl" in bench.sessions else [])
+    for t in names + [t + " warm" for t in names if t + " warm" in bench.sessions]:
         rows = bench.sessions.get(t, {})
         if rows:
             c = {tuple(r["conns_per_host"]) for r in rows.values()}
             e = {tuple(r["execs_per_host"]) for r in rows.values()}
-            L.append("| %s | %s | %s |" % (LABEL[t], _rng(c), _rng(e)))
+            name = LABEL[t[:-5]] + ", warm (through the kept masters)" if t.endswith(" warm") \
+                else LABEL[t]
+            L.append("| %s | %s | %s |" % (name, _rng(c), _rng(e)))
     if bench.fail_rows:
         L.append("")
         L.append("## status with k dead (refused) and k blackholed (dropped) hosts")
@@ -666,6 +695,51 @@ def write_report(bench: Any, args: argparse.Namespace, command: str, started: st
     raw_name, plot_name = Path(str(args.raw)).name, Path(str(args.plot)).name
     L.append("Raw data: [%s](%s); plot: [%s](%s)." % (raw_name, raw_name, plot_name, plot_name))
     return "\n".join(L) + "\n"
+
+
+def warm_table(summ: dict, tools: list) -> list[str]:
+    """--warm: each tool cold (a fresh connection per host) next to warm (its timed run right
+    after an untimed one, through the masters that one kept: gpufleet's ssh_persist, Ansible's
+    ControlPersist=60s, both their defaults). parallel-ssh and the ssh loop keep nothing."""
+    keys = sorted({(k[0], k[1]) for k in summ if k[2].endswith(" warm")})
+    if not keys:
+        return []
+    keeping = [t for t in tools if t in KEEPS]
+    others = [t for t in tools if t not in KEEPS]
+    L = ["", "## status: cold and warm (`--warm`)", "",
+         "Cold: every host connected afresh (whatever a run kept is ended after it). Warm: the "
+         "timed run follows an untimed run of the same command within its keep window, so it "
+         "goes through the masters that one kept: gpufleet's `ssh_persist` (60 s) and "
+         "Ansible's `ControlPersist=60s` (both defaults). " + " and ".join(LABEL[t] for t in others)
+         + " keep no connection: " + ("its" if len(others) == 1 else "their")
+         + " warm run is " + ("its" if len(others) == 1 else "their") + " cold one (shown cold). "
+         "Wall s, median (min–max); controller CPU s.", ""]
+    head = "| RTT | N | " + " | ".join("%s cold | %s warm | warm/cold" % (LABEL[t], LABEL[t])
+                                       for t in keeping)
+    head += "".join(" | %s (no keep: cold)" % LABEL[t] for t in others)
+    if "gpufleet" in keeping and "ansible" in keeping:
+        head += " | ansible / gpufleet, warm"
+    head += "".join(" | %s CPU cold / warm" % t for t in keeping) + " |"
+    L.append(head)
+    L.append("|" + "---|" * (head.count("|") - 1))
+    for rtt, n in keys:
+        row = ["%g ms" % rtt, str(n)]
+        for t in keeping:
+            c, w = summ.get((rtt, n, t)), summ.get((rtt, n, t + " warm"))
+            row += [fmt_stat(c["wall"]) if c else "-", fmt_stat(w["wall"]) if w else "-",
+                    "%.2f" % (w["wall"][0] / c["wall"][0]) if c and w else "-"]
+        for t in others:
+            c = summ.get((rtt, n, t))
+            row.append(fmt_stat(c["wall"]) if c else "-")
+        if "gpufleet" in keeping and "ansible" in keeping:
+            g, a = summ.get((rtt, n, "gpufleet warm")), summ.get((rtt, n, "ansible warm"))
+            row.append("%.1f" % (a["wall"][0] / g["wall"][0]) if g and a else "-")
+        for t in keeping:
+            c, w = summ.get((rtt, n, t)), summ.get((rtt, n, t + " warm"))
+            row.append("%s / %s" % ("%.2f" % c["cpu"][0] if c and c["cpu"] else "-",
+                                    "%.2f" % w["cpu"][0] if w and w["cpu"] else "-"))
+        L.append("| " + " | ".join(row) + " |")
+    return L
 
 
 def _ms_per_host(stat: Optional[list], n: int) -> str:
@@ -864,7 +938,8 @@ class Recorded:
         self.sessions: dict = {}
         for r in self.runs:
             if "conns_per_host" in r:
-                self.sessions.setdefault(r["tool"], {})[r["n"]] = r
+                tool = r["tool"] + (" warm" if r.get("mode") == "warm" else "")
+                self.sessions.setdefault(tool, {})[r["n"]] = r
 
 
 def replot(args: argparse.Namespace) -> int:
@@ -894,6 +969,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     work = Path(tempfile.mkdtemp(prefix="gfbench-"))
     os.chmod(work, 0o755)
+    # gpufleet keeps its connections (ssh_persist, default 60 s): their sockets in the work dir,
+    # never the user's (every run's environment inherits this)
+    (work / "xdg").mkdir(mode=0o700)
+    os.environ["XDG_RUNTIME_DIR"] = str(work / "xdg")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         bench = Bench(args, work)  # closes what it made if it fails half-way

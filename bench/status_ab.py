@@ -53,7 +53,8 @@ def main() -> int:
             lab.start_hosts(a.hosts)
         finally:
             B.Cgroup.leave_self()
-        inv = lab.gpufleet_inventory(lab.hosts, work / "fleet.yaml")
+        # fresh connections each run (kept ones are the default now): the trees' own cost
+        inv = lab.gpufleet_inventory(lab.hosts, work / "fleet.yaml", ssh_persist=0)
         envs = {}
         for i, (name, tree) in enumerate(trees.items()):
             home = work / ("home%d" % i)

@@ -8,9 +8,12 @@ The recorded output lives in tests/fixtures/recorded/logs (raw logs of real H200
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -124,3 +127,63 @@ def make_host(lab: Any) -> Iterator[Callable[..., Any]]:
 def lab_host(make_host: Callable[..., Any]) -> Any:
     """A fresh two-GPU lab host, stopped after the test."""
     return make_host(gpus=2)
+
+
+def _kept_dirs(runtime: Path, base: Optional[Path]) -> list[Path]:
+    """Where a test's CLI runs may have kept SSH masters: its XDG_RUNTIME_DIR, and the cache
+    of a HOME under its tmp_path (a CLI run given an environment without XDG_RUNTIME_DIR)."""
+    dirs = [runtime / "gpufleet-ssh"]
+    if base is not None:
+        for pattern in (".cache/gpufleet/ssh", "*/.cache/gpufleet/ssh", "*/*/.cache/gpufleet/ssh"):
+            dirs += [p for p in base.glob(pattern) if p.is_dir()]
+    return [d for d in dirs if d.is_dir()]
+
+
+def _masters_of(dirs: list[Path]) -> list[int]:
+    """PIDs of live OpenSSH masters whose control socket is in ``dirs``: a ControlPersist
+    master names its socket in its process title (``ssh: SOCKET [mux]``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                title = fh.read(4096).replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if title.startswith("ssh: ") and any(f"{d}/" in title for d in dirs):
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def kept_ssh(monkeypatch: Any, request: Any) -> Iterator[Path]:
+    """SSH connections are kept between commands by default (``ssh_persist: 60``): each test
+    gets its own short private XDG_RUNTIME_DIR for their sockets (a socket path has 108 bytes;
+    the CLI runs inherit it), and every master kept there, or in a HOME under its tmp_path, is
+    ended at teardown through its control socket, as `gpufleet disconnect` ends it (no
+    signal, no process name): none outlives the test that made it. A test counting
+    connections therefore starts with none kept."""
+    runtime = Path(tempfile.mkdtemp(prefix="gfk-", dir="/tmp"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    base = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    try:
+        yield runtime
+    finally:
+        dirs = _kept_dirs(runtime, base)
+        if dirs:
+            from gpufleet.transport import keptlist
+
+            for where in dirs:
+                for name in os.listdir(where):
+                    path = where / name
+                    if path.is_socket():
+                        keptlist.close_kept(str(path))
+            deadline = time.monotonic() + 10
+            while _masters_of(dirs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left = _masters_of(dirs)
+            shutil.rmtree(runtime, ignore_errors=True)
+            assert not left, f"ssh masters left behind by the test (pids {left}) in {dirs}"
+        else:
+            shutil.rmtree(runtime, ignore_errors=True)

@@ -14,7 +14,8 @@
 # GF_DEVICE_WORK (default /var/tmp/gfdevice: outside /tmp and /root, which lab hosts make private,
 # so their sshd can run from there), GF_PYTHON (default /opt/torch/.venv/bin/python3, else
 # python3), GF_REAL=0 (no real host), GF_QUICK=1 (a small run: N=1,4, one RTT; for a dry run),
-# GF_SCENARIO=0 (no step 5), GF_SCENARIO_S (its time limit, default 150 s), GF_BENCH (a bash
+# GF_WARM=1 (bench/run.py --warm: gpufleet and Ansible also timed over the connections they
+# keep, next to their cold runs), GF_SCENARIO=0 (no step 5), GF_SCENARIO_S (its time limit, default 150 s), GF_BENCH (a bash
 # command run instead of steps 4 and 5, with the set-up above: e.g. another bench of bench/, as
 # GF_BENCH='python3 bench/serve_bench.py --hosts 128 --soak 120'; OUTDIR is "$GF_OUT" there).
 set -euo pipefail
@@ -152,6 +153,7 @@ else
           --clean-ns 1,32 --clean-runs 3 --clean-rtts 20,0 --scale-forks 128 --real-runs 2
           --deadline-s 390)
 fi
+[ "${GF_WARM:-0}" = 1 ] && sizing+=(--warm)  # its warm runs take ~half as long again
 label="$(nproc) cores, $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)"
 rc=0
 "$PY" bench/run.py "${sizing[@]}" "${real_args[@]}" --machine-label "$label" \

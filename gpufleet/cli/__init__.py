@@ -85,7 +85,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "clean": ("clean_cmd", "Free the GPUs in scope: TERM, grace, KILL; then wait until the memory is "
                            "really back."),
     "disconnect": ("disconnect_cmd", "Close the SSH connections kept for the next command "
-                                     "(the inventory's `ssh_persist`)."),
+                                     "(60 s by default; the inventory's `ssh_persist`)."),
     "export": ("export_cmd", "Print the fleet's metrics in Prometheus's text format, or write them for "
                              "node_exporter."),
     "fit": ("fit_cmd", "Will this model fit on the selected GPUs? Exit 0 fits everywhere, 1 not "

@@ -13,11 +13,12 @@ from gpufleet.cli import AppContext, cli, selection_options, terminal_safe
 @click.option("--list", "list_only", is_flag=True, help="Show the kept connections; close nothing.")
 @click.pass_obj
 def disconnect(app: AppContext, hosts, groups, tags, all_, list_only: bool) -> int:
-    """Close the SSH connections kept for the next command (the inventory's `ssh_persist`).
+    """Close the SSH connections kept for the next command (60 s by default; the inventory's `ssh_persist`).
 
     Without a host selection: every connection gpufleet keeps for this user, whatever the
     inventory. Each is asked to end over its own control socket; nothing is signalled. A
-    kept connection also ends by itself once idle for `ssh_persist` seconds.
+    kept connection also ends by itself once idle for `ssh_persist` seconds (default 60;
+    `ssh_persist: 0` keeps none).
     """
     from gpufleet.transport import close_kept, kept_connections
 

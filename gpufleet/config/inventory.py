@@ -80,7 +80,7 @@ class Host:
     gpu_source: str = "auto"
     ssh_client: str = "auto"
     agent_cache: bool = True  # false: the agent's compiled code is neither cached nor read
-    ssh_persist: float = 0.0  # seconds an idle SSH connection is kept for the next command; 0: none
+    ssh_persist: float = 60.0  # seconds an idle SSH connection is kept for the next command; 0: none
     unattributed_mib: int = 0
     gpus: Optional[int] = None  # GPUs the host should have (health: a missing GPU); None: any
     protect: tuple[str, ...] = ()

@@ -28,8 +28,8 @@ defaults:                    # every host's settings unless the host sets the ke
   host_key_policy: strict    # unknown host keys are refused (`gpufleet trust HOST` records one);
                              # accept-new records a first-seen key
   # user: root               # ssh's -l (default: ssh_config's, else your login)
-  # ssh_persist: 60          # keep each SSH connection 60 s for the next command;
-                             # `gpufleet disconnect` closes them
+  # ssh_persist: 60          # keep each SSH connection 60 s for the next command (the
+                             # default; 0: none); `gpufleet disconnect` closes them
 
 hosts:
 """

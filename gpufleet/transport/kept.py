@@ -7,14 +7,15 @@ disconnect`). With ``ssh_persist: SECONDS`` a host's first ``ssh`` of a command 
 OpenSSH master (``ControlMaster=auto``, ``ControlPersist=SECONDS``) that stays after the
 command for that long once idle, so the next command's runs skip the TCP connect, the key
 exchange and the authentication (each run's own ``ssh -S`` joins it:
-gpufleet.transport.openssh). Off by default: those masters are processes left behind the CLI
-(one per host, ~5 MB each), and an open authenticated connection is a thing an operator should
-choose to keep.
+gpufleet.transport.openssh). On by default (60 s, as Ansible's ControlPersist): each is a
+process left behind the CLI (one per host, ~5 MB) holding an authenticated connection;
+``ssh_persist: 0`` keeps none, and `gpufleet disconnect` closes them.
 
 The sockets are in one directory of this user's, mode 0700 (``$XDG_RUNTIME_DIR/gpufleet-ssh``,
 else ``$XDG_CACHE_HOME/gpufleet/ssh``, else ``~/.cache/gpufleet/ssh``); a directory that is not
 private (another owner, group or other access, a symlink) turns the feature off for the run,
-with one warning. A socket's name is a hash of everything that decides where and how its
+with one warning; a directory too long for a socket's path too, said only where the inventory
+set ``ssh_persist`` (the default's fallback is quiet: nothing kept, as with 0). A socket's name is a hash of everything that decides where and how its
 ``ssh`` connects (the whole argv and what ``ssh -G`` resolved): a changed inventory or
 ssh_config gives another name, so an old master is never joined for a new destination.
 """
@@ -59,8 +60,9 @@ def private_problem(path: str) -> Optional[str]:
     return None
 
 
-def _ready_directory() -> Optional[str]:
-    """The directory, created 0700 when absent; None (warned once) when it cannot be used."""
+def _ready_directory(quiet_long: bool = False) -> Optional[str]:
+    """The directory, created 0700 when absent; None (warned once) when it cannot be used
+    (``quiet_long``: not warned when it is only too long)."""
     path = directory()
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -68,6 +70,8 @@ def _ready_directory() -> Optional[str]:
         pass
     problem = private_problem(path)
     if problem is None and len(os.path.join(path, "x" * 2 * NAME_BYTES).encode()) > SOCKET_MAX:
+        if quiet_long:
+            return None
         problem = f"{path} is too long for a socket path"
     if problem is not None:
         warn_off(problem)
@@ -84,10 +88,10 @@ def warn_off(problem: str) -> None:
     print(f"gpufleet: warning: ssh_persist is off for this run: {problem}", file=sys.stderr)
 
 
-def socket_for(identity: Sequence[str]) -> Optional[str]:
+def socket_for(identity: Sequence[str], quiet_long: bool = False) -> Optional[str]:
     """The socket of the connection ``identity`` describes (the ssh argv and its resolved
     destination), or None: no kept connections in this run (see _ready_directory)."""
-    path = _ready_directory()
+    path = _ready_directory(quiet_long)
     if path is None:
         return None
     return os.path.join(path, hashed_name("\0".join(identity), NAME_BYTES))

@@ -204,6 +204,7 @@ class OpensshSession(Session):
         self._reached = False
         kept_here = target is not None and target.kept is not None
         self._master: Optional[Master] = Master() if keep and not kept_here else None
+        self._open_kept = keep and kept_here  # connect() starts the kept master if none
         self._master_tried = False
         if error is not None:
             self.error, self.error_kind = str(error), error.kind
@@ -272,13 +273,24 @@ class OpensshSession(Session):
                   self.host.name, raw.exit_code, time.monotonic() - started)
         return raw
 
+    def _start_kept(self) -> RawRun:
+        """``keep`` over ``ssh_persist``: no socket yet, so a first run (``true``) starts the
+        kept master now, and an unreachable host is the session's error on open, as with
+        gpufleet's own master (a socket there already: the first real run judges it)."""
+        assert self.target is not None and self.target.kept is not None
+        if os.path.exists(self.target.kept):
+            return RawRun(0, b"", b"")
+        return self._kept_run(["true"], b"", self.target.connect_timeout * 2 + 5)
+
     def connect(self) -> None:
         """Open the master now (``keep``); a failure becomes ``error``, never raised."""
-        if self._master is not None and not self._master_tried and self.error is None:
+        if (self._master is not None or self._open_kept) and not self._master_tried \
+                and self.error is None:
             self._master_tried = True
             started = time.monotonic()
+            opener = self._open_master if self._master is not None else self._start_kept
             try:
-                self._attempt(self._open_master, master=True)
+                self._attempt(opener, master=True)
             except TransportError:
                 pass  # recorded in error / error_kind by _attempt
             finally:

@@ -134,9 +134,9 @@ def _persist_s(host: Host) -> int:
 
 
 def _kept_socket(argv: Sequence[str], dest: Sequence[str], where: str, key_name: str,
-                 user: str) -> Optional[str]:
+                 user: str, quiet_long: bool = False) -> Optional[str]:
     """The kept master's socket for this exact connection (None: not kept in this run)."""
-    path = kept.socket_for([*argv, *dest, where, key_name, user])
+    path = kept.socket_for([*argv, *dest, where, key_name, user], quiet_long)
     if path is not None and _UNSAFE_PATH.search(path):
         kept.warn_off(f"{os.path.dirname(path)} holds characters ssh would expand")
         return None
@@ -198,7 +198,8 @@ def target_for(host: Host, ssh: str) -> Optional[Target]:
     dest = ("--", resolved.alias)
     login = str(values.get("user") or user or "")
     persist = _persist_s(host)
-    socket_path = _kept_socket(argv, dest, where, key_name, login) if persist else None
+    quiet = "ssh_persist" not in getattr(host, "explicit", frozenset())  # the default's
+    socket_path = _kept_socket(argv, dest, where, key_name, login, quiet) if persist else None
     if socket_path is not None:
         kept.write_label(socket_path, f"{host.name} ({login + '@' if login else ''}{where})")
     _log_target(host, argv + list(dest), where, key_name, policy, socket_path)

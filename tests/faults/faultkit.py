@@ -359,7 +359,15 @@ def sessions(host: Any) -> list:
 
 
 def settle(host: Any, timeout: float = 30.0) -> None:
-    """Wait until no SSH session or agent is left on the host (they end on their own)."""
+    """Wait until no agent is left on the host (they end on their own, kept connection or
+    not), then close the SSH connections the test's commands kept (``ssh_persist``, on by
+    default: a kept master's session stays on the host by design; each asked to end through
+    its socket, as `gpufleet disconnect` does), and wait until no SSH session is left."""
+    wait_for(lambda: not agents_left(host), timeout, "agents on %s to end" % host.name)
+    from gpufleet.transport import close_kept, kept_connections
+
+    for found in kept_connections():  # this test's: its own XDG_RUNTIME_DIR (tests/conftest.py)
+        close_kept(found.path)
     wait_for(lambda: not sessions(host), timeout, "SSH sessions and agents on %s to end"
              % host.name)
 

@@ -91,13 +91,13 @@ class Run:
         self.ssh_inv: Optional[Path] = None
         self.kept_inv: Optional[Path] = None
         if ssh_state is not None:
-            self.ssh_inv = self.tmp / "ssh.yaml"
-            self.ssh_inv.write_text(
-                "hosts:\n  h200:\n    address: 127.0.0.1\n    port: %d\n    user: root\n"
-                "    identity_file: %s\n    known_hosts_file: %s\n"
-                % (port, ssh_state / "id_ed25519", ssh_state / "known_hosts"))
+            base = ("hosts:\n  h200:\n    address: 127.0.0.1\n    port: %d\n    user: root\n"
+                    "    identity_file: %s\n    known_hosts_file: %s\n"
+                    % (port, ssh_state / "id_ed25519", ssh_state / "known_hosts"))
+            self.ssh_inv = self.tmp / "ssh.yaml"  # fresh connections (kept is the default)
+            self.ssh_inv.write_text(base + "    ssh_persist: 0\n")
             self.kept_inv = self.tmp / "ssh-kept.yaml"
-            self.kept_inv.write_text(self.ssh_inv.read_text() + "    ssh_persist: 120\n")
+            self.kept_inv.write_text(base + "    ssh_persist: 120\n")
         self.checks: list[dict[str, Any]] = []
         self.results: dict[str, Any] = {}
         self.procs: list[subprocess.Popen] = []

@@ -846,6 +846,12 @@ class Scenario:
             self.results["seconds"] = round(time.monotonic() - t_start, 2)
             if self.poller:
                 self.poller.stop()
+            if "ssh" in self.inventories:  # the connections its ssh rounds kept (ssh_persist's
+                try:  # default), asked to end through their sockets
+                    subprocess.run([sys.executable, str(CLI), "-i", str(self.inventories["ssh"]),
+                                    "disconnect"], capture_output=True, env=self.env, timeout=60)
+                except (OSError, subprocess.SubprocessError):
+                    pass
             self.kill_started()
             self.watcher.close()
             write_json(self.out / "results.json", self.results, self.places(), default=str)

@@ -73,6 +73,9 @@ def test_a_clean_of_n_hosts_is_one_connection_and_one_exec_per_host(lab: Any, ma
     assert {h.name: sessions_since(h, marks[h.name]) for h in hosts} == dict.fromkeys(
         (h.name for h in hosts), (1, 1))
 
+    # the next command: over OpenSSH, through the connection the dry run kept (ssh_persist,
+    # on by default: no new connection); paramiko keeps none
+    again = (0, 1) if client == "auto" else (1, 1)
     marks = {h.name: log_mark(h) for h in hosts}
     run = run_gpufleet(home, inv, "clean", "--all", "--yes", "--json", *FAST)
     assert run.rc == 0, str(run)
@@ -82,25 +85,29 @@ def test_a_clean_of_n_hosts_is_one_connection_and_one_exec_per_host(lab: Any, ma
         assert [(s["pid"], s["signal"], s["outcome"]) for s in row["signals"]] == [
             (job, "TERM", "sent")]
         assert not h.alive(job)
-    # the plan's snapshot and the clean: one SSH connection, one exec, per host
+    # the plan's snapshot and the clean: one exec per host, on one SSH connection
     assert {h.name: sessions_since(h, marks[h.name]) for h in hosts} == dict.fromkeys(
-        (h.name for h in hosts), (1, 1))
+        (h.name for h in hosts), again)
     assert all(host_agents(h) == [] for h in hosts)  # each agent ended after its clean
 
 
+@pytest.mark.parametrize("persist", [None, 0], ids=["kept-default", "ssh_persist-0"])
 def test_over_openssh_one_ssh_process_per_host_no_master_one_agent(lab: Any, make_host: Any,
-                                                                  home: Path, monkeypatch: Any
-                                                                  ) -> None:
+                                                                  home: Path, monkeypatch: Any,
+                                                                  persist: Any) -> None:
     """While the operator is asked (every host planned), the controller holds exactly one
     ``ssh`` per host, none a master (-M), and each host runs exactly one agent: the process
-    that then signals (its pid in the plan's snapshot and in the clean's after snapshot)."""
+    that then signals (its pid in the plan's snapshot and in the clean's after snapshot).
+    With ``ssh_persist`` (the default) each ``ssh`` may start the kept master (ControlMaster
+    =auto, its socket in gpufleet's directory): the master is the process it forks off and
+    detaches, never the ``ssh`` the conversation runs over; with ``ssh_persist: 0`` none."""
     from gpufleet.config.inventory import load_inventory
     from gpufleet.ops.clean import CleanOptions, run_clean
 
     monkeypatch.setenv("HOME", str(home))
     hosts = [make_host("solo-%d" % i, gpus=1) for i in range(2)]
     jobs = [h.spawn_holder(gpus=[0], mib=800, title="job") for h in hosts]
-    inventory = load_inventory(lab.inventory_yaml(hosts))
+    inventory = load_inventory(lab.inventory_yaml(hosts, ssh_persist=persist))
     seen: dict[str, Any] = {}
 
     def confirm(planned: list) -> bool:
@@ -113,7 +120,12 @@ def test_over_openssh_one_ssh_process_per_host_no_master_one_agent(lab: Any, mak
                     confirm=confirm)
     assert len(seen["ssh"]) == 2, seen["ssh"]
     assert not any("-M" in argv or "ControlMaster=yes" in argv for argv in seen["ssh"]), seen["ssh"]
-    assert all("ControlMaster=no" in argv and "ControlPath=none" in argv for argv in seen["ssh"])
+    if persist == 0:
+        assert all("ControlMaster=no" in argv and "ControlPath=none" in argv for argv in seen["ssh"])
+    else:
+        kept_dir = os.path.join(os.environ["XDG_RUNTIME_DIR"], "gpufleet-ssh") + "/"
+        assert all("ControlMaster=auto" in argv and any(
+            a.startswith("ControlPath=" + kept_dir) for a in argv) for argv in seen["ssh"])
     for h, job, row in zip(hosts, jobs, run.results):
         assert row.verdict == "clean", row.error
         (agent,) = seen["agents"][h.name]

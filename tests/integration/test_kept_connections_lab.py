@@ -1,54 +1,45 @@
-"""SSH connections kept between commands (``ssh_persist``), against real sshd lab hosts.
+"""SSH connections kept between commands (``ssh_persist``, on by default: 60 s), against real
+sshd lab hosts. The inventories here leave ``ssh_persist`` unset: what they show is the default.
 
 A host's first ``ssh`` becomes an OpenSSH master (ControlMaster=auto, ControlPersist) whose
 socket is in gpufleet's private directory; the next command's runs and streams go through it
 (each an ``ssh`` client of the master, after ``ssh -O check`` says it answers: a hung master is
 passed by within the connect timeout), with no new connection: counted where it happens, in
 each host's sshd log at VERBOSE ("Accepted publickey" per connection, "Starting session:
-command" per exec). Every master a test
-started is ended through its control socket (`gpufleet disconnect`, or the fixture after
-the test); a master stopped with SIGSTOP is one whose PID its master reported.
+command" per exec). Every master a test started is ended through its control socket
+(`gpufleet disconnect`, or tests/conftest.py's ``kept_ssh`` after the test); a master stopped
+with SIGSTOP is one whose PID its master reported.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import stat
-import tempfile
+import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from cli_helpers import home, run_gpufleet  # noqa: F401  (home: fixture)
+from cli_helpers import GPUFLEET, REPO_ROOT, home, run_gpufleet  # noqa: F401  (home: fixture)
 from test_clean_conversation_lab import VERBOSE, host_agents, log_mark, sessions_since
 from watch_helpers import Watch
 
-PERSIST = {"ssh_persist": 60}
 FAST = ("--grace", "1", "--timeout", "15")
 
 
 @pytest.fixture
-def kept_dir(monkeypatch: Any, home: Path) -> Iterator[Path]:
-    """A short private XDG_RUNTIME_DIR (a socket path has 108 bytes), HOME for in-process
-    calls; every master left there is asked to end after the test."""
-    from gpufleet.transport import kept, keptlist
+def kept_dir(kept_ssh: Path, monkeypatch: Any, home: Path) -> Path:
+    """Where the test's masters are: the socket directory in tests/conftest.py's ``kept_ssh``
+    runtime directory (which ends them after the test); HOME for in-process calls."""
+    from gpufleet.transport import kept
 
-    runtime = Path(tempfile.mkdtemp(prefix="gfk-", dir="/tmp"))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.setenv("HOME", str(home))
     kept._warned.clear()
-    try:
-        yield runtime / "gpufleet-ssh"
-    finally:
-        for found in keptlist.kept_connections():
-            keptlist.close_kept(found.path)
-        for _ in range(50):  # each master ends once its connection is closed
-            if not kept.sockets():
-                break
-            time.sleep(0.1)
+    return kept_ssh / "gpufleet-ssh"
 
 
 @pytest.fixture
@@ -74,7 +65,7 @@ def status(home: Path, inv: Path, host: Any) -> dict:
 
 def test_the_next_command_joins_the_kept_connection(kept_dir: Path, host: Any, lab: Any,
                                                     home: Path) -> None:
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     mark = log_mark(host)
     first = status(home, inv, host)
     assert sessions_since(host, mark) == (1, 1)
@@ -95,7 +86,7 @@ def test_verbose_says_how_each_run_reached_the_host(kept_dir: Path, host: Any, l
                                                    home: Path) -> None:
     """-v: the first command's run is the ``ssh`` that becomes the kept master; the next
     command's joins it (the master's PID named); stdout is the same document as without -v."""
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     first = run_gpufleet(home, inv, "-v", "status", "--json")
     assert first.rc == 0, str(first)
     path, pid = master_pid(host)
@@ -112,7 +103,7 @@ def test_verbose_says_how_each_run_reached_the_host(kept_dir: Path, host: Any, l
 
 def test_clean_plans_and_acts_over_the_kept_connection(kept_dir: Path, host: Any, lab: Any,
                                                        home: Path) -> None:
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     status(home, inv, host)
     mark = log_mark(host)
     run = run_gpufleet(home, inv, "clean", "--all", "--gpus", "0", "--yes", "--json", *FAST)
@@ -127,7 +118,7 @@ def test_clean_plans_and_acts_over_the_kept_connection(kept_dir: Path, host: Any
 
 def test_a_watch_streams_over_the_kept_connection(kept_dir: Path, host: Any, lab: Any,
                                                   home: Path) -> None:
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     status(home, inv, host)
     mark = log_mark(host)
     watch = Watch(home, inv, 0.5)
@@ -150,7 +141,7 @@ def test_a_watch_streams_over_the_kept_connection(kept_dir: Path, host: Any, lab
 
 def test_disconnect_lists_and_closes_them(kept_dir: Path, host: Any, lab: Any,
                                           home: Path) -> None:
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     status(home, inv, host)
     path, pid = master_pid(host)
     listed = run_gpufleet(home, inv, "disconnect", "--list", "--all")
@@ -180,7 +171,7 @@ def test_disconnect_lists_and_closes_them(kept_dir: Path, host: Any, lab: Any,
 
 
 def test_a_stale_socket_is_replaced(kept_dir: Path, host: Any, lab: Any, home: Path) -> None:
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     path, pid = master_pid(host)
     assert pid is None
     stale = socket.socket(socket.AF_UNIX)
@@ -194,8 +185,7 @@ def test_a_stale_socket_is_replaced(kept_dir: Path, host: Any, lab: Any, home: P
 
 def test_a_master_that_does_not_answer_is_bypassed(kept_dir: Path, host: Any, lab: Any,
                                                    home: Path) -> None:
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", connect_timeout=2,
-                                              **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", connect_timeout=2)
     status(home, inv, host)
     path, pid = master_pid(host)
     os.kill(pid, signal.SIGSTOP)  # the master this test's CLI started (its own PID report)
@@ -218,7 +208,7 @@ def test_a_master_that_does_not_answer_is_bypassed(kept_dir: Path, host: Any, la
 
 def test_a_lost_connection_is_the_host_down_not_a_hang(kept_dir: Path, host: Any, lab: Any,
                                                        home: Path) -> None:
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     status(home, inv, host)
     path, pid = master_pid(host)
     host.stop()  # sshd and every session with it: the master's connection ends
@@ -243,7 +233,7 @@ def test_runs_through_the_master_give_what_ssh_gives(kept_dir: Path, host: Any, 
     (home / ".ssh" / "config").write_text("SendEnv GFTEST_*\n")
     os.environ["GFTEST_WORD"] = "it's a $word"
     try:
-        inv = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+        inv = lab.inventory_yaml([host], path=home / "fleet.yaml")
         h = load_inventory(inv).get(host.name)
         shell = ["sh", "-c", 'printf "%s|" "$GFTEST_WORD"; wc -c; echo oops >&2; exit 3']
         big = os.urandom(3 << 20)
@@ -270,7 +260,7 @@ def test_a_directory_others_can_enter_turns_it_off(kept_dir: Path, host: Any, la
                                                    home: Path) -> None:
     kept_dir.mkdir(mode=0o700)
     os.chmod(kept_dir, 0o755)
-    inv = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = lab.inventory_yaml([host], path=home / "fleet.yaml")
     for _ in range(2):
         mark = log_mark(host)
         run = run_gpufleet(home, inv, "status", "--json")
@@ -281,9 +271,8 @@ def test_a_directory_others_can_enter_turns_it_off(kept_dir: Path, host: Any, la
     assert os.listdir(kept_dir) == []
 
 
-def test_without_ssh_persist_nothing_is_kept(kept_dir: Path, host: Any, lab: Any,
-                                             home: Path) -> None:
-    inv = lab.inventory_yaml([host], path=home / "fleet.yaml")
+def test_ssh_persist_0_keeps_nothing(kept_dir: Path, host: Any, lab: Any, home: Path) -> None:
+    inv = lab.inventory_yaml([host], path=home / "fleet.yaml", ssh_persist=0)
     for _ in range(2):
         mark = log_mark(host)
         status(home, inv, host)
@@ -295,7 +284,7 @@ def test_a_runbook_runs_every_step_over_one_kept_connection(kept_dir: Path, host
                                                             home: Path) -> None:
     """A runbook's session runs several commands: with ssh_persist it opens no master of its
     own (transport/sshmaster.py's, which ends with the command) but keeps the one it made."""
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     book = home / "two.yaml"
     book.write_text("steps:\n  - {name: one, kind: shell, argv: [\"true\"]}\n"
                     "  - {name: two, kind: assert, that: {free_fraction_min: 0.1}}\n")
@@ -314,7 +303,7 @@ def test_disconnect_says_what_it_could_not_close(kept_dir: Path, host: Any, lab:
                                                  home: Path) -> None:
     """A stale socket is removed; a master that does not answer (stopped by this test, by the
     PID it reported) is left in place, and said to be."""
-    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml", **PERSIST)
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
     status(home, inv, host)
     path, pid = master_pid(host)
     os.kill(pid, signal.SIGSTOP)
@@ -340,3 +329,99 @@ def test_disconnect_says_what_it_could_not_close(kept_dir: Path, host: Any, lab:
     assert again.stdout.splitlines() == [f"{host.name}: no master answers: socket removed",
                                          "0 kept connections closed"]
     assert not os.path.exists(path)
+
+
+def master_checks(path: str) -> bool:
+    """OpenSSH's own word that a master answers at ``path`` (``ssh -O check``)."""
+    return subprocess.run(["ssh", "-o", f"ControlPath={path}", "-O", "check", "kept"],
+                          capture_output=True, timeout=15).returncode == 0
+
+
+def cli_env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUFLEET_INVENTORY", "SSH_AUTH_SOCK")}
+    return dict(env, HOME=str(home), PYTHONPATH=str(REPO_ROOT))
+
+
+def master_stdio(pid: int) -> list[str]:
+    """Where the master's stdin, stdout and stderr go, and whether it holds any pipe."""
+    fds = {int(n): os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+    return [fds.get(0, ""), fds.get(1, ""), fds.get(2, "")] + sorted(
+        f for n, f in fds.items() if n > 2 and f.startswith("pipe:"))
+
+
+def close_and_check_gone(home: Path, path: str, pid: int) -> None:
+    assert run_gpufleet(home, None, "disconnect").rc == 0
+    end = time.monotonic() + 10
+    while os.path.exists("/proc/%d" % pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not os.path.exists("/proc/%d" % pid) and not master_checks(path)
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["plain", "-v"])
+def test_a_kept_master_never_holds_the_clis_output(kept_dir: Path, host: Any, lab: Any,
+                                                   home: Path, verbose: bool) -> None:
+    """A program capturing gpufleet's stdout and stderr through pipes sees both end when the
+    CLI ends, not when the master it left (kept 60 s) does: the master's stdin, stdout and
+    stderr are /dev/null (OpenSSH's control_persist_detach; gpufleet's -v is its own log and
+    passes no -v to ssh, which would keep stderr) and it holds no pipe of ours."""
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
+    assert master_pid(host)[1] is None
+    argv = GPUFLEET + ["-i", str(inv)] + (["-v"] if verbose else []) + ["status"]
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=cli_env(home), cwd=str(home))
+    out, err = proc.communicate(timeout=120)  # returns at EOF on both pipes, and the exit
+    took = time.monotonic() - started
+    assert proc.returncode == 0, err
+    assert host.name in out.decode() and (b"kept master" in err) == verbose, err
+    assert took < 20, f"the pipes ended {took:.1f}s after the start (the master keeps 60 s)"
+    path, pid = master_pid(host)
+    assert pid is not None and master_checks(path)  # the master outlived the CLI
+    assert master_stdio(pid) == ["/dev/null"] * 3
+    close_and_check_gone(home, path, pid)
+
+
+def test_a_pipe_to_a_reader_that_stops_early_ends_with_the_cli(kept_dir: Path, host: Any,
+                                                               lab: Any, home: Path) -> None:
+    """`gpufleet status | head -1`, run by a shell whose output is captured: the pipeline
+    ends with the CLI (head took its line and left; the CLI's own writes end), the master
+    stays, answering ``ssh -O check``."""
+    inv = host.inventory = lab.inventory_yaml([host], path=home / "fleet.yaml")
+    line = shlex.join(GPUFLEET + ["-i", str(inv), "status"]) + " | head -1"
+    started = time.monotonic()
+    res = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=120,
+                         env=cli_env(home), cwd=str(home))
+    took = time.monotonic() - started
+    assert res.returncode == 0 and len(res.stdout.splitlines()) == 1, res
+    assert took < 20, f"the pipeline ended {took:.1f}s after the start (the master keeps 60 s)"
+    path, pid = master_pid(host)
+    assert pid is not None and master_checks(path)
+    close_and_check_gone(home, path, pid)
+
+
+def test_a_new_host_keeps_its_connection_by_default(kept_dir: Path, host: Any, lab: Any,
+                                                    home: Path) -> None:
+    """No ``ssh_persist`` anywhere, no XDG_RUNTIME_DIR: kept, quietly, in the cache
+    directory (the fallback says nothing)."""
+    inv = lab.inventory_yaml([host], path=home / "fleet.yaml")
+    env = {k: v for k, v in cli_env(home).items() if k not in ("XDG_RUNTIME_DIR", "XDG_CACHE_HOME")}
+    cache = kept_dir.parent / "cache"
+    env["XDG_CACHE_HOME"] = str(cache)  # a short one: a socket path has 108 bytes
+    try:
+        for connections in (1, 0):
+            mark = log_mark(host)
+            res = subprocess.run(GPUFLEET + ["-i", str(inv), "status"], capture_output=True,
+                                 text=True, timeout=120, env=env, cwd=str(home))
+            assert res.returncode == 0 and res.stderr == "", res
+            assert sessions_since(host, mark) == (connections, 1)
+        (sock,) = [p for p in (cache / "gpufleet" / "ssh").iterdir() if p.is_socket()]
+        assert master_checks(str(sock))
+        closed = subprocess.run(GPUFLEET + ["disconnect"], capture_output=True, text=True,
+                                timeout=60, env=env, cwd=str(home))
+        assert closed.stdout.splitlines()[-1] == "1 kept connection closed", closed
+    finally:  # tests/conftest.py's kept_ssh looks in the runtime directory only
+        from gpufleet.transport import keptlist
+
+        for sock in (cache / "gpufleet" / "ssh").glob("*"):
+            if sock.is_socket():
+                keptlist.close_kept(str(sock))

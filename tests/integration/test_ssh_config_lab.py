@@ -23,7 +23,7 @@ from cli_helpers import assert_no_traceback, run_gpufleet
 from gpufleet.transport import sshconfig as sshresolve
 from gpufleet.config.inventory import Host
 from gpufleet.transport.connection import connection_for
-from gpufleet.transport import open_session
+from gpufleet.transport import close_kept, kept_connections, open_session
 
 SNAPSHOT = {"mode": "snapshot", "nvidia_smi": None, "smi_timeout_s": 10.0}
 
@@ -386,5 +386,9 @@ def test_host_key_alias_names_the_known_hosts_entry(lab, pair, home, tmp_path):
     check_alias(home, "hka", far)
     kh.write_text(lab.wrong_host_key_line(far).replace(f"[127.0.0.1]:{far.port}", "far-key") + "\n")
     sshresolve.clear_cache()
+    # the connection kept from the check above (ssh_persist, on by default) was verified when
+    # it was made and would carry on: close it (`gpufleet disconnect`) so the key is read again
+    for found in kept_connections():
+        close_kept(found.path)
     reply = agent(inv("hka"))
     assert not reply.ok and reply.error.startswith("HOST KEY CHANGED for far-key")

@@ -105,7 +105,18 @@ def test_agent_runs_under_strict_with_the_lab_known_hosts(lab, shared, client):
         assert second.ok, second.error
         if client == "paramiko":
             assert session.conn.transport is transport
-    # paramiko: three runs, one SSH connection; OpenSSH: one ssh process (a login) per run
+    # three runs, one SSH connection: paramiko's one transport; OpenSSH's first ssh, which
+    # became the kept master (ssh_persist, on by default) the two others ran through
+    assert accepted_logins(shared) - before == 1
+
+
+def test_without_ssh_persist_each_openssh_run_is_a_login(lab, shared, client):
+    """``ssh_persist: 0``: one ssh process, one login, per run (paramiko: one transport)."""
+    before = accepted_logins(shared)
+    with open_session(inv(lab, shared, ssh_persist=0.0)) as session:
+        for _ in range(3):
+            reply = session.run_agent(SNAPSHOT, timeout=30)
+            assert reply.ok, reply.error
     assert accepted_logins(shared) - before == (1 if client == "paramiko" else 3)
 
 
@@ -548,11 +559,13 @@ def test_each_connect_failure_has_its_kind(lab, shared, tmp_path, client):
 
 
 def test_kept_openssh_session_logs_in_once_and_ends_its_master(lab, shared, client):
-    """keep=True (runbooks, serve): OpenSSH gets a master of gpufleet's own, opened
-    on open_session, its runs are channels on it (one login for three runs), and close()
-    ends that master (the PID gpufleet started) and removes its socket directory."""
+    """keep=True (runbooks, serve) with ``ssh_persist: 0``: OpenSSH gets a master of
+    gpufleet's own, opened on open_session, its runs are channels on it (one login for three
+    runs), and close() ends that master (the PID gpufleet started) and removes its socket
+    directory. (With ssh_persist, the default, the kept master serves instead:
+    test_kept_connections_lab.py's runbook test.)"""
     before = accepted_logins(shared)
-    with open_session(inv(lab, shared), keep=True) as session:
+    with open_session(inv(lab, shared, ssh_persist=0.0), keep=True) as session:
         assert session.error is None
         for _ in range(3):
             reply = session.run_agent(SNAPSHOT, timeout=30)
@@ -571,8 +584,12 @@ def test_kept_openssh_session_logs_in_once_and_ends_its_master(lab, shared, clie
                 time.sleep(0.02)
 
 
-def test_kept_session_to_a_dead_host_fails_on_open(lab, client):
-    dead = lab.dead_host("tr-keep-dead")
-    with open_session(inv(lab, dead, connect_timeout=5), keep=True) as session:
+@pytest.mark.parametrize("persist", [None, 0.0], ids=["kept-default", "ssh_persist-0"])
+def test_kept_session_to_a_dead_host_fails_on_open(lab, client, persist):
+    """keep=True connects on open: a dead host is the session's error at once, whether
+    OpenSSH opens gpufleet's own master (``ssh_persist: 0``) or the kept one (the default,
+    started by a first run when no socket is there)."""
+    dead = lab.dead_host("tr-keep-dead-%s" % ("kept" if persist is None else "0"))
+    with open_session(inv(lab, dead, connect_timeout=5, ssh_persist=persist), keep=True) as session:
         assert session.error == f"connection refused by 127.0.0.1:{dead.port}"
         assert session.error_kind == "refused"

@@ -777,7 +777,7 @@ def test_agent_cache_is_on_by_default_and_off_per_host_or_in_defaults() -> None:
     assert "agent_cache" in message and "true or false" in message
 
 
-def test_ssh_persist_is_off_by_default_and_seconds_where_set() -> None:
+def test_ssh_persist_is_60_by_default_and_seconds_where_set() -> None:
     inv = parse("""\
         defaults: {ssh_persist: 60}
         hosts:
@@ -786,7 +786,7 @@ def test_ssh_persist_is_off_by_default_and_seconds_where_set() -> None:
           c: {address: 10.0.0.3, ssh_persist: 2.5}
         """)
     assert [h.ssh_persist for h in inv.hosts] == [60.0, 0.0, 2.5]
-    assert parse("hosts:\n  a: {address: 10.0.0.1}\n").hosts[0].ssh_persist == 0.0
+    assert parse("hosts:\n  a: {address: 10.0.0.1}\n").hosts[0].ssh_persist == 60.0
     for bad in ("yes", "-1", "true", "100000"):
         message = error_of("hosts:\n  a: {address: 10.0.0.1, ssh_persist: %s}\n" % bad)
         assert "ssh_persist" in message and "seconds >= 0" in message, message

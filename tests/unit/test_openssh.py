@@ -1,6 +1,7 @@
 """The OpenSSH transport's pure parts: ssh's own failures (recorded stderr), key files, argv."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -79,8 +80,9 @@ def test_argv_is_options_then_alias_never_shell_text(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     key = _keygen(tmp_path / "id")
     host = Host(name="gpu; rm -rf /", address="127.0.0.1", port=2299, user="root",
-                identity_file=str(key), connect_timeout=2.5,
-                explicit=frozenset({"address", "port", "user", "identity_file", "connect_timeout"}))
+                identity_file=str(key), connect_timeout=2.5, ssh_persist=0.0,
+                explicit=frozenset({"address", "port", "user", "identity_file", "connect_timeout",
+                                    "ssh_persist"}))
     t = openssh.target_for(host, "ssh")
     assert t is not None
     argv = list(t.argv)
@@ -95,6 +97,13 @@ def test_argv_is_options_then_alias_never_shell_text(tmp_path, monkeypatch):
     assert argv[argv.index("-p") + 1] == "2299" and argv[argv.index("-l") + 1] == "root"
     assert "gpu; rm -rf /" not in " ".join(argv)
     assert t.where == "127.0.0.1:2299" and t.key_name == "[127.0.0.1]:2299"
+    # ssh_persist left unset: kept 60 s (the default), its socket in gpufleet's directory
+    kept = openssh.target_for(dataclasses.replace(host, ssh_persist=60.0), "ssh")
+    assert kept is not None and kept.kept is not None and kept.persist_s == 60
+    opts = [kept.argv[i + 1] for i, a in enumerate(kept.argv) if a == "-o"]
+    assert ["ControlMaster=auto", f"ControlPath={kept.kept}", "ControlPersist=60"] == [
+        o for o in opts if o.startswith("Control")]
+    assert Host(name="h").ssh_persist == 60.0
 
 
 def test_jump_hosts_keep_the_paramiko_path(tmp_path, monkeypatch):
