@@ -280,7 +280,7 @@ class OpensshSession(Session):
         assert self.target is not None and self.target.kept is not None
         if os.path.exists(self.target.kept):
             return RawRun(0, b"", b"")
-        return self._kept_run(["true"], b"", self.target.connect_timeout * 2 + 5)
+        return super()._run(["true"], b"", self.target.connect_timeout * 2 + 5)
 
     def connect(self) -> None:
         """Open the master now (``keep``); a failure becomes ``error``, never raised."""
