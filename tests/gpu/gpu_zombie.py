@@ -7,7 +7,7 @@ and maps empty, NVML lists the PID). With `connection: local`:
 `gpufleet clean --host h200 --gpus 0 --yes --json` plans it (evidence from its threads), sends
 SIGTERM (then SIGKILL if it outlives the grace) to the PID, and says `clean`; the memory is back.
 
-Writes zombie-results.json (checks) and cli-zombie-clean.json to --out.
+Writes zombie-results.json (checks) and cli-owners-zombie-clean.json to --out.
     PYTHONPATH=$PWD python3 tests/gpu/gpu_zombie.py --out /tmp/gout
 """
 from __future__ import annotations
