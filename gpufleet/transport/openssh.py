@@ -31,9 +31,8 @@ import logging
 import os
 import re
 import shlex
-import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from gpufleet import errors
 from gpufleet.config.inventory import Host
@@ -157,34 +156,16 @@ def ssh_failure(raw: RawRun, target: Target) -> Optional[TransportError]:
     return None
 
 
-_FIRST_KEX = threading.Lock()
-_kex_started: list[bool] = []  # a key exchange has run in this process
-
-
-def _fetch_key(host: Host) -> tuple[str, str, Any]:
-    """fetch_host_key, the process's first one alone: hosts refused at once reach this from
-    several threads, and concurrent first key exchanges (paramiko's and its crypto library's
-    first use) once failed inside the library in the lab (a ValueError from a buffer)."""
-    from gpufleet.transport.keyscan import fetch_host_key
-
-    if _kex_started:
-        return fetch_host_key(host)
-    with _FIRST_KEX:
-        try:
-            return fetch_host_key(host)
-        finally:
-            _kex_started.append(True)
-
-
 def hostkey_refusal(host: Host, target: Target) -> tuple[Optional[TransportError], bool]:
     """ssh refused the host's key: (gpufleet's own refusal with the key and FILE:LINE, or
     None when accept-new recorded a first-seen key now; whether it was recorded). Fetches the
     key the host presents (paramiko's key exchange: only on this path)."""
     from gpufleet.transport import hostkeys
     from gpufleet.transport.connection import connection_for
+    from gpufleet.transport.keyscan import fetch_host_key
 
     try:
-        keytype, _fp, key = _fetch_key(host)
+        keytype, _fp, key = fetch_host_key(host)
         conn = connection_for(host)
         files, name = list(conn.known_hosts_files), conn.key_name
         conn.close()
