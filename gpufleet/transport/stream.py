@@ -289,7 +289,7 @@ class ProcessStream(PipeStream):
         try:
             if self.proc.stdin:
                 self.proc.stdin.close()
-        except OSError:
+        except (OSError, ValueError):  # ValueError: closed while the feeding thread wrote
             pass
 
     def kill(self) -> None:
@@ -302,8 +302,8 @@ class ProcessStream(PipeStream):
             try:
                 if pipe:
                     pipe.close()
-            except OSError:
-                pass
+            except (OSError, ValueError):  # a buffered pipe closed while a thread writes to
+                pass  # it raises ValueError; its file descriptor is closed all the same
         self._end_group((None, signal.SIGTERM, signal.SIGKILL))
 
     def _end_group(self, signals: Sequence[Optional[signal.Signals]]) -> None:
