@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from gpufleet.config import validators
 from gpufleet.config.validators import Fail, describe as describe_value, did_you_mean, sub_fail
@@ -19,9 +19,6 @@ from gpufleet.core.policy import DEFAULT_TOLERANCE_MIB
 from gpufleet.runbook.template import PerHostField, render_per_host
 from gpufleet.runbook.values import (v_dtype, v_gib, v_headers, v_http_method, v_http_statuses,
                                      v_json_body, v_params, v_positive_int)
-
-if TYPE_CHECKING:
-    from gpufleet.runbook.model import Step
 
 KINDS = ("stop_units", "clean", "wait_free", "fit", "health", "clear_shm", "start_unit",
          "wait_http", "shell", "assert", "report", "local_http", "local_command")
@@ -299,14 +296,28 @@ def _describe_local(k: str, p: Mapping[str, Any]) -> str:
     return f"{text}; expect HTTP {want}{again}"
 
 
-def describe(step: Step) -> str:
+class _Step(Protocol):
+    """What describe reads of a step (gpufleet.runbook.model.Step, which imports this module:
+    named here by shape, not imported)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+
+    @property
+    def timeout(self) -> float: ...
+
+
+def describe(step: _Step) -> str:
     """What a step would do, in one line (the --dry-run plan)."""
     if step.kind in LOCAL_KINDS:
         return _describe_local(step.kind, step.params)
     return _describe_on_host(step)
 
 
-def _describe_on_host(step: Step) -> str:
+def _describe_on_host(step: _Step) -> str:
     p = step.params
     k = step.kind
     if k == "stop_units":

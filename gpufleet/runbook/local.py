@@ -17,14 +17,18 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Protocol
 
 from gpufleet.config.inventory import Host
 from gpufleet.errors import StepFailed, one_line
 from gpufleet.runbook.model import Step
 
-if TYPE_CHECKING:
-    from gpufleet.runbook.steps import _HostRun
+
+class _HostRun(Protocol):
+    """What a controller step uses of its host's run (gpufleet.runbook.steps._HostRun, which
+    imports this module: named here by shape, not imported)."""
+
+    host: Host
 
 OUTPUT_MAX = 200  # characters of a response or an output line kept in the step's detail
 READ_MAX = 4096  # bytes of a response body read

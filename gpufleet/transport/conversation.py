@@ -24,16 +24,27 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Protocol
 
 from gpufleet import errors
+from gpufleet.config.inventory import Host
 from gpufleet.errors import TransportError
 from gpufleet.transport.run import RawRun
 from gpufleet.transport.reply import AgentReply, agent_reply, with_deadline
 from gpufleet.transport.stream import Stream, transport_error
 
-if TYPE_CHECKING:
-    from gpufleet.transport.session import Session
+
+class Session(Protocol):
+    """What a conversation uses of its session (gpufleet.transport.session.Session, which
+    imports this module: named here by shape, not imported)."""
+
+    host: Host
+
+    def start_conversation(self, head: bytes, timeout: float) -> tuple[Optional[Stream], RawRun]:
+        ...
+
+    def ended_failure(self, raw: RawRun) -> Optional[TransportError]:
+        ...
 
 
 def first_answer(stream: Stream, timeout: float) -> RawRun:
